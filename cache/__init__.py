@@ -1,0 +1,25 @@
+"""shardcache's storage engine: an on-disk store of immutable objects with a byte capacity,
+LRU or hold eviction, xxh3-128 integrity and crash-safe atomic publishing.
+
+No HTTP and no asyncio here: the daemon (``sidecar``) drives it from an executor.
+"""
+
+from cache.errors import CacheError, CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace
+from cache.settings import EVICTION_POLICIES, StoreSettings
+from cache.store import Entry, Store, Writer, entry_id, hash_file
+
+__all__ = [
+    "Store",
+    "StoreSettings",
+    "Entry",
+    "Writer",
+    "entry_id",
+    "hash_file",
+    "EVICTION_POLICIES",
+    "CacheError",
+    "CacheLocked",
+    "CorruptEntry",
+    "EntryNotFound",
+    "IntegrityError",
+    "NoSpace",
+]

@@ -1,0 +1,43 @@
+"""Settings of the cache engine, built once by the caller (the CLI) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["StoreSettings", "EVICTION_POLICIES"]
+
+EVICTION_POLICIES = ("lru", "hold")
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    root: Path
+    """Directory holding the cache; created if missing. One process owns it at a time."""
+
+    capacity_bytes: int = 100 * 1024**3
+    """Upper bound on the bytes of published entries plus fills in progress."""
+
+    min_free_ratio: float = 0.10
+    """Keep at least this fraction of the file system free, whatever ``capacity_bytes`` allows."""
+
+    max_items: int = 1_000_000
+    """Upper bound on the number of entries (bounds the in-memory index and inode use)."""
+
+    eviction: str = "lru"
+    """``lru`` evicts the least recently used entry to admit a new one. ``hold`` admits until
+    full and then serves misses without caching: with shuffled epochs over a dataset larger than
+    the cache, LRU evicts each shard just before it is needed again and gets almost no hits,
+    while ``hold`` keeps a fixed cache/dataset fraction of hits every epoch."""
+
+    namespace: str = ""
+    """Identity of the origin (e.g. ``s3`` + endpoint, or ``file:///root``). Part of every entry id,
+    so a cache directory reused with another origin never serves the other origin's bytes."""
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, not {self.eviction!r}")
+        if not 0 <= self.min_free_ratio < 1:
+            raise ValueError("min_free_ratio must be in [0, 1)")
+        if self.capacity_bytes <= 0 or self.max_items <= 0:
+            raise ValueError("capacity_bytes and max_items must be positive")

@@ -1,0 +1,534 @@
+"""The on-disk shard store: capacity, eviction, integrity and crash safety.
+
+Layout under ``settings.root``::
+
+    v1/LOCK                    flock'ed by the owning process
+    v1/tmp/<random>.part       fills in progress (discarded at start-up)
+    v1/data/<id[:2]>/<id>      published object bytes, exactly the object (read-only, 0444)
+    v1/meta/<id[:2]>/<id>.json what the bytes are: bucket, key, etag, size, xxh3-128
+
+An entry exists only once both its data file and its meta file are in place. Publishing renames
+the (fsync'ed) data file first and then atomically writes the meta file, so a crash at any moment
+leaves either a complete entry or orphans that :meth:`Store.open` deletes. Published files are
+never modified in place: a reader holding one open (the daemon's sendfile, or a pod's
+short-circuit read) keeps valid bytes even if the entry is evicted, because unlink only drops the
+name.
+
+Integrity: the xxh3-128 of every entry is computed while it is filled and checked against the
+expected checksum when the caller knows it (manifest). A published file is re-hashed before it is
+served whenever its (inode, size, mtime, ctime) stamp differs from the one last verified by this
+process, i.e. on the first read after start-up and after anything touched the file.
+
+This module is synchronous and thread-safe; the daemon calls it from an executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from cache.errors import CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace
+from cache.settings import StoreSettings
+
+__all__ = ["Store", "Entry", "Writer", "entry_id", "hash_file"]
+
+log = logging.getLogger(__name__)
+
+_LAYOUT = "v1"
+_HASH_CHUNK = 4 * 1024 * 1024
+
+
+def entry_id(namespace: str, bucket: str, key: str, etag: str) -> str:
+    """Stable id of one immutable object version; also its file name in the store."""
+    ident = "\0".join((namespace, bucket, key, etag)).encode("utf-8", "surrogatepass")
+    return xxhash.xxh3_128_hexdigest(ident)
+
+
+def hash_file(fd: int, size: int) -> str:
+    """xxh3-128 of the first ``size`` bytes of an open file, read with pread."""
+    hasher = xxhash.xxh3_128()
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(_HASH_CHUNK, size - offset), offset)
+        if not chunk:
+            break
+        hasher.update(chunk)
+        offset += len(chunk)
+    if offset != size:
+        raise IntegrityError(f"file is {offset} bytes, expected {size}")
+    return hasher.hexdigest()
+
+
+@dataclass
+class Entry:
+    """One published object version."""
+
+    id: str
+    bucket: str
+    key: str
+    etag: str
+    size: int
+    xxh3_128: str
+    created: float
+    last_access: float = 0.0
+    pins: int = field(default=0, compare=False)
+
+    def meta(self) -> dict[str, object]:
+        data = asdict(self)
+        data.pop("pins")
+        data.pop("last_access")
+        data["layout"] = _LAYOUT
+        return data
+
+
+@dataclass
+class _Stamp:
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+class Writer:
+    """A fill in progress: bytes land in a temp file at any offset (parallel ranged GETs), the
+    checksum advances over the contiguous prefix, and :meth:`commit` publishes atomically."""
+
+    def __init__(self, store: "Store", bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None) -> None:
+        self.store = store
+        self.bucket = bucket
+        self.key = key
+        self.etag = etag
+        self.size = size
+        self.expected_xxh3 = expected_xxh3
+        self.path = store._tmp_dir / f"{secrets.token_hex(8)}.part"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._hasher = xxhash.xxh3_128()
+        self._hashed = 0
+        self._closed = False
+        self._reserved = size
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        if offset < 0 or offset + len(data) > self.size:
+            raise IntegrityError(f"write of {len(data)} bytes at {offset} is outside an object of {self.size} bytes")
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.pwrite(self.fd, view, offset)
+                view = view[written:]
+                offset += written
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise NoSpace(exc.errno, f"cache file system full while writing {self.key}: {exc.strerror}") from exc
+            raise
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Read back bytes already written (streaming to readers while the fill goes on)."""
+        return os.pread(self.fd, length, offset)
+
+    def hash_upto(self, end: int) -> None:
+        """Advance the checksum over ``[hashed, end)``, which the caller knows is written."""
+        while self._hashed < end:
+            chunk = os.pread(self.fd, min(_HASH_CHUNK, end - self._hashed), self._hashed)
+            if not chunk:
+                raise IntegrityError(f"temp file shorter than {end} bytes")
+            self._hasher.update(chunk)
+            self._hashed += len(chunk)
+
+    def commit(self) -> Entry:
+        """Verify, fsync and publish. On any failure the temp file is removed and nothing is published."""
+        try:
+            self.hash_upto(self.size)
+            digest = self._hasher.hexdigest()
+            if self.expected_xxh3 and digest != self.expected_xxh3.lower():
+                self.store._counters["integrity_failures"] += 1
+                raise IntegrityError(
+                    f"{self.bucket}/{self.key}: xxh3-128 {digest} does not match expected {self.expected_xxh3}"
+                )
+            os.fchmod(self.fd, 0o444)
+            try:
+                os.fsync(self.fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise NoSpace(exc.errno, f"cache file system full while syncing {self.key}") from exc
+                raise
+            return self.store._publish(self, digest)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._close_fd()
+
+    def abort(self) -> None:
+        self._close_fd()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.store._release(self)
+
+    def _close_fd(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.fd)
+
+
+class Store:
+    """A byte-capacity-bounded directory of immutable objects. See the module docstring."""
+
+    def __init__(self, settings: StoreSettings) -> None:
+        self.settings = settings
+        self.base = Path(settings.root) / _LAYOUT
+        self._tmp_dir = self.base / "tmp"
+        self._data_dir = self.base / "data"
+        self._meta_dir = self.base / "meta"
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
+        self._by_name: dict[tuple[str, str], str] = {}
+        self._verified: dict[str, _Stamp] = {}
+        self._used = 0
+        self._reserved = 0
+        self._writers: set[Writer] = set()
+        self._lock_fd: int | None = None
+        self._counters = {
+            "evictions": 0,
+            "evicted_bytes": 0,
+            "admitted": 0,
+            "rejected_full": 0,
+            "integrity_failures": 0,
+            "corrupt_removed": 0,
+            "no_space": 0,
+        }
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Take the directory lock, discard crash leftovers and rebuild the index from disk."""
+        for directory in (self._tmp_dir, self._data_dir, self._meta_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.base / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise CacheLocked(f"cache directory {self.settings.root} is used by another process") from exc
+        self._lock_fd = fd
+        for leftover in self._tmp_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                leftover.unlink()
+        self._rebuild_index()
+
+    def close(self) -> None:
+        with self._lock:
+            for writer in list(self._writers):
+                writer.abort()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "Store":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rebuild_index(self) -> None:
+        found: list[Entry] = []
+        meta_ids: set[str] = set()
+        for meta_path in self._meta_dir.glob("*/*.json"):
+            entry = self._load_meta(meta_path)
+            if entry is None:
+                meta_path.unlink(missing_ok=True)
+                continue
+            meta_ids.add(entry.id)
+            found.append(entry)
+        # Data files with no meta were renamed in just before a crash: never published.
+        for data_path in self._data_dir.glob("*/*"):
+            if data_path.name not in meta_ids:
+                data_path.unlink(missing_ok=True)
+        found.sort(key=lambda e: e.last_access)
+        with self._lock:
+            for entry in found:
+                self._entries[entry.id] = entry
+                self._index_name(entry)
+                self._used += entry.size
+        log.info("cache %s: %d entries, %d bytes", self.settings.root, len(found), self._used)
+
+    def _load_meta(self, meta_path: Path) -> Entry | None:
+        try:
+            meta = json.loads(meta_path.read_bytes())
+            entry = Entry(
+                id=str(meta["id"]), bucket=str(meta["bucket"]), key=str(meta["key"]), etag=str(meta["etag"]),
+                size=int(meta["size"]), xxh3_128=str(meta["xxh3_128"]), created=float(meta["created"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("discarding unreadable cache meta %s", meta_path)
+            return None
+        if entry.id != meta_path.stem:
+            return None
+        try:
+            stat = os.stat(self._data_path(entry.id))
+        except FileNotFoundError:
+            return None
+        if stat.st_size != entry.size:
+            log.warning("discarding cache entry %s: size %d != %d", entry.id, stat.st_size, entry.size)
+            self._data_path(entry.id).unlink(missing_ok=True)
+            return None
+        # The meta file's mtime is refreshed on access, so it carries the LRU order across restarts.
+        entry.last_access = meta_path.stat().st_mtime
+        return entry
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def _data_path(self, ident: str) -> Path:
+        return self._data_dir / ident[:2] / ident
+
+    def _meta_path(self, ident: str) -> Path:
+        return self._meta_dir / ident[:2] / f"{ident}.json"
+
+    def data_path(self, entry: Entry) -> Path:
+        return self._data_path(entry.id)
+
+    def _index_name(self, entry: Entry) -> None:
+        name = (entry.bucket, entry.key)
+        current = self._by_name.get(name)
+        if current is None or self._entries[current].created <= entry.created:
+            self._by_name[name] = entry.id
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def lookup(self, bucket: str, key: str, etag: str | None = None, xxh3_128: str | None = None) -> Entry | None:
+        """The newest cached version of ``bucket/key``, or the one with ``etag``; ``None`` if absent
+        or if ``xxh3_128`` is given and the cached bytes are another version."""
+        with self._lock:
+            if etag is not None:
+                entry = self._entries.get(entry_id(self.settings.namespace, bucket, key, etag))
+            else:
+                ident = self._by_name.get((bucket, key))
+                entry = self._entries.get(ident) if ident else None
+            if entry is None:
+                return None
+            if xxh3_128 and entry.xxh3_128 != xxh3_128.lower():
+                return None
+            return entry
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    @contextlib.contextmanager
+    def pinned(self, entry: Entry) -> Iterator[Entry]:
+        """Keep ``entry`` from eviction while in use (its disk space stays accounted for)."""
+        with self._lock:
+            entry.pins += 1
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                entry.pins -= 1
+
+    def open_verified(self, entry: Entry) -> tuple[int, os.stat_result]:
+        """Open a published entry for reading, re-hashing it first if it is not known good.
+
+        Returns ``(fd, stat)``; the caller closes the fd. Raises :class:`CorruptEntry` (and removes
+        the entry) when the bytes no longer match, :class:`EntryNotFound` if it vanished.
+        """
+        path = self._data_path(entry.id)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            self.remove(entry)
+            raise EntryNotFound(f"{entry.bucket}/{entry.key} is no longer cached") from exc
+        try:
+            stat = os.fstat(fd)
+            stamp = _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+            if self._verified.get(entry.id) != stamp:
+                digest = None
+                if stat.st_size == entry.size:
+                    with contextlib.suppress(IntegrityError):
+                        digest = hash_file(fd, entry.size)
+                if digest != entry.xxh3_128:
+                    self._counters["corrupt_removed"] += 1
+                    log.error("cache entry %s/%s (%s) is corrupt; removing it", entry.bucket, entry.key, entry.id)
+                    self.remove(entry)
+                    raise CorruptEntry(f"cached copy of {entry.bucket}/{entry.key} is corrupt and was removed")
+                self._verified[entry.id] = stamp
+            self.touch(entry)
+            return fd, stat
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def touch(self, entry: Entry) -> None:
+        now = time.time()
+        with self._lock:
+            if entry.id in self._entries:
+                self._entries.move_to_end(entry.id)
+            # Persist recency coarsely (it orders LRU after a restart) without a write per read.
+            persist = now - entry.last_access > 30
+            entry.last_access = now
+        if persist:
+            with contextlib.suppress(OSError):
+                os.utime(self._meta_path(entry.id), (now, now))
+
+    # -- admission and eviction -------------------------------------------------------------
+
+    def _disk_free_after(self, extra: int) -> bool:
+        if self.settings.min_free_ratio <= 0:
+            return True
+        st = os.statvfs(self.base)
+        total = st.f_blocks * st.f_frsize
+        free = st.f_bavail * st.f_frsize
+        # Bytes reserved for fills in progress are not on disk yet but will be.
+        return free - self._reserved - extra >= self.settings.min_free_ratio * total
+
+    def _fits(self, size: int) -> bool:
+        return (
+            self._used + self._reserved + size <= self.settings.capacity_bytes
+            and len(self._entries) + len(self._writers) + 1 <= self.settings.max_items
+            and self._disk_free_after(size)
+        )
+
+    def begin(self, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None = None) -> Writer | None:
+        """Reserve room for a new entry and start filling it, or ``None`` if the policy does not
+        admit it now (no room under ``hold``, or everything evictable is in use)."""
+        with self._lock:
+            if size > self.settings.capacity_bytes:
+                self._counters["rejected_full"] += 1
+                return None
+            while not self._fits(size):
+                if self.settings.eviction != "lru" or not self._evict_one():
+                    self._counters["rejected_full"] += 1
+                    return None
+            try:
+                writer = Writer(self, bucket, key, etag, size, expected_xxh3)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._counters["no_space"] += 1
+                    return None
+                raise
+            self._reserved += size
+            self._writers.add(writer)
+            return writer
+
+    def _evict_one(self) -> bool:
+        for entry in self._entries.values():
+            if entry.pins == 0:
+                self._counters["evictions"] += 1
+                self._counters["evicted_bytes"] += entry.size
+                self._remove_locked(entry)
+                return True
+        return False
+
+    def _release(self, writer: Writer) -> None:
+        with self._lock:
+            if writer in self._writers:
+                self._writers.discard(writer)
+                self._reserved -= writer._reserved
+
+    def _publish(self, writer: Writer, digest: str) -> Entry:
+        ident = entry_id(self.settings.namespace, writer.bucket, writer.key, writer.etag)
+        now = time.time()
+        entry = Entry(
+            id=ident, bucket=writer.bucket, key=writer.key, etag=writer.etag, size=writer.size,
+            xxh3_128=digest, created=now, last_access=now,
+        )
+        data_path = self._data_path(ident)
+        meta_path = self._meta_path(ident)
+        data_path.parent.mkdir(exist_ok=True)
+        meta_path.parent.mkdir(exist_ok=True)
+        stat = os.fstat(writer.fd)
+        # Rename the data in, then publish by atomically writing the meta file.
+        os.replace(writer.path, data_path)
+        meta_tmp = self._tmp_dir / f"{secrets.token_hex(8)}.meta"
+        try:
+            with open(meta_tmp, "wb") as handle:
+                handle.write(json.dumps(entry.meta()).encode())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(meta_tmp, meta_path)
+            _fsync_dir(data_path.parent)
+            _fsync_dir(meta_path.parent)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(meta_tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(data_path)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._counters["no_space"] += 1
+                raise NoSpace(exc.errno, f"cache file system full while publishing {writer.key}") from exc
+            raise
+        with self._lock:
+            self._writers.discard(writer)
+            self._reserved -= writer._reserved
+            previous = self._entries.pop(ident, None)
+            if previous is not None:
+                self._used -= previous.size
+            self._entries[ident] = entry
+            self._index_name(entry)
+            self._used += entry.size
+            self._counters["admitted"] += 1
+            self._verified[ident] = _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        with self._lock:
+            self._remove_locked(entry)
+
+    def _remove_locked(self, entry: Entry) -> None:
+        current = self._entries.pop(entry.id, None)
+        if current is None:
+            return
+        self._used -= current.size
+        self._verified.pop(entry.id, None)
+        if self._by_name.get((entry.bucket, entry.key)) == entry.id:
+            del self._by_name[(entry.bucket, entry.key)]
+        # Unpublish (meta) first: a crash after this leaves an orphan data file, deleted at start-up.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._meta_path(entry.id))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._data_path(entry.id))
+
+    def note_no_space(self) -> None:
+        with self._lock:
+            self._counters["no_space"] += 1
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            usage = shutil.disk_usage(self.base)
+            return {
+                "root": str(self.settings.root),
+                "eviction": self.settings.eviction,
+                "capacity_bytes": self.settings.capacity_bytes,
+                "used_bytes": self._used,
+                "reserved_bytes": self._reserved,
+                "items": len(self._entries),
+                "max_items": self.settings.max_items,
+                "filling": len(self._writers),
+                "fs_total_bytes": usage.total,
+                "fs_free_bytes": usage.free,
+                "min_free_ratio": self.settings.min_free_ratio,
+                **self._counters,
+            }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

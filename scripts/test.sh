@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install everything the tests need on a fresh Debian machine (Python 3.11, root) and run them all.
+# Usage: scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The real etcd server (v3 API) for the master's high-availability tests; the tests start it.
+if [ ! -x /usr/bin/etcd ]; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+    else
+        echo "scripts/test.sh: /usr/bin/etcd missing; install etcd-server (sudo apt-get install etcd-server)" >&2
+    fi
+fi
+
+# torch pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels).
+python3 -m pip install -q --disable-pip-version-check torch==2.13.0
+python3 -m pip install -q --disable-pip-version-check -e '.[test,tf]'
+
+exec python3 -m pytest "$@"

@@ -1,0 +1,97 @@
+"""Helpers shared by the subcommands: env-var defaults, sizes, exit codes, user errors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_UNAVAILABLE",
+    "EXIT_INTERRUPTED",
+    "UserError",
+    "RawDefaultsFormatter",
+    "env_name",
+    "add_flag",
+    "parse_size",
+    "parse_ratio",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and something it was asked to do failed
+EXIT_USAGE = 2  # bad flags or input (argparse uses 2 as well)
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: a daemon, master or origin could not be reached
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line without a traceback."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RawDefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps example blocks in epilogs as written and shows defaults."""
+
+
+def env_name(flag: str) -> str:
+    return "SHARDCACHE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any = None, env: bool = True, **kwargs: Any) -> None:
+    """Add ``flag`` whose default comes from ``SHARDCACHE_<FLAG>`` when set.
+
+    Repeatable flags (``action="append"``) read a comma-separated list from the env var.
+    """
+    name = env_name(flag)
+    if env and name in os.environ:
+        raw = os.environ[name]
+        if kwargs.get("action") == "append":
+            default = [part.strip() for part in raw.split(",") if part.strip()]
+        elif kwargs.get("action") == "store_true":
+            default = raw.strip().lower() in {"1", "true", "yes", "on"}
+        else:
+            default = raw
+    help_text = kwargs.pop("help", "")
+    if env:
+        help_text = f"{help_text} [env {name}]".strip()
+    parser.add_argument(flag, default=default, help=help_text, **kwargs)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+    "p": 1000**5, "pb": 1000**5, "pi": 1024**5, "pib": 1024**5,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``"200GiB"`` → bytes. Accepts SI (GB) and IEC (GiB) units."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match or (match.group(2) or "").lower() not in _UNITS:
+        raise UserError(f"invalid size {text!r}: use a number with an optional unit, e.g. 200GiB or 500MB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def parse_ratio(text: str | float) -> float:
+    """``"10%"`` or ``"0.1"`` → 0.1."""
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise UserError(f"invalid ratio {text!r}: use a percentage like 10% or a fraction like 0.1") from None
+    if not 0 <= value < 1:
+        raise UserError(f"invalid ratio {text!r}: must be between 0% and 100%")
+    return value

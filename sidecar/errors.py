@@ -1,0 +1,90 @@
+"""Exceptions of the daemon and its origins, and their one mapping to S3 error answers.
+
+Origin errors inherit the matching builtin (``ObjectNotFound`` is a ``FileNotFoundError``) so
+callers that only know the builtins still handle them; third-party errors (botocore, aiohttp)
+are wrapped with ``raise ... from`` at the origin boundary and never leak past it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SidecarError",
+    "BadRequest",
+    "OriginError",
+    "ObjectNotFound",
+    "BucketNotFound",
+    "AccessDenied",
+    "InvalidRange",
+    "OriginUnavailable",
+    "OriginThrottled",
+    "OriginBadResponse",
+    "S3_ERRORS",
+    "s3_error_for",
+]
+
+
+class SidecarError(Exception):
+    """Root of every error raised by :mod:`sidecar`."""
+
+
+class BadRequest(SidecarError, ValueError):
+    """The request is malformed or hostile (traversal, NUL, bad JSON); nothing was touched."""
+
+
+class OriginError(SidecarError):
+    """Root of errors talking to the object store behind the cache."""
+
+
+class ObjectNotFound(OriginError, FileNotFoundError):
+    pass
+
+
+class BucketNotFound(OriginError, FileNotFoundError):
+    pass
+
+
+class AccessDenied(OriginError, PermissionError):
+    pass
+
+
+class InvalidRange(OriginError, ValueError):
+    def __init__(self, message: str, size: int | None = None) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class OriginUnavailable(OriginError, ConnectionError):
+    """The origin could not be reached, or kept failing after bounded retries."""
+
+
+class OriginThrottled(OriginUnavailable):
+    """The origin kept answering SlowDown/503 after bounded retries."""
+
+
+class OriginBadResponse(OriginError, IOError):
+    """The origin answered, but with a truncated or corrupt body (after retries)."""
+
+
+# exception type -> (HTTP status, S3 error code). The only place errors become HTTP answers.
+S3_ERRORS: list[tuple[type[BaseException], int, str]] = [
+    (BadRequest, 400, "InvalidArgument"),
+    (ObjectNotFound, 404, "NoSuchKey"),
+    (BucketNotFound, 404, "NoSuchBucket"),
+    (AccessDenied, 403, "AccessDenied"),
+    (InvalidRange, 416, "InvalidRange"),
+    (OriginThrottled, 503, "SlowDown"),
+    (OriginUnavailable, 503, "ServiceUnavailable"),
+    (OriginBadResponse, 502, "BadGateway"),
+]
+
+
+def s3_error_for(exc: BaseException) -> tuple[int, str]:
+    for exc_type, status, code in S3_ERRORS:
+        if isinstance(exc, exc_type):
+            return status, code
+    # Imported lazily: cache errors map too, without sidecar's import graph depending on order.
+    from cache import IntegrityError
+
+    if isinstance(exc, IntegrityError):
+        return 502, "BadDigest"
+    return 500, "InternalError"

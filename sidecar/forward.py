@@ -1,0 +1,126 @@
+"""Sidecar mode: forward the pod's requests to the node daemon over its unix socket.
+
+When the upstream is absent (no DaemonSet on this node, or it is restarting) the request is served
+by the sidecar's own standalone cache on its ``--cache-dir`` (an emptyDir), so a training pod never
+fails because of where it was scheduled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["Upstream", "forward_middleware", "UPSTREAM"]
+
+log = logging.getLogger(__name__)
+
+_HOP_BY_HOP = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+    "transfer-encoding", "upgrade", "host", "content-length",
+}
+_LOCAL_ONLY = {"/healthz", "/metrics"}
+
+
+class Upstream:
+    """The node daemon as seen from the sidecar, with a short memory of it being down."""
+
+    def __init__(self, address: str, retry_after_s: float = 2.0) -> None:
+        self.address = address
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._session: aiohttp.ClientSession | None = None
+        if address.startswith("unix://"):
+            self._connector_args: dict[str, Any] = {"path": address[len("unix://"):]}
+            self.base = "http://shardcache-daemon"
+        elif address.startswith(("tcp://", "http://")):
+            hostport = address.split("://", 1)[1].rstrip("/")
+            self._connector_args = {}
+            self.base = f"http://{hostport}"
+        else:
+            raise ValueError(f"upstream must be unix:///path.sock or tcp://host:port, not {address!r}")
+
+    async def start(self) -> None:
+        connector: aiohttp.BaseConnector
+        if "path" in self._connector_args:
+            connector = aiohttp.UnixConnector(path=self._connector_args["path"], limit=256)
+        else:
+            connector = aiohttp.TCPConnector(limit=256)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=300),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def believed_up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def mark_down(self) -> None:
+        self._down_until = time.monotonic() + self.retry_after_s
+
+    async def ready(self) -> bool:
+        if self._session is None:
+            return False
+        try:
+            async with self._session.get(self.base + "/readyz") as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            self.mark_down()
+            return False
+
+    async def forward(self, request: web.Request) -> web.StreamResponse | None:
+        """Proxy ``request``; ``None`` if the upstream could not be reached (serve locally)."""
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        data = await request.read() if request.can_read_body else None
+        try:
+            upstream = await self._session.request(
+                request.method, self.base + request.rel_url.path_qs, headers=headers, data=data,
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
+            log.info("upstream %s unreachable (%s); serving from the standalone cache", self.address, exc)
+            self.mark_down()
+            return None
+        try:
+            response = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP},
+            )
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            response.headers["x-shardcache-via"] = "upstream"
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_chunked(1024 * 1024):
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            upstream.release()
+
+
+UPSTREAM = web.AppKey("upstream", Upstream)
+
+
+@web.middleware
+async def forward_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    upstream = request.app[UPSTREAM]
+    if request.path == "/readyz":
+        # Ready either way: through the node daemon, or standalone when it is absent.
+        up = await upstream.ready()
+        return web.json_response({"ready": True, "mode": "sidecar", "upstream": up})
+    if request.path in _LOCAL_ONLY or not upstream.believed_up:
+        return await handler(request)
+    response = await upstream.forward(request)
+    if response is None:
+        return await handler(request)
+    return response

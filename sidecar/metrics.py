@@ -1,0 +1,83 @@
+"""Prometheus metrics of the daemon, on a registry of its own (several daemons may share a process
+in tests). Store-level figures are read from :meth:`cache.Store.stats` at scrape time, so the
+storage engine stays free of any metrics library."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["Metrics"]
+
+
+class _StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, object]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats()
+        gauges = {
+            "shardcache_cache_used_bytes": ("used_bytes", "Bytes of published cache entries"),
+            "shardcache_cache_capacity_bytes": ("capacity_bytes", "Configured cache capacity"),
+            "shardcache_cache_reserved_bytes": ("reserved_bytes", "Bytes reserved by fills in progress"),
+            "shardcache_cache_items": ("items", "Published cache entries"),
+            "shardcache_cache_filling_items": ("filling", "Fills in progress"),
+            "shardcache_cache_fs_free_bytes": ("fs_free_bytes", "Free bytes on the cache file system"),
+        }
+        for name, (field, doc) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(field, 0)))  # type: ignore[arg-type]
+        counters = {
+            "shardcache_cache_evictions": ("evictions", "Entries evicted to make room"),
+            "shardcache_cache_evicted_bytes": ("evicted_bytes", "Bytes evicted to make room"),
+            "shardcache_cache_admitted": ("admitted", "Entries published"),
+            "shardcache_cache_rejected_full": ("rejected_full", "Objects not cached for lack of room"),
+            "shardcache_cache_integrity_failures": ("integrity_failures", "Fills whose checksum mismatched"),
+            "shardcache_cache_corrupt_removed": ("corrupt_removed", "Cached files found corrupt and removed"),
+            "shardcache_cache_no_space": ("no_space", "Writes refused by a full file system"),
+        }
+        for name, (field, doc) in counters.items():
+            yield CounterMetricFamily(name, doc, value=float(stats.get(field, 0)))  # type: ignore[arg-type]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "shardcache_requests", "HTTP requests answered", ["method", "status"], registry=r
+        )
+        self.cache_lookups = Counter(
+            "shardcache_cache_lookups", "Object reads by cache outcome", ["result"], registry=r
+        )
+        self.served_bytes = Counter(
+            "shardcache_served_bytes", "Bytes sent to clients, by where they came from", ["source"], registry=r
+        )
+        self.origin_latency = Histogram(
+            "shardcache_origin_request_duration_seconds",
+            "Time from sending an origin request to its response headers",
+            ["op"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.origin_bytes = Counter("shardcache_origin_read_bytes", "Bytes read from the origin", registry=r)
+        self.origin_errors = Counter(
+            "shardcache_origin_errors", "Failed origin attempts, by kind", ["kind"], registry=r
+        )
+        self.origin_retries = Counter("shardcache_origin_retries", "Origin attempts retried", registry=r)
+        self.fills = Counter("shardcache_fills", "Object fills finished, by outcome", ["outcome"], registry=r)
+        self.prefetch_queued = Gauge(
+            "shardcache_prefetch_queue_items", "Prefetches waiting, by priority", ["priority"], registry=r
+        )
+        self.request_duration = Histogram(
+            "shardcache_request_duration_seconds",
+            "Time to answer object requests (to the last byte)",
+            ["cache"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=r,
+        )
+
+    def watch_store(self, stats: Callable[[], dict[str, object]]) -> None:
+        self.registry.register(_StoreCollector(stats))
