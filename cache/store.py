@@ -187,6 +187,8 @@ class Writer:
 class Store:
     """A byte-capacity-bounded directory of immutable objects. See the module docstring."""
 
+    NO_SPACE_BACKOFF_S = 5.0
+
     def __init__(self, settings: StoreSettings) -> None:
         self.settings = settings
         self.base = Path(settings.root) / _LAYOUT
@@ -201,6 +203,7 @@ class Store:
         self._reserved = 0
         self._writers: set[Writer] = set()
         self._lock_fd: int | None = None
+        self._no_space_until = 0.0
         self._counters = {
             "evictions": 0,
             "evicted_bytes": 0,
@@ -405,7 +408,7 @@ class Store:
         """Reserve room for a new entry and start filling it, or ``None`` if the policy does not
         admit it now (no room under ``hold``, or everything evictable is in use)."""
         with self._lock:
-            if size > self.settings.capacity_bytes:
+            if size > self.settings.capacity_bytes or time.monotonic() < self._no_space_until:
                 self._counters["rejected_full"] += 1
                 return None
             while not self._fits(size):
@@ -417,6 +420,7 @@ class Store:
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     self._counters["no_space"] += 1
+                    self._no_space_until = time.monotonic() + self.NO_SPACE_BACKOFF_S
                     return None
                 raise
             self._reserved += size
@@ -467,7 +471,6 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(data_path)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                self._counters["no_space"] += 1
                 raise NoSpace(exc.errno, f"cache file system full while publishing {writer.key}") from exc
             raise
         with self._lock:
@@ -502,8 +505,11 @@ class Store:
             os.unlink(self._data_path(entry.id))
 
     def note_no_space(self) -> None:
+        """The file system refused a write: admit nothing for a while (serve uncached) rather than
+        start fills that will fail the same way."""
         with self._lock:
             self._counters["no_space"] += 1
+            self._no_space_until = time.monotonic() + self.NO_SPACE_BACKOFF_S
 
     # -- reporting --------------------------------------------------------------------------
 

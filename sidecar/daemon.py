@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cache import CacheError, CorruptEntry, Entry, EntryNotFound, Store
+from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, Store
 from sidecar.errors import BadRequest, OriginError, SidecarError, s3_error_for
 from sidecar.fetcher import Fetcher, Fill, retrying
 from sidecar.metrics import Metrics
@@ -240,9 +240,13 @@ async def _fill_body(fetcher: Fetcher, fill: Fill, start: int, end: int) -> Asyn
     try:
         async for chunk in fill.stream(start, end):
             sent += len(chunk)
+            if sent >= end and fill.expected_xxh3:
+                # The caller named the checksum it expects: hold the last bytes back until the
+                # fill is verified, so a mismatch reaches it as an error, not as wrong data.
+                await fill.wait_done()
             yield chunk
     except (CacheError, OSError) as exc:
-        if isinstance(exc, OriginError):
+        if isinstance(exc, (OriginError, IntegrityError)):
             raise
         log.warning("cache fill of %s/%s failed (%s); serving from the origin", fill.bucket, fill.key, exc)
         etag = fill.info.etag if fill.info else None
@@ -364,7 +368,8 @@ def stats(app: web.Application) -> dict[str, Any]:
 
 
 async def stats_handler(request: web.Request) -> web.Response:
-    return web.json_response(stats(request.app))
+    # store.stats() asks the file system for free space: off the loop.
+    return web.json_response(await asyncio.to_thread(stats, request.app))
 
 
 async def cached_handler(request: web.Request) -> web.Response:
@@ -416,7 +421,7 @@ async def cached_handler(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+    body = await asyncio.to_thread(generate_latest, request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

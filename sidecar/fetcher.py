@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cache import Entry, NoSpace, Store, Writer
+from cache import Entry, IntegrityError, NoSpace, Store, Writer
 from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
 from sidecar.metrics import Metrics
 from sidecar.origin import ObjectInfo, Origin
@@ -195,7 +195,11 @@ class Fetcher:
             raise
         except BaseException as exc:  # delivered to every waiter, never lost
             fill.error = exc
-            if isinstance(exc, OriginError):
+            if isinstance(exc, NoSpace):
+                if self.store is not None:
+                    self.store.note_no_space()
+                log.warning("not caching %s/%s: %s", fill.bucket, fill.key, exc)
+            elif isinstance(exc, (OriginError, IntegrityError)):
                 log.warning("fill of %s/%s failed: %s", fill.bucket, fill.key, exc)
             else:
                 log.exception("fill of %s/%s failed", fill.bucket, fill.key)
@@ -328,11 +332,8 @@ class Fetcher:
         advance()
         try:
             fill.entry = await asyncio.to_thread(writer.commit)
-        except NoSpace:
-            self.store.note_no_space() if self.store else None
-            fill.writer = None  # commit already aborted it
-            raise
-        fill.writer = None
+        finally:
+            fill.writer = None  # committed, or commit already aborted it
 
     async def _write(self, writer: Writer, offset: int, data: bytes) -> None:
         await asyncio.to_thread(writer.write_at, offset, data)

@@ -17,6 +17,11 @@ class _StoreCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, object]]) -> None:
         self._stats = stats
 
+    def describe(self) -> list[GaugeMetricFamily]:
+        # Without this the registry calls collect() at registration, on the event loop; stats()
+        # asks the file system for free space.
+        return []
+
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats()
         gauges = {

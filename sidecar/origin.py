@@ -122,7 +122,13 @@ class FileOrigin(Origin):
     """Objects in a local (or network-mounted) directory tree: ``root/bucket/key``."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root).resolve()
+        self.root = Path(root)
+        self.namespace = f"file://{self.root}"
+        self.description = f"file://{self.root}"
+
+    async def start(self) -> None:
+        # Resolving symlinks touches the file system: off the loop.
+        self.root = await asyncio.to_thread(Path(self.root).resolve)
         self.namespace = f"file://{self.root}"
         self.description = f"file://{self.root}"
 

@@ -41,7 +41,8 @@ class PriorityLimiter:
         return self._held < cap
 
     async def acquire(self, priority: int) -> None:
-        if not self._waiters and self._allowed(priority):
+        # Waiters of a better (or equal) priority go first; worse ones never block us.
+        if self._allowed(priority) and not (self._waiters and self._waiters[0][0] <= priority):
             self._held += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

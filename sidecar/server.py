@@ -41,6 +41,17 @@ def parse_listen(address: str) -> tuple[str, str, int]:
     raise ValueError(f"listen address must be unix:///path.sock or tcp://host:port, not {address!r}")
 
 
+def _prepare_socket_path(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a stale socket from a killed daemon
+
+
+def _remove_socket(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
 def make_app(settings: ServeSettings) -> web.Application:
     app = build_app(settings)
     if settings.mode == "sidecar":
@@ -66,13 +77,11 @@ async def start_sites(runner: web.AppRunner, listen: tuple[str, ...]) -> list[st
         kind, host, port = parse_listen(address)
         if kind == "unix":
             path = Path(host)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a stale socket from a killed daemon
+            await asyncio.to_thread(_prepare_socket_path, path)
             site: web.BaseSite = web.UnixSite(runner, str(path))
             await site.start()
             # Pods run as other users; the socket directory's mount is what guards access.
-            os.chmod(path, 0o666)
+            await asyncio.to_thread(os.chmod, path, 0o666)
         else:
             site = web.TCPSite(runner, host, port, reuse_address=True)
             await site.start()
@@ -108,8 +117,7 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
         for address in settings.listen:
             kind, host, _ = parse_listen(address)
             if kind == "unix":
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(host)
+                await asyncio.to_thread(_remove_socket, Path(host))
 
 
 def run_daemon(settings: ServeSettings) -> None:

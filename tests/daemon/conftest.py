@@ -1,0 +1,184 @@
+"""Daemon fixtures: an in-process daemon on its own thread (so the blocking-call guard sees its event
+loop), a daemon subprocess for kill -9, and a fault-injecting proxy in front of the S3 origin."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from cache import StoreSettings
+from sidecar.fetcher import FetchSettings
+from sidecar.s3origin import S3Settings
+from sidecar.server import serve_forever
+from sidecar.settings import ServeSettings
+from tests.daemon.faultproxy import FaultProxy
+from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
+
+FAST_RETRY = FetchSettings(retries=3, backoff_base_s=0.01, backoff_max_s=0.05, part_size=1024 * 1024)
+
+
+def s3_client(endpoint: str, retries: int = 0) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        config=Config(retries={"total_max_attempts": retries + 1, "mode": "standard"}, s3={"addressing_style": "path"}),
+    )
+
+
+class DaemonThread:
+    """``shardcache serve`` running in this process on a thread with its own event loop."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.port = int(settings.listen[0].rsplit(":", 1)[1]) if settings.listen[0].startswith("tcp") else 0
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="daemon", daemon=True)
+        self._ready = threading.Event()
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            ready = asyncio.Event()
+            task = asyncio.create_task(serve_forever(self.settings, ready, self._stop))
+            waiter = asyncio.create_task(ready.wait())
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            self._ready.set()
+            await task
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # surfaced by start()/stop()
+            self._error = exc
+            self._ready.set()
+
+    def start(self) -> "DaemonThread":
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self._error:
+            raise self._error
+
+    def client(self, retries: int = 0) -> Any:
+        return s3_client(self.url, retries)
+
+    def stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/_shardcache/stats", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def settle(self) -> None:
+        """Wait until no fill is in flight (a reader may finish before the fill is published)."""
+        wait_until(lambda: self.stats()["fills_in_flight"] == 0, timeout=20, what="fills to finish")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+
+def make_settings(
+    cache_dir: Path,
+    origin: str,
+    endpoint: str | None = None,
+    capacity: int = 1 << 30,
+    eviction: str = "lru",
+    fetch: FetchSettings = FAST_RETRY,
+    extra_listen: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> ServeSettings:
+    return ServeSettings(
+        store=StoreSettings(root=cache_dir, capacity_bytes=capacity, min_free_ratio=0.0, eviction=eviction),
+        listen=(f"tcp://127.0.0.1:{free_port()}", *extra_listen),
+        origin=origin,
+        s3=S3Settings(endpoint_url=endpoint, read_timeout_s=5, connect_timeout_s=2),
+        fetch=fetch,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[Callable[..., DaemonThread]]:
+    started: list[DaemonThread] = []
+
+    def _start(settings: ServeSettings) -> DaemonThread:
+        daemon = DaemonThread(settings).start()
+        started.append(daemon)
+        return daemon
+
+    yield _start
+    for daemon in started:
+        daemon.stop()
+
+
+@pytest.fixture
+def proxy(s3_server: Any) -> Iterator[FaultProxy]:
+    fault_proxy = FaultProxy("127.0.0.1", s3_server.port).start()
+    yield fault_proxy
+    fault_proxy.close()
+
+
+@pytest.fixture
+def s3_daemon(tmp_path: Path, proxy: FaultProxy, start_daemon: Callable[..., DaemonThread]) -> DaemonThread:
+    """A daemon whose S3 origin is the moto server, reached through the fault proxy."""
+    return start_daemon(make_settings(tmp_path / "cache", "s3", proxy.endpoint))
+
+
+class DaemonProcess:
+    """``shardcache serve`` as a real subprocess (for kill -9 and SIGTERM)."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [PYTHON, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{self.port}", *args]
+        self.log = log
+        self.env = env or {}
+        self.proc = None
+
+    def start(self) -> "DaemonProcess":
+        self.proc = spawn(self.args, self.log, self.env)
+        wait_until(lambda: http_ok(self.url + "/readyz"), timeout=30, what="daemon readiness")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+    def stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/_shardcache/stats", timeout=10) as resp:
+            return json.loads(resp.read())
+
+
+def put_objects(client: Any, bucket: str, objects: dict[str, bytes]) -> None:
+    for key, data in objects.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+def replace_fetch(settings: ServeSettings, **changes: Any) -> ServeSettings:
+    return dataclasses.replace(settings, fetch=dataclasses.replace(settings.fetch, **changes))
+
+
+def cache_files(cache_dir: Path) -> list[Path]:
+    return sorted(p for p in cache_dir.rglob("*") if p.is_file() and p.name != "LOCK")
+
+
+os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")

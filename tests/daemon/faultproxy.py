@@ -1,0 +1,147 @@
+"""A real HTTP/1.1 proxy between the daemon and the origin that counts requests and injects faults.
+
+It runs on its own thread and event loop, on a real socket, so the daemon sees real connection
+resets, truncated bodies, 503s and delays. Each request is forwarded on a fresh upstream connection
+(``Connection: close``) and the whole answer is read before it is (maybe mangled and) sent back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["FaultProxy", "Faults"]
+
+_LEN_RE = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
+
+
+@dataclass
+class Faults:
+    """Faults to inject; each counter is decremented as it fires (``-1``: every time)."""
+
+    slowdown: int = 0          # answer 503 SlowDown instead of forwarding
+    reset: int = 0             # close the connection without answering
+    truncate: int = 0          # send headers and only part of the body, then close
+    truncate_at: int = 1000
+    delay_s: float = 0.0       # wait before answering
+    body_delay_s: float = 0.0  # wait between header and body (a slow origin mid-transfer)
+    only_get: bool = True      # faults apply to GETs of objects only
+
+
+@dataclass
+class FaultProxy:
+    upstream_host: str
+    upstream_port: int
+    faults: Faults = field(default_factory=Faults)
+    requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.base_events.Server | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="faultproxy", daemon=True)
+        self.port = 0
+
+    def start(self) -> "FaultProxy":
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        fut.result(10)
+        return self
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        async def _close() -> None:
+            if self._server is not None:
+                self._server.close()
+                # Python 3.11's wait_closed waits for client handlers too: don't hang on keep-alives.
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(_close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def gets(self, path_fragment: str) -> int:
+        return sum(n for line, n in self.requests.items() if line.startswith("GET ") and path_fragment in line)
+
+    def _take(self, name: str) -> bool:
+        value = getattr(self.faults, name)
+        if value == 0:
+            return False
+        if value > 0:
+            setattr(self.faults, name, value - 1)
+        return True
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+                method, target = request_line.split(" ")[:2]
+                path = target.split("?", 1)[0]
+                match = _LEN_RE.search(head)
+                body = await reader.readexactly(int(match.group(1))) if match else b""
+                key = f"{method} {path}"
+                self.requests[key] += 1
+                self.log.append(request_line)
+                is_object_get = method == "GET" and path.count("/") >= 2 and "list-type" not in target
+                faultable = is_object_get or not self.faults.only_get
+                if self.faults.delay_s:
+                    await asyncio.sleep(self.faults.delay_s)
+                if faultable and self._take("reset"):
+                    writer.transport.abort()
+                    return
+                if faultable and self._take("slowdown"):
+                    payload = (
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                        b"<Message>Please reduce your request rate.</Message></Error>"
+                    )
+                    writer.write(
+                        b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                        + payload
+                    )
+                    await writer.drain()
+                    continue
+                response = await self._forward(head, body)
+                header_end = response.index(b"\r\n\r\n") + 4
+                if faultable and self._take("truncate"):
+                    writer.write(response[: header_end + self.faults.truncate_at])
+                    await writer.drain()
+                    writer.transport.abort()
+                    return
+                writer.write(response[:header_end])
+                if self.faults.body_delay_s and faultable:
+                    await writer.drain()
+                    await asyncio.sleep(self.faults.body_delay_s)
+                writer.write(response[header_end:])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def _forward(self, head: bytes, body: bytes) -> bytes:
+        lines = head.split(b"\r\n")
+        kept = [line for line in lines[1:] if line and not line.lower().startswith((b"connection:", b"keep-alive:"))]
+        request = b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + body
+        up_reader, up_writer = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+        up_writer.write(request)
+        await up_writer.drain()
+        response = await up_reader.read()
+        up_writer.close()
+        # Upstream closed the connection; re-frame with Connection: keep-alive semantics intact.
+        header_end = response.index(b"\r\n\r\n")
+        headers = [h for h in response[:header_end].split(b"\r\n") if not h.lower().startswith(b"connection:")]
+        return b"\r\n".join(headers) + b"\r\n\r\n" + response[header_end + 4:]
