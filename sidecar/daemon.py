@@ -30,7 +30,7 @@ from sidecar.names import parse_object_url, validate_bucket, validate_key, valid
 from sidecar.origin import FileOrigin, ObjectInfo, Origin
 from sidecar.prefetch import PrefetchItem, Prefetcher, QueueFull
 from sidecar.priority import DEMAND, priority_value
-from sidecar.s3origin import S3Origin
+from sidecar.s3origin import Boto3S3Origin, S3Origin
 from sidecar.s3xml import error_response, parse_range
 from sidecar.settings import ServeSettings
 
@@ -53,7 +53,7 @@ _HEX128 = re.compile(r"^[0-9a-fA-F]{32}$")
 
 def make_origin(settings: ServeSettings) -> Origin:
     if settings.origin == "s3":
-        return S3Origin(settings.s3)
+        return Boto3S3Origin(settings.s3) if settings.s3.client == "boto3" else S3Origin(settings.s3)
     if settings.origin.startswith("file://"):
         root = Path(settings.origin[len("file://"):])
         if not root.is_absolute():

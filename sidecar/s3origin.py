@@ -33,7 +33,7 @@ from sidecar.errors import (
 from sidecar.names import validate_bucket, validate_key
 from sidecar.origin import ObjectInfo, Origin
 
-__all__ = ["S3Origin", "S3Settings"]
+__all__ = ["S3Origin", "Boto3S3Origin", "S3Settings"]
 
 _CHUNK = 1024 * 1024
 _CODE_RE = re.compile(rb"<Code>([^<]{1,64})</Code>")
@@ -59,6 +59,10 @@ class S3Settings:
 
     addressing_style: str = "auto"
     """``path`` or ``virtual`` bucket addressing; ``auto`` picks path style for custom endpoints."""
+
+    client: str = "aiohttp"
+    """``aiohttp``: boto3 signs, aiohttp moves the bytes (default). ``boto3``: boto3 calls on an
+    executor, kept for comparison in the benchmark."""
 
 
 class S3Origin(Origin):
@@ -266,3 +270,92 @@ class S3Origin(Origin):
 async def _empty() -> AsyncIterator[bytes]:
     return
     yield b""  # pragma: no cover
+
+
+class Boto3S3Origin(S3Origin):
+    """The alternative the design asked to measure: every request a boto3 call on an executor
+    thread, bodies read chunk by chunk on the executor. Kept selectable (``--s3-client boto3``)
+    so ``bench/daemon_bench.py`` can compare it with the aiohttp path on the same origin."""
+
+    async def start(self) -> None:
+        from botocore.config import Config
+
+        await super().start()  # listings still pass through as XML over the aiohttp session
+        # One pooled connection per concurrent request; boto3's default of 10 would queue parts.
+        self._client = await asyncio.to_thread(
+            _rebuild, self._client,
+            Config(max_pool_connections=self.settings.max_connections, retries={"total_max_attempts": 1}),  # we retry
+        )
+        endpoint = self._client.meta.endpoint_url
+        self.namespace = f"s3:{endpoint}"
+        self.description = f"s3 ({endpoint}, boto3)"
+
+    def _call(self, op: str, **params: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return getattr(self._client, op)(**params)
+        except ClientError as exc:
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 500))
+            code = exc.response.get("Error", {}).get("Code", "")
+            raise self._error(status, f"<Code>{code}</Code>".encode(), params) from exc
+        except BotoCoreError as exc:
+            raise OriginUnavailable(f"S3 {op} failed: {exc}") from exc
+
+    async def head(self, bucket: str, key: str) -> ObjectInfo:
+        resp = await asyncio.to_thread(self._call, "head_object", Bucket=validate_bucket(bucket), Key=validate_key(key))
+        return ObjectInfo(size=int(resp["ContentLength"]), etag=resp.get("ETag", ""),
+                          last_modified=resp["ResponseMetadata"]["HTTPHeaders"].get("last-modified"))
+
+    async def _body(self, body: Any, expected: int, what: str) -> AsyncIterator[bytes]:
+        received = 0
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.to_thread(body.read, _CHUNK)
+                except Exception as exc:  # botocore, urllib3 and socket errors alike
+                    raise OriginBadResponse(f"{what}: body cut after {received} of {expected} bytes: {exc}") from exc
+                if not chunk:
+                    break
+                received += len(chunk)
+                yield chunk
+            if received != expected:
+                raise OriginBadResponse(f"{what}: body truncated at {received} of {expected} bytes")
+        finally:
+            await asyncio.to_thread(body.close)
+
+    async def read(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
+    ) -> AsyncIterator[bytes]:
+        params: dict[str, Any] = {"Bucket": validate_bucket(bucket), "Key": validate_key(key),
+                                  "Range": f"bytes={start}-{'' if end is None else end - 1}"}
+        if etag:
+            params["IfMatch"] = etag
+        resp = await asyncio.to_thread(self._call, "get_object", **params)
+        async for chunk in self._body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}"):
+            yield chunk
+
+    async def read_head(self, bucket: str, key: str, length: int) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
+        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "Range": f"bytes=0-{max(length, 1) - 1}"}
+        try:
+            resp = await asyncio.to_thread(self._call, "get_object", **params)
+        except InvalidRange:
+            info = await self.head(bucket, key)
+            if info.size != 0:
+                raise
+            return info, _empty()
+        content_range = resp.get("ContentRange", "")
+        match = _RANGE_RE.match(content_range)
+        size = int(match.group(3)) if match and match.group(3) != "*" else int(resp["ContentLength"])
+        info = ObjectInfo(size=size, etag=resp.get("ETag", ""),
+                          last_modified=resp["ResponseMetadata"]["HTTPHeaders"].get("last-modified"))
+        return info, self._body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
+
+
+def _rebuild(client: Any, config: Any) -> Any:
+    import boto3
+
+    return boto3.session.Session().client(
+        "s3", endpoint_url=client.meta.endpoint_url, region_name=client.meta.region_name,
+        config=client.meta.config.merge(config),
+    )

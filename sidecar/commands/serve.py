@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_flag(parser, "--s3-endpoint", default=None,
              help="S3 endpoint URL (default: boto3's resolution, including AWS_ENDPOINT_URL)")
     add_flag(parser, "--s3-region", default=None, help="S3 signing region (default: boto3's resolution)")
+    add_flag(parser, "--s3-client", default="aiohttp", choices=["aiohttp", "boto3"],
+             help="how bytes move from S3: aiohttp streams (default) or boto3 calls on threads")
     add_flag(parser, "--upstream", default=None, help="node daemon address for --mode sidecar")
     add_flag(parser, "--part-size", default="8MiB", help="bytes per ranged GET to the origin")
     add_flag(parser, "--parts-per-object", default="8", help="ranged GETs in flight per object")
@@ -100,7 +102,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         store=store,
         listen=listen,
         origin=origin,
-        s3=S3Settings(endpoint_url=args.s3_endpoint, region=args.s3_region),
+        s3=S3Settings(endpoint_url=args.s3_endpoint, region=args.s3_region, client=args.s3_client),
         fetch=FetchSettings(
             part_size=parse_size(args.part_size),
             parts_per_object=_int(args.parts_per_object, "--parts-per-object", 1),

@@ -137,10 +137,15 @@ def proxy(s3_server: Any) -> Iterator[FaultProxy]:
     fault_proxy.close()
 
 
-@pytest.fixture
-def s3_daemon(tmp_path: Path, proxy: FaultProxy, start_daemon: Callable[..., DaemonThread]) -> DaemonThread:
-    """A daemon whose S3 origin is the moto server, reached through the fault proxy."""
-    return start_daemon(make_settings(tmp_path / "cache", "s3", proxy.endpoint))
+@pytest.fixture(params=["aiohttp", "boto3"])
+def s3_daemon(
+    request: pytest.FixtureRequest, tmp_path: Path, proxy: FaultProxy, start_daemon: Callable[..., DaemonThread]
+) -> DaemonThread:
+    """A daemon whose S3 origin is the moto server, reached through the fault proxy; once with
+    each S3 client implementation."""
+    settings = make_settings(tmp_path / "cache", "s3", proxy.endpoint)
+    settings = dataclasses.replace(settings, s3=dataclasses.replace(settings.s3, client=request.param))
+    return start_daemon(settings)
 
 
 class DaemonProcess:

@@ -28,6 +28,8 @@ class Faults:
     truncate_at: int = 1000
     delay_s: float = 0.0       # wait before answering
     body_delay_s: float = 0.0  # wait between header and body (a slow origin mid-transfer)
+    stall: int = 0             # hold the answer back for stall_s (longer than the client's timeout)
+    stall_s: float = 2.0
     only_get: bool = True      # faults apply to GETs of objects only
 
 
@@ -99,6 +101,8 @@ class FaultProxy:
                 faultable = is_object_get or not self.faults.only_get
                 if self.faults.delay_s:
                     await asyncio.sleep(self.faults.delay_s)
+                if faultable and self._take("stall"):
+                    await asyncio.sleep(self.faults.stall_s)
                 if faultable and self._take("reset"):
                     writer.transport.abort()
                     return

@@ -70,6 +70,23 @@ def test_truncated_bodies_are_retried_and_never_cached(s3_server, bucket, s3_dae
     assert client.get_object(Bucket=bucket, Key="u.tar")["Body"].read() == data
 
 
+def test_stalled_origin_times_out_and_is_retried(s3_server, bucket, tmp_path, proxy, start_daemon):
+    import dataclasses
+
+    data = os.urandom(10_000)
+    put_objects(s3_server.client(), bucket, {"slow.tar": data, "reset.tar": data})
+    settings = make_settings(tmp_path / "cache", "s3", proxy.endpoint)
+    settings = dataclasses.replace(settings, s3=dataclasses.replace(settings.s3, read_timeout_s=0.5))
+    daemon = start_daemon(settings)
+    proxy.faults.stall, proxy.faults.stall_s = 2, 1.5
+    assert daemon.client().get_object(Bucket=bucket, Key="slow.tar")["Body"].read() == data
+    # 3 GETs: two attempts timed out (0.5 s) instead of waiting the stalls out, the third answered
+    assert proxy.gets(f"/{bucket}/slow.tar") == 3
+    proxy.faults.reset = 2  # connections reset without an answer: retried too
+    assert daemon.client().get_object(Bucket=bucket, Key="reset.tar")["Body"].read() == data
+    assert proxy.gets(f"/{bucket}/reset.tar") == 3
+
+
 def test_bit_flip_in_cached_file_is_detected_and_refetched(s3_server, bucket, s3_daemon, proxy):
     data = os.urandom(200_000)
     put_objects(s3_server.client(), bucket, {"f.tar": data})
