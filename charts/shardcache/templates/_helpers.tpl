@@ -1,0 +1,129 @@
+{{/*
+Names, labels and shared values. Object names are FULLNAME-COMPONENT; every object carries the
+app.kubernetes.io/* labels plus app.kubernetes.io/component.
+*/}}
+
+{{- define "shardcache.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "shardcache.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Component object name: (dict "ctx" $ "component" "node") */}}
+{{- define "shardcache.componentName" -}}
+{{- printf "%s-%s" (include "shardcache.fullname" .ctx) .component }}
+{{- end }}
+
+{{- define "shardcache.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of a component: (dict "ctx" $ "component" "node"). Never change these: selectors are immutable. */}}
+{{- define "shardcache.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "shardcache.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All labels of a component's objects: (dict "ctx" $ "component" "node"). */}}
+{{- define "shardcache.labels" -}}
+helm.sh/chart: {{ include "shardcache.chart" .ctx }}
+{{ include "shardcache.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: shardcache
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The component image: (dict "ctx" $ "repository" "" "tag" "") with overrides. */}}
+{{- define "shardcache.image" -}}
+{{- $repo := default .ctx.Values.image.repository .repository }}
+{{- $tag := default (default .ctx.Chart.AppVersion .ctx.Values.image.tag) .tag }}
+{{- if and .ctx.Values.image.digest (not .repository) (not .tag) }}
+{{- printf "%s@%s" $repo .ctx.Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.serviceAccountName" -}}
+{{- $sa := index .ctx.Values .component "serviceAccount" }}
+{{- if $sa.create }}
+{{- default (include "shardcache.componentName" .) $sa.name }}
+{{- else }}
+{{- default "default" $sa.name }}
+{{- end }}
+{{- end }}
+
+{{/* Container paths are fixed; only host paths are configurable (the injected sidecar uses the same). */}}
+{{- define "shardcache.socketMount" -}}/run/shardcache{{- end }}
+{{- define "shardcache.cacheMount" -}}/var/cache/shardcache{{- end }}
+{{- define "shardcache.originMount" -}}/var/lib/shardcache-origin{{- end }}
+
+{{/* Whether pods get the node cache dir for short-circuit reads. */}}
+{{- define "shardcache.shortCircuit" -}}
+{{- if and .Values.webhook.sidecar.shortCircuit (eq .Values.node.cache.type "hostPath") }}true{{ else }}false{{ end }}
+{{- end }}
+
+{{/* Native sidecars: forced by webhook.nativeSidecar, or auto from the cluster version. */}}
+{{- define "shardcache.nativeSidecar" -}}
+{{- $v := .Values.webhook.nativeSidecar }}
+{{- if eq (toString $v) "auto" }}
+{{- if semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version }}true{{ else }}false{{ end }}
+{{- else if $v }}true{{ else }}false{{ end }}
+{{- end }}
+
+{{- define "shardcache.webhook.serviceName" -}}
+{{- include "shardcache.componentName" (dict "ctx" . "component" "webhook") }}
+{{- end }}
+
+{{- define "shardcache.webhook.tlsSecretName" -}}
+{{- if eq .Values.webhook.tls.mode "secret" }}
+{{- required "webhook.tls.secret.name is required when webhook.tls.mode is secret" .Values.webhook.tls.secret.name }}
+{{- else }}
+{{- printf "%s-tls" (include "shardcache.webhook.serviceName" .) }}
+{{- end }}
+{{- end }}
+
+{{/* DNS names the webhook certificate must carry (the API server dials SERVICE.NAMESPACE.svc). */}}
+{{- define "shardcache.webhook.dnsNames" -}}
+{{- $svc := include "shardcache.webhook.serviceName" . }}
+{{- $ns := .Release.Namespace }}
+- {{ $svc }}
+- {{ $svc }}.{{ $ns }}
+- {{ $svc }}.{{ $ns }}.svc
+- {{ $svc }}.{{ $ns }}.svc.cluster.local
+{{- end }}
+
+{{- define "shardcache.master.url" -}}
+{{- printf "http://%s.%s.svc:%d" (include "shardcache.componentName" (dict "ctx" . "component" "master")) .Release.Namespace (int .Values.master.port) }}
+{{- end }}
+
+{{/* Cross-field checks the schema cannot express; each fails with what to change. */}}
+{{- define "shardcache.validate" -}}
+{{- if and .Values.master.enabled (eq .Values.master.state.type "sqlite") (gt (int .Values.master.replicas) 1) }}
+{{- fail "master.replicas > 1 needs master.state.type=etcd: SQLite state allows a single master" }}
+{{- end }}
+{{- if and .Values.master.enabled (eq .Values.master.state.type "etcd") (not .Values.master.state.etcd.endpoints) }}
+{{- fail "master.state.etcd.endpoints is required when master.state.type is etcd (e.g. [etcd.db.svc:2379])" }}
+{{- end }}
+{{- if and .Values.node.enabled (eq .Values.node.origin.type "file") (not .Values.node.origin.file.hostPath) }}
+{{- fail "node.origin.file.hostPath is required when node.origin.type is file" }}
+{{- end }}
+{{- if and .Values.webhook.enabled (eq .Values.webhook.tls.mode "secret") (not .Values.webhook.tls.secret.caBundle) }}
+{{- fail "webhook.tls.secret.caBundle (base64 PEM of the CA that signed the Secret's certificate) is required when webhook.tls.mode is secret" }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,735 @@
+"""Sidecar injection: one pure function shared by ``shardcache inject`` and ``shardcache webhook``.
+
+:func:`inject` takes a Kubernetes object (a plain ``dict`` as decoded from YAML or JSON) and
+returns a new object whose pod template(s) carry the shardcache sidecar, the daemon socket dir,
+the read-only node cache dir and ``SHARDCACHE_ENDPOINT``. The input is never modified, the
+result depends only on the object and the :class:`InjectConfig`, and injecting an injected
+object changes nothing, so the offline command and the admission webhook agree byte for byte and
+a webhook called twice (``reinvocationPolicy: IfNeeded``) is harmless.
+
+Injection *converges* rather than "adds once": a pod that already has the sidecar still gets the
+env var and mounts on containers that lack them (another webhook may have added a container after
+us), and nothing already present is touched, so the user's explicit choices win.
+
+:func:`json_patch` turns (before, after) into the RFC 6902 patch the webhook answers with;
+:func:`load_documents` / :func:`dump_documents` are the multi-document YAML helpers of the CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from decimal import Decimal, InvalidOperation
+from importlib import metadata
+from typing import Any, Literal
+
+import yaml
+
+from sidecar.errors import SidecarError
+
+__all__ = [
+    "INJECT_LABEL",
+    "STATUS_ANNOTATION",
+    "ANNOTATIONS",
+    "SIDECAR_NAME",
+    "ENDPOINT_ENV",
+    "DEFAULT_IMAGE",
+    "InjectConfig",
+    "InjectionError",
+    "Outcome",
+    "inject",
+    "is_supported",
+    "json_patch",
+    "load_documents",
+    "dump_documents",
+    "inject_documents",
+]
+
+
+def _default_image() -> str:
+    try:
+        version = metadata.version("shardcache")
+    except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+        version = "latest"
+    return f"ghcr.io/shardcache/shardcache:{version}"
+
+
+DEFAULT_IMAGE = _default_image()
+
+# --- names users see (labels and annotations are a contract: documented in docs/kubernetes.md) ---
+INJECT_LABEL = "shardcache.io/inject"
+STATUS_ANNOTATION = "shardcache.io/injected"
+ANN_IMAGE = "shardcache.io/sidecar-image"
+ANN_CPU_REQUEST = "shardcache.io/sidecar-cpu-request"
+ANN_CPU_LIMIT = "shardcache.io/sidecar-cpu-limit"
+ANN_MEMORY_REQUEST = "shardcache.io/sidecar-memory-request"
+ANN_MEMORY_LIMIT = "shardcache.io/sidecar-memory-limit"
+ANN_PORT = "shardcache.io/port"
+ANN_SHORT_CIRCUIT = "shardcache.io/short-circuit"
+ANN_POD_CACHE_SIZE = "shardcache.io/pod-cache-size"
+ANNOTATIONS = (
+    ANN_IMAGE,
+    ANN_CPU_REQUEST,
+    ANN_CPU_LIMIT,
+    ANN_MEMORY_REQUEST,
+    ANN_MEMORY_LIMIT,
+    ANN_PORT,
+    ANN_SHORT_CIRCUIT,
+    ANN_POD_CACHE_SIZE,
+)
+
+# --- what gets injected ---
+SIDECAR_NAME = "shardcache"
+ENDPOINT_ENV = "SHARDCACHE_ENDPOINT"
+VOLUME_SOCKET = "shardcache-socket"
+VOLUME_NODE_CACHE = "shardcache-node-cache"
+VOLUME_POD_CACHE = "shardcache-pod-cache"
+OUR_VOLUMES = (VOLUME_SOCKET, VOLUME_NODE_CACHE, VOLUME_POD_CACHE)
+# Paths inside the containers are fixed; only the host side is configurable. The node daemon
+# mounts the node cache at the same path, so the x-shardcache-path it answers is valid in the pod.
+SOCKET_MOUNT = "/run/shardcache"
+NODE_CACHE_MOUNT = "/var/cache/shardcache"
+POD_CACHE_MOUNT = "/var/cache/shardcache-pod"
+SOCKET_NAME = "daemon.sock"
+
+# The standalone cache must stay below the emptyDir sizeLimit, or the kubelet evicts the pod.
+POD_CACHE_FILL = Decimal("0.9")
+
+_CPU_RE = re.compile(r"^(\d+(\.\d+)?|\.\d+)m?$")
+_MEMORY_RE = re.compile(r"^(\d+(\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}$")
+_MEMORY_UNITS = {
+    None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+
+# Workload kinds whose pod template sits at a fixed path: (API group, kind) -> path to the template.
+_TEMPLATE_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("apps", "Deployment"): ("spec", "template"),
+    ("apps", "StatefulSet"): ("spec", "template"),
+    ("apps", "DaemonSet"): ("spec", "template"),
+    ("apps", "ReplicaSet"): ("spec", "template"),
+    ("", "ReplicationController"): ("spec", "template"),
+    ("batch", "Job"): ("spec", "template"),
+    ("batch", "CronJob"): ("spec", "jobTemplate", "spec", "template"),
+}
+# Kubeflow training operators (PyTorchJob, TFJob, MPIJob, XGBoostJob, PaddleJob, JAXJob...) all
+# hold `spec.<x>ReplicaSpecs.<Role>.template`.
+_KUBEFLOW_GROUP = "kubeflow.org"
+_REPLICA_SPECS_SUFFIX = "ReplicaSpecs"
+
+
+class InjectionError(SidecarError, ValueError):
+    """The object cannot be injected as it is: malformed, conflicting, or a bad annotation.
+
+    The message names the field and says what to change.
+    """
+
+
+@dataclass(frozen=True)
+class InjectConfig:
+    """How the sidecar is injected; built once from flags (CLI) or chart values (webhook).
+
+    Per-pod annotations (``shardcache.io/*``) override the image, resources, port, short-circuit
+    mount and pod cache size.
+    """
+
+    image: str = DEFAULT_IMAGE
+    """Sidecar container image."""
+    image_pull_policy: str = "IfNotPresent"
+    """imagePullPolicy of the sidecar container."""
+    native_sidecar: bool = True
+    """Inject as a native sidecar (init container with ``restartPolicy: Always``, Kubernetes
+    >= 1.29) so Jobs complete when the trainer exits; False injects a regular container first in
+    ``containers`` (older clusters; a Job's pod then only ends when the sidecar is stopped)."""
+    port: int = 8600
+    """Port of the sidecar's localhost endpoint (``SHARDCACHE_ENDPOINT``)."""
+    socket_host_dir: str = "/run/shardcache"
+    """Host directory holding the node daemon's unix socket (``daemon.sock``)."""
+    cache_host_dir: str = "/var/cache/shardcache"
+    """Host directory of the node daemon's cache, mounted read-only for short-circuit reads."""
+    short_circuit: bool = True
+    """Mount the node cache dir read-only into the sidecar and app containers."""
+    pod_cache_size: str = "10Gi"
+    """sizeLimit of the emptyDir used when the node has no daemon (standalone sidecar cache)."""
+    cpu_request: str | None = "100m"
+    """Sidecar CPU request (Kubernetes quantity), None for none."""
+    cpu_limit: str | None = None
+    """Sidecar CPU limit, None for none (a throttled cache slows every read)."""
+    memory_request: str | None = "256Mi"
+    """Sidecar memory request."""
+    memory_limit: str | None = "1Gi"
+    """Sidecar memory limit."""
+    startup_timeout_seconds: int = 120
+    """How long the app containers wait for the sidecar to become ready before starting anyway."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Extra environment of the sidecar, e.g. ``AWS_ENDPOINT_URL`` so that its standalone cache
+    (node without a daemon) reads the same object store as the daemons."""
+
+    def __post_init__(self) -> None:
+        # Fail at startup (CLI flags, webhook flags) rather than on the first pod.
+        _check_image(self.image, "sidecar image")
+        _check_port(self.port, "sidecar port")
+        _check_quantity(self.pod_cache_size, _MEMORY_RE, "pod cache size")
+        for name in ("cpu_request", "cpu_limit"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_quantity(value, _CPU_RE, name.replace("_", " "))
+        for name in ("memory_request", "memory_limit"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_quantity(value, _MEMORY_RE, name.replace("_", " "))
+        if self.image_pull_policy not in {"Always", "IfNotPresent", "Never"}:
+            raise InjectionError(
+                f"invalid image pull policy {self.image_pull_policy!r}: use Always, IfNotPresent or Never"
+            )
+        for name in ("socket_host_dir", "cache_host_dir"):
+            value = getattr(self, name)
+            if not value.startswith("/") or "\0" in value:
+                raise InjectionError(f"{name.replace('_', ' ')} {value!r} must be an absolute path")
+        if not 1 <= self.startup_timeout_seconds <= 3600:
+            raise InjectionError("startup timeout must be between 1 and 3600 seconds")
+        for name, _ in self.env:
+            if not _ENV_NAME_RE.match(name):
+                raise InjectionError(f"invalid sidecar environment variable name {name!r}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What :func:`inject` did to one object, for logs, CLI reports and webhook metrics."""
+
+    kind: str
+    """Object kind (``Pod``, ``Deployment``, ``PyTorchJob``...)."""
+    name: str
+    """``namespace/name`` or ``name`` (``generateName*`` for pods not yet named)."""
+    result: Literal["injected", "unchanged", "skipped", "unsupported"]
+    """injected: something was added; unchanged: already injected; skipped: not opted in;
+    unsupported: not a kind that holds pods."""
+    reason: str = ""
+    """Why, in a few words (for skipped and unsupported)."""
+    templates: int = 0
+    """Pod templates changed."""
+
+    def describe(self) -> str:
+        text = f"{self.kind.lower()}/{self.name}: {self.result}"
+        return f"{text} ({self.reason})" if self.reason else text
+
+
+# ----------------------------------------------------------------------------- the function
+
+
+def inject(obj: Any, config: InjectConfig, *, require_label: bool = True) -> tuple[Any, Outcome]:
+    """Return ``(injected copy of obj, outcome)``; ``obj`` itself is never modified.
+
+    ``require_label=True`` (the webhook) injects only pod templates labelled
+    ``shardcache.io/inject: "true"`` (for workloads the label may also sit on the workload's own
+    metadata). ``require_label=False`` (``shardcache inject``: running the command is the opt-in)
+    injects every pod template except those labelled ``"false"``.
+
+    Raises :class:`InjectionError` for a malformed object, a conflicting pod or a bad annotation.
+    """
+    if not isinstance(obj, Mapping):
+        raise InjectionError(f"expected a Kubernetes object (a mapping), got {type(obj).__name__}")
+    kind = obj.get("kind")
+    api_version = obj.get("apiVersion")
+    if not isinstance(kind, str) or not kind or not isinstance(api_version, str) or not api_version:
+        raise InjectionError("object has no apiVersion/kind: is this a Kubernetes manifest?")
+    meta = obj.get("metadata")
+    name = _display_name(meta if isinstance(meta, Mapping) else {})
+    if not is_supported(api_version, kind):
+        return obj, Outcome(kind, name, "unsupported", "holds no pod template")
+    if meta is not None:
+        _mapping(meta, "metadata")
+
+    result = copy.deepcopy(dict(obj))
+    owner_labels = _string_map(result.get("metadata") or {}, "labels", "metadata")
+    changed = 0
+    skipped: list[str] = []
+    seen = 0
+    for where, template in _pod_templates(result, api_version, kind):
+        seen += 1
+        template_meta = template.setdefault("metadata", {})
+        if template_meta is None:
+            template_meta = template["metadata"] = {}
+        _mapping(template_meta, f"{where}metadata")
+        labels = _string_map(template_meta, "labels", f"{where}metadata")
+        value = labels.get(INJECT_LABEL, owner_labels.get(INJECT_LABEL) if where else None)
+        if value != "true" and (require_label or value is not None):
+            skipped.append(f"label {INJECT_LABEL} is {value!r}" if value is not None else f"no {INJECT_LABEL}=true label")
+            continue
+        if _inject_template(template, config, where):
+            changed += 1
+    if seen == 0:
+        raise InjectionError(f"{kind} {name} has no pod template to inject")
+    if changed:
+        return result, Outcome(kind, name, "injected", templates=changed)
+    if len(skipped) == seen:
+        return obj, Outcome(kind, name, "skipped", skipped[0])
+    return obj, Outcome(kind, name, "unchanged", "already injected")
+
+
+def is_supported(api_version: str, kind: str) -> bool:
+    """Whether objects of this apiVersion/kind hold pod templates that :func:`inject` handles."""
+    group = api_version.rpartition("/")[0]
+    if group == "" and kind == "Pod":
+        return True
+    if (group, kind) in _TEMPLATE_PATHS:
+        return True
+    return group == _KUBEFLOW_GROUP and kind.endswith("Job")
+
+
+def _pod_templates(obj: dict[str, Any], api_version: str, kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (field path prefix for messages, pod template dict) pairs; "" for a bare Pod."""
+    group = api_version.rpartition("/")[0]
+    if group == "" and kind == "Pod":
+        yield "", obj
+        return
+    path = _TEMPLATE_PATHS.get((group, kind))
+    if path is not None:
+        node: Any = obj
+        walked = ""
+        for key in path:
+            node = _mapping(node, walked.rstrip(".") or "object").get(key)
+            walked += f"{key}."
+            if node is None:
+                raise InjectionError(f"{kind}: {walked.rstrip('.')} is missing")
+        yield walked, _mapping(node, walked.rstrip("."))
+        return
+    # Kubeflow: every `spec.*ReplicaSpecs` map of role -> replica spec.
+    spec = _mapping(obj.get("spec"), "spec")
+    for key in sorted(k for k in spec if isinstance(k, str) and k.endswith(_REPLICA_SPECS_SUFFIX)):
+        roles = _mapping(spec[key], f"spec.{key}")
+        for role in sorted(roles, key=str):
+            replica = _mapping(roles[role], f"spec.{key}.{role}")
+            where = f"spec.{key}.{role}.template."
+            template = replica.get("template")
+            if template is None:
+                raise InjectionError(f"{kind}: {where.rstrip('.')} is missing")
+            yield where, _mapping(template, where.rstrip("."))
+
+
+def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str) -> InjectConfig:
+    """Apply ``shardcache.io/*`` annotations; a bad value raises with the annotation's name."""
+    changes: dict[str, Any] = {}
+    prefix = f"{where}metadata.annotations[{{}}]"
+
+    def bad(key: str, expected: str) -> InjectionError:
+        return InjectionError(f"{prefix.format(key)}: invalid value {annotations[key]!r}: {expected}")
+
+    if ANN_IMAGE in annotations:
+        if not _IMAGE_RE.match(annotations[ANN_IMAGE]):
+            raise bad(ANN_IMAGE, "expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
+        changes["image"] = annotations[ANN_IMAGE]
+    if ANN_PORT in annotations:
+        raw = annotations[ANN_PORT].strip()
+        if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+            raise bad(ANN_PORT, "expected a port number between 1 and 65535")
+        changes["port"] = int(raw)
+    if ANN_SHORT_CIRCUIT in annotations:
+        raw = annotations[ANN_SHORT_CIRCUIT].strip().lower()
+        if raw not in {"true", "false"}:
+            raise bad(ANN_SHORT_CIRCUIT, 'expected "true" or "false"')
+        changes["short_circuit"] = raw == "true"
+    if ANN_POD_CACHE_SIZE in annotations:
+        if not _MEMORY_RE.match(annotations[ANN_POD_CACHE_SIZE]):
+            raise bad(ANN_POD_CACHE_SIZE, "expected a size like 20Gi")
+        changes["pod_cache_size"] = annotations[ANN_POD_CACHE_SIZE]
+    for key, attr, pattern, example in (
+        (ANN_CPU_REQUEST, "cpu_request", _CPU_RE, "500m"),
+        (ANN_CPU_LIMIT, "cpu_limit", _CPU_RE, "2"),
+        (ANN_MEMORY_REQUEST, "memory_request", _MEMORY_RE, "512Mi"),
+        (ANN_MEMORY_LIMIT, "memory_limit", _MEMORY_RE, "2Gi"),
+    ):
+        if key in annotations:
+            raw = annotations[key].strip()
+            if raw == "":
+                changes[attr] = None  # empty value: no request/limit of that kind
+            elif not pattern.match(raw):
+                raise bad(key, f'expected a Kubernetes quantity like {example}, or "" for none')
+            else:
+                changes[attr] = raw
+    resolved = replace(config, **changes) if changes else config
+    request, limit = resolved.memory_request, resolved.memory_limit
+    if request is not None and limit is not None and _memory_bytes(request) > _memory_bytes(limit):
+        raise InjectionError(f"{where}sidecar memory request {request} is above its limit {limit}: raise the limit")
+    return resolved
+
+
+def _inject_template(template: dict[str, Any], config: InjectConfig, where: str) -> bool:
+    """Bring one pod template (``{"metadata": ..., "spec": ...}``) to the injected state.
+
+    Mutates ``template`` (a private deep copy); returns whether anything changed.
+    """
+    meta = template["metadata"]
+    annotations = _string_map(meta, "annotations", f"{where}metadata")
+    effective = _resolve(config, annotations, where)
+    spec = template.get("spec")
+    if spec is None:
+        raise InjectionError(f"{where}spec is missing")
+    spec = _mapping(spec, f"{where}spec")
+    if spec.get("hostNetwork") is True:
+        raise InjectionError(
+            f"{where}spec.hostNetwork is true: the sidecar's localhost port would be the node's; "
+            f"point {ENDPOINT_ENV} at the node daemon instead and remove the {INJECT_LABEL} label"
+        )
+    containers = _container_list(spec, "containers", where, required=True)
+    init_containers = _container_list(spec, "initContainers", where, required=False)
+    volumes = _named_list(spec, "volumes", where)
+
+    before = copy.deepcopy(template)
+    sidecar_at = _find(init_containers, SIDECAR_NAME)
+    if sidecar_at is None and _find(containers, SIDECAR_NAME) is None:
+        _check_conflicts(containers + init_containers, volumes, effective, where)
+        sidecar = _sidecar(effective)
+        if effective.native_sidecar:
+            sidecar_at = 0
+            init_containers.insert(0, sidecar)
+            spec["initContainers"] = init_containers
+        else:
+            containers.insert(0, sidecar)
+    native = sidecar_at is not None
+
+    for volume in _volumes(effective):
+        if _find(volumes, volume["name"]) is None:
+            volumes.append(volume)
+    spec["volumes"] = volumes
+
+    # App containers: every regular container, and the init containers that start after a native
+    # sidecar (they can use the cache too). Init containers before it run without the sidecar.
+    apps = [(f"{where}spec.containers[{i}]", c) for i, c in enumerate(containers) if c.get("name") != SIDECAR_NAME]
+    if sidecar_at is not None:
+        apps += [(f"{where}spec.initContainers[{i}]", c) for i, c in enumerate(init_containers) if i > sidecar_at]
+    for label, container in apps:
+        _inject_app_container(container, effective, label)
+
+    labels = meta.setdefault("labels", {})
+    labels[INJECT_LABEL] = "true"
+    ann = meta.setdefault("annotations", {})
+    ann.setdefault(STATUS_ANNOTATION, "native-sidecar" if native else "container")
+    return template != before
+
+
+def _check_conflicts(containers: list[dict[str, Any]], volumes: list[dict[str, Any]], config: InjectConfig, where: str) -> None:
+    for volume in volumes:
+        if volume.get("name") in OUR_VOLUMES:
+            raise InjectionError(
+                f"{where}spec.volumes: a volume named {volume['name']!r} exists but the {SIDECAR_NAME!r} "
+                "sidecar does not: rename the volume (the shardcache-* names are reserved)"
+            )
+    for container in containers:
+        for port in container.get("ports") or []:
+            if isinstance(port, Mapping) and port.get("containerPort") == config.port:
+                raise InjectionError(
+                    f"{where}container {container.get('name')!r} uses port {config.port}, the sidecar's port: "
+                    f"set the annotation {ANN_PORT} to a free port"
+                )
+
+
+def _inject_app_container(container: dict[str, Any], config: InjectConfig, where: str) -> None:
+    env = _named_list(container, "env", where)
+    if _find(env, ENDPOINT_ENV) is None:  # a value the user set wins
+        env.append({"name": ENDPOINT_ENV, "value": f"http://127.0.0.1:{config.port}"})
+    container["env"] = env
+    if config.short_circuit:
+        mounts = _named_list(container, "volumeMounts", where)
+        taken = any(m.get("mountPath") == NODE_CACHE_MOUNT or m.get("name") == VOLUME_NODE_CACHE for m in mounts)
+        if not taken:
+            mounts.append({"name": VOLUME_NODE_CACHE, "mountPath": NODE_CACHE_MOUNT, "readOnly": True})
+        container["volumeMounts"] = mounts
+
+
+def _sidecar(config: InjectConfig) -> dict[str, Any]:
+    pod_cache_bytes = int(Decimal(_memory_bytes(config.pod_cache_size)) * POD_CACHE_FILL)
+    ready = _probe_command(config.port)
+    container: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": config.image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["shardcache"],
+        "args": [
+            "serve",
+            "--mode", "sidecar",
+            "--upstream", f"unix://{SOCKET_MOUNT}/{SOCKET_NAME}",
+            "--listen", f"tcp://127.0.0.1:{config.port}",
+            "--cache-dir", POD_CACHE_MOUNT,
+            "--cache-size", str(pod_cache_bytes),
+        ],
+        "ports": [{"name": "shardcache", "containerPort": config.port, "protocol": "TCP"}],
+        # The sidecar listens on the pod's loopback only (the cache must not be reachable from
+        # other pods), and the kubelet's httpGet probes come from the node's network namespace,
+        # so the probes run inside the container.
+        "readinessProbe": {"exec": {"command": ready}, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
+        "resources": _resources(config),
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [
+            {"name": VOLUME_SOCKET, "mountPath": SOCKET_MOUNT},
+            {"name": VOLUME_POD_CACHE, "mountPath": POD_CACHE_MOUNT},
+        ],
+    }
+    if config.short_circuit:
+        container["volumeMounts"].append({"name": VOLUME_NODE_CACHE, "mountPath": NODE_CACHE_MOUNT, "readOnly": True})
+    if config.env:
+        container["env"] = [{"name": name, "value": value} for name, value in config.env]
+    if config.native_sidecar:
+        container["restartPolicy"] = "Always"
+        # The kubelet starts the next container only after a native sidecar's startup probe has
+        # passed, so the trainer's first read already finds the cache endpoint up.
+        container["startupProbe"] = {
+            "exec": {"command": ready},
+            "periodSeconds": 1,
+            "timeoutSeconds": 3,
+            "failureThreshold": config.startup_timeout_seconds,
+        }
+    else:
+        # A regular container: the kubelet starts containers in order and waits for each
+        # postStart hook, so blocking here (bounded) holds the app until the sidecar is ready.
+        container["lifecycle"] = {"postStart": {"exec": {"command": _wait_command(config.port, config.startup_timeout_seconds)}}}
+    return container
+
+
+def _probe_command(port: int) -> list[str]:
+    return [
+        "python3",
+        "-c",
+        f"import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/readyz', timeout=2)",
+    ]
+
+
+def _wait_command(port: int, timeout: int) -> list[str]:
+    script = (
+        "import time, urllib.request as u\n"
+        f"deadline = time.monotonic() + {timeout}\n"
+        "while time.monotonic() < deadline:\n"
+        "    try:\n"
+        f"        u.urlopen('http://127.0.0.1:{port}/readyz', timeout=2)\n"
+        "        break\n"
+        "    except Exception:\n"
+        "        time.sleep(0.5)\n"
+    )
+    return ["python3", "-c", script]
+
+
+def _resources(config: InjectConfig) -> dict[str, Any]:
+    resources: dict[str, Any] = {}
+    requests = {k: v for k, v in (("cpu", config.cpu_request), ("memory", config.memory_request)) if v is not None}
+    limits = {k: v for k, v in (("cpu", config.cpu_limit), ("memory", config.memory_limit)) if v is not None}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _volumes(config: InjectConfig) -> list[dict[str, Any]]:
+    # DirectoryOrCreate: on a node without the daemon the pod still starts, the sidecar finds no
+    # socket and runs as a standalone cache on its emptyDir.
+    volumes: list[dict[str, Any]] = [
+        {"name": VOLUME_SOCKET, "hostPath": {"path": config.socket_host_dir, "type": "DirectoryOrCreate"}},
+        {"name": VOLUME_POD_CACHE, "emptyDir": {"sizeLimit": config.pod_cache_size}},
+    ]
+    if config.short_circuit:
+        volumes.append({"name": VOLUME_NODE_CACHE, "hostPath": {"path": config.cache_host_dir, "type": "DirectoryOrCreate"}})
+    return volumes
+
+
+# ----------------------------------------------------------------------------- small checks
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InjectionError(f"{where} must be an object, got {_type_name(value)}")
+    return value
+
+
+def _string_map(parent: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InjectionError(f"{where}.{key} must map strings to strings (quote values like \"true\")")
+    return value
+
+
+def _container_list(spec: dict[str, Any], key: str, where: str, *, required: bool) -> list[dict[str, Any]]:
+    value = spec.get(key)
+    if value is None and not required:
+        return []
+    if not isinstance(value, list) or (required and not value):
+        raise InjectionError(f"{where}spec.{key} must be a non-empty list of containers")
+    for index, item in enumerate(value):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise InjectionError(f"{where}spec.{key}[{index}] must be a container with a name")
+    spec[key] = value
+    return value
+
+
+def _named_list(parent: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:
+    value = parent.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise InjectionError(f"{where}.{key} must be a list of objects".replace("..", "."))
+    return value
+
+
+def _find(items: list[dict[str, Any]], name: str) -> int | None:
+    for index, item in enumerate(items):
+        if item.get("name") == name:
+            return index
+    return None
+
+
+def _display_name(meta: Mapping[str, Any]) -> str:
+    name = meta.get("name") or (f"{meta['generateName']}*" if meta.get("generateName") else "<unnamed>")
+    namespace = meta.get("namespace")
+    return f"{namespace}/{name}" if namespace else str(name)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _check_image(value: str, what: str) -> None:
+    if not _IMAGE_RE.match(value):
+        raise InjectionError(f"invalid {what} {value!r}: expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
+
+
+def _check_port(value: int, what: str) -> None:
+    if not isinstance(value, int) or not 1 <= value <= 65535:
+        raise InjectionError(f"invalid {what} {value!r}: expected a port number between 1 and 65535")
+
+
+def _check_quantity(value: str, pattern: re.Pattern[str], what: str) -> None:
+    if not isinstance(value, str) or not pattern.match(value):
+        raise InjectionError(f"invalid {what} {value!r}: expected a Kubernetes quantity like 500m, 2 or 10Gi")
+
+
+def _memory_bytes(quantity: str) -> int:
+    match = _MEMORY_RE.match(quantity)
+    if not match:
+        raise InjectionError(f"invalid size {quantity!r}")
+    try:
+        return int(Decimal(match.group(1)) * _MEMORY_UNITS[match.group(3)])
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
+        raise InjectionError(f"invalid size {quantity!r}") from exc
+
+
+# ----------------------------------------------------------------------------- JSON patch
+
+
+def json_patch(before: Any, after: Any, path: str = "") -> list[dict[str, Any]]:
+    """RFC 6902 operations that turn ``before`` into ``after``.
+
+    Objects are diffed key by key, lists of equal length element by element, a list that only
+    grew gets ``add`` at the end, any other list change replaces the whole list (small patches
+    for what injection does: append env vars and volumes, prepend one init container).
+    """
+    if isinstance(before, dict) and isinstance(after, dict):
+        ops: list[dict[str, Any]] = []
+        for key in before:
+            if key not in after:
+                ops.append({"op": "remove", "path": f"{path}/{_escape(key)}"})
+        for key, value in after.items():
+            child = f"{path}/{_escape(key)}"
+            if key not in before:
+                ops.append({"op": "add", "path": child, "value": value})
+            else:
+                ops.extend(json_patch(before[key], value, child))
+        return ops
+    if isinstance(before, list) and isinstance(after, list):
+        if len(before) == len(after):
+            return [op for index in range(len(after)) for op in json_patch(before[index], after[index], f"{path}/{index}")]
+        if len(after) > len(before) and _same(after[: len(before)], before):
+            return [{"op": "add", "path": f"{path}/{index}", "value": after[index]} for index in range(len(before), len(after))]
+    if _same(before, after):
+        return []
+    return [{"op": "replace", "path": path, "value": after}]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that, unlike ``==``, tells JSON ``true`` from ``1``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _escape(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+# ----------------------------------------------------------------------------- YAML documents
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that keeps timestamps as strings: Kubernetes fields are strings, not dates."""
+
+
+# A private copy: the inherited table is SafeLoader's, shared by every yaml.safe_load in the process.
+_Loader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings (scripts in args), so the output stays readable."""
+
+    def ignore_aliases(self, data: Any) -> bool:  # never emit &anchors: kubectl users read this
+        return True
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def load_documents(text: str, source: str = "<stdin>") -> list[Any]:
+    """Parse multi-document YAML (or JSON); empty documents are dropped."""
+    try:
+        return [doc for doc in yaml.load_all(text, Loader=_Loader) if doc is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InjectionError(f"{where}: invalid YAML: {problem}") from exc
+
+
+def dump_documents(docs: list[Any]) -> str:
+    """Write documents back as multi-document YAML, keys in their original order."""
+    if not docs:
+        return ""
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, explicit_start=True, default_flow_style=False, width=120)
+
+
+def inject_documents(docs: list[Any], config: InjectConfig, *, require_label: bool = False) -> tuple[list[Any], list[Outcome]]:
+    """Inject every document (and every item of a ``kind: List``); errors name the document."""
+    out: list[Any] = []
+    outcomes: list[Outcome] = []
+    for index, doc in enumerate(docs, start=1):
+        try:
+            if isinstance(doc, Mapping) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
+                items = []
+                for item in doc["items"]:
+                    new_item, outcome = inject(item, config, require_label=require_label)
+                    items.append(new_item)
+                    outcomes.append(outcome)
+                out.append({**doc, "items": items})
+                continue
+            new_doc, outcome = inject(doc, config, require_label=require_label)
+        except InjectionError as exc:
+            raise InjectionError(f"document {index}: {exc}") from exc
+        out.append(new_doc)
+        outcomes.append(outcome)
+    return out, outcomes

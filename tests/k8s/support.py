@@ -1,0 +1,370 @@
+"""Helpers for the Kubernetes tests: Helm rendering, schema validation of Kubernetes objects,
+TLS material, and a real ``shardcache webhook`` process over HTTPS."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import http.client
+import ipaddress
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helpers import PYTHON, REPO, free_port, spawn, stop, wait_until
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CHART = REPO / "charts" / "shardcache"
+
+# Kinds of pod-holding objects and where their pod templates are, written out independently of
+# sidecar.inject so the tests do not trust the code under test to find them.
+TEMPLATE_PATHS: dict[str, list[tuple[str, ...]]] = {
+    "Pod": [()],
+    "Deployment": [("spec", "template")],
+    "StatefulSet": [("spec", "template")],
+    "DaemonSet": [("spec", "template")],
+    "ReplicaSet": [("spec", "template")],
+    "Job": [("spec", "template")],
+    "CronJob": [("spec", "jobTemplate", "spec", "template")],
+    "PyTorchJob": [("spec", "pytorchReplicaSpecs", "Master", "template"), ("spec", "pytorchReplicaSpecs", "Worker", "template")],
+    "TFJob": [("spec", "tfReplicaSpecs", "Chief", "template"), ("spec", "tfReplicaSpecs", "Worker", "template")],
+}
+
+
+def dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj[key]
+    return obj
+
+
+def pod_templates(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return [dig(obj, path) for path in TEMPLATE_PATHS[obj["kind"]]]
+
+
+def load_fixture_docs(name: str = "workloads.yaml") -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((FIXTURES / name).read_text()) if d]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _clean(obj: Any) -> Any:
+    """Drop what the API server adds that the published schemas do not describe (nulls, status)."""
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items() if v is not None and k != "status"}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def validate_k8s(obj: dict[str, Any], version: str = "1.30") -> None:
+    """Validate against the official Kubernetes OpenAPI schema of ``version``, strictly (unknown
+    fields fail). Custom resources (Kubeflow) are checked through their pod templates as Pods."""
+    import kubernetes_validate
+
+    obj = _clean(copy.deepcopy(obj))
+    if obj["kind"] in ("PyTorchJob", "TFJob"):
+        for index, template in enumerate(pod_templates(obj)):
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": template.get("metadata") or {"name": f"t{index}"}, "spec": template["spec"]}
+            pod["metadata"].setdefault("name", f"t{index}")
+            kubernetes_validate.validate(pod, version, strict=True)
+        return
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def check_pod_semantics(spec: dict[str, Any], claims: tuple[str, ...] = ()) -> None:
+    """What the schema cannot say but the API server's validation does (``claims``: volumes a
+    StatefulSet's volumeClaimTemplates add)."""
+    containers = spec["containers"] + spec.get("initContainers", [])
+    names = [c["name"] for c in containers]
+    assert len(names) == len(set(names)), f"duplicate container names {names}"
+    volumes = [v["name"] for v in spec.get("volumes", [])]
+    assert len(volumes) == len(set(volumes)), f"duplicate volume names {volumes}"
+    for container in containers:
+        paths = [m["mountPath"] for m in container.get("volumeMounts", [])]
+        assert len(paths) == len(set(paths)), f"{container['name']}: duplicate mountPaths {paths}"
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in volumes or mount["name"] in claims, f"{container['name']} mounts unknown volume {mount['name']}"
+        envs = [e["name"] for e in container.get("env", [])]
+        assert len(envs) == len(set(envs)), f"{container['name']}: duplicate env {envs}"
+    for container in spec["containers"]:
+        assert "restartPolicy" not in container, "restartPolicy is only allowed on init containers"
+
+
+def kubectl_parse(text: str) -> list[dict[str, Any]]:
+    """Have kubectl (offline, no cluster) decode every document as a Kubernetes object."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (apt-get install kubectl)")
+    proc = subprocess.run(
+        [kubectl, "label", "--local", "-f", "-", "-o", "json", "checked-by=kubectl"],
+        input=text.encode(),
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    # kubectl prints one JSON document per object, back to back.
+    decoder, text, pos = json.JSONDecoder(), proc.stdout.decode(), 0
+    objects: list[dict[str, Any]] = []
+    while pos < len(text.rstrip()):
+        obj, end = decoder.raw_decode(text, pos)
+        objects.extend(obj["items"] if obj.get("kind") == "List" else [obj])
+        pos = end
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return objects
+
+
+# ----------------------------------------------------------------------------- Helm
+
+
+def subcommands(parser: argparse.ArgumentParser) -> set[str]:
+    """Names of the subcommands this tree's ``shardcache`` registers."""
+    return {name for action in parser._actions if isinstance(action, argparse._SubParsersAction) for name in action.choices}
+
+
+class Renderer:
+    """Helm's own engine (helm-python-sdk), offline: values in, parsed objects out."""
+
+    def __init__(self) -> None:
+        import helm_python
+
+        self.helm = helm_python
+        self.chart = helm_python.Chart.load(str(CHART))
+
+    def files(self, values: dict[str, Any] | None = None, *, namespace: str = "shardcache", name: str = "sc") -> dict[str, str]:
+        return self.chart.render(values=values or {}, name=name, namespace=namespace, is_install=True)
+
+    def objects(self, values: dict[str, Any] | None = None, *, namespace: str = "shardcache", name: str = "sc") -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for path, text in sorted(self.files(values, namespace=namespace, name=name).items()):
+            if path.endswith(".yaml"):
+                out.extend(d for d in yaml.safe_load_all(text) if d)
+        return out
+
+    def close(self) -> None:
+        self.chart.close()
+
+
+def find(objects: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[str, Any]:
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(name_suffix)]
+    assert len(matches) == 1, f"expected one {kind} *{name_suffix}, got {[o['metadata']['name'] for o in matches]}"
+    return matches[0]
+
+
+# ----------------------------------------------------------------------------- TLS
+
+
+@dataclass
+class TLSFiles:
+    ca: Path
+    cert: Path
+    key: Path
+    ca_pem: bytes
+
+
+def make_tls(directory: Path, hostnames: list[str], *, ca_name: str = "test-ca") -> TLSFiles:
+    """A CA and a server certificate for ``hostnames`` (and 127.0.0.1), written as PEM files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_subject)
+        .issuer_name(ca_subject)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hostnames]
+    sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostnames[0])]))
+        .issuer_name(ca_subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TLSFiles(directory / "ca.crt", directory / "tls.crt", directory / "tls.key", ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.ca.write_bytes(files.ca_pem)
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return files
+
+
+def client_context(ca_pem: bytes) -> ssl.SSLContext:
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    return context
+
+
+# ----------------------------------------------------------------------------- the webhook process
+
+
+class _Connection(http.client.HTTPSConnection):
+    """HTTPS to 127.0.0.1 that verifies the certificate for another name (the Service's DNS
+    name the API server dials), as the API server does."""
+
+    def __init__(self, port: int, context: ssl.SSLContext, server_hostname: str, timeout: float) -> None:
+        super().__init__("127.0.0.1", port, context=context, timeout=timeout)
+        self._tls_context = context
+        self._sni = server_hostname
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.host, self.port), self.timeout)
+        self.sock = self._tls_context.wrap_socket(sock, server_hostname=self._sni)
+
+
+@dataclass
+class WebhookProcess:
+    port: int
+    ca_pem: bytes
+    proc: subprocess.Popen[bytes]
+    log: Path
+    server_hostname: str = "localhost"
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 30,
+    ) -> tuple[int, bytes]:
+        conn = _Connection(self.port, client_context(self.ca_pem), self.server_hostname, timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def review(self, payload: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        status, data = self.request("POST", "/mutate", body, {"Content-Type": "application/json", **(headers or {})})
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, data
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_webhook(tmp: Path, tls: TLSFiles, *extra: str, server_hostname: str = "localhost") -> WebhookProcess:
+    port = free_port()
+    log = tmp / f"webhook-{port}.log"
+    proc = spawn(
+        [PYTHON, "-m", "sidecar.cli", "webhook", "--listen", f"tcp://127.0.0.1:{port}",
+         "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), *extra],
+        log,
+    )
+    server = WebhookProcess(port, tls.ca_pem, proc, log, server_hostname)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"webhook exited with {proc.returncode}:\n{server.log_text()}")
+        return server.request("GET", "/healthz", timeout=2)[0] == 200
+
+    try:
+        wait_until(healthy, timeout=30, what="webhook /healthz over TLS")
+    except TimeoutError:
+        stop(proc)
+        raise AssertionError(f"webhook did not come up:\n{server.log_text()}") from None
+    return server
+
+
+def admission_review(obj: dict[str, Any], *, operation: str = "CREATE", uid: str = "uid-1") -> dict[str, Any]:
+    group, _, version = obj["apiVersion"].rpartition("/")
+    meta = obj.get("metadata", {})
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": group, "version": version, "kind": obj["kind"]},
+            "resource": {"group": group, "version": version, "resource": obj["kind"].lower() + "s"},
+            "namespace": meta.get("namespace", "default"),
+            "name": meta.get("name", ""),
+            "operation": operation,
+            "userInfo": {"username": "kubernetes-admin"},
+            "object": obj,
+            "oldObject": None,
+            "dryRun": False,
+        },
+    }
+
+
+def apply_patch(obj: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
+    import base64
+
+    import jsonpatch
+
+    assert response["patchType"] == "JSONPatch"
+    patch = json.loads(base64.b64decode(response["patch"]))
+    return jsonpatch.apply_patch(obj, patch)
+
+
+
+# ----------------------------------------------------------------------------- values documentation
+
+
+def documented_values(text: str) -> dict[str, tuple[Any, str]]:
+    """Keys of values.yaml that carry a ``# --`` comment (the helm-docs convention), with their
+    default and description. Line-based: keys are nested by two-space indentation."""
+    values = yaml.safe_load(text)
+    out: dict[str, tuple[Any, str]] = {}
+    stack: list[tuple[int, str]] = []
+    comment: list[str] | None = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip(" "))
+        if stripped.startswith("# --"):
+            comment = [stripped[4:].strip()]
+            continue
+        if stripped.startswith("#") and comment is not None:
+            comment.append(stripped.lstrip("#").strip())
+            continue
+        if not stripped or stripped.startswith("#") or stripped.startswith("- "):
+            if not stripped.startswith("- "):
+                comment = None
+            continue
+        key = stripped.split(":", 1)[0]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, key))
+        if comment is not None:
+            path = ".".join(k for _, k in stack)
+            out[path] = (dig(values, tuple(k for _, k in stack)), " ".join(comment))
+            comment = None
+    return out
+
+
+def default_cell(value: Any) -> str:
+    return "`" + json.dumps(value, separators=(", ", ": ")) + "`"
