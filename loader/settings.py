@@ -1,0 +1,122 @@
+"""Loader settings: one dataclass, built once (from arguments and ``SHARDCACHE_*`` variables)
+when a :class:`~loader.ShardLoader` is made, then passed down. Nothing deeper reads the
+environment, so a loader pickled into a DataLoader worker behaves exactly like its parent."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from loader.errors import ConfigError
+
+__all__ = ["LoaderSettings"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """How a loader reaches its data and its master. Defaults suit a pod with an injected sidecar."""
+
+    endpoint: str | None = None
+    """Cache daemon or sidecar (``http://127.0.0.1:8600`` or ``unix:///run/shardcache/daemon.sock``);
+    None reads the origin directly. Env ``SHARDCACHE_ENDPOINT`` (set by the injected sidecar)."""
+
+    master: str | None = None
+    """Master URL(s), comma-separated, used when a job is named without ``master=``.
+    Env ``SHARDCACHE_MASTER``."""
+
+    node: str = ""
+    """Node name reported to the master with each lease request (which node caches what).
+    Env ``SHARDCACHE_NODE``, else ``NODE_NAME`` (Kubernetes downward API), else the host name."""
+
+    short_circuit: bool = True
+    """Ask the daemon for the cached file's path and read it directly when it is readable here
+    (cache dir mounted read-only in the pod). Env ``SHARDCACHE_SHORT_CIRCUIT``."""
+
+    lease_ahead: int = 1
+    """Shards leased (dynamic) or planned (static) beyond the one being read; the daemon is asked
+    to prefetch them with priority ``lease``. More hides origin latency; each one held also delays
+    other trainers at the end of an epoch."""
+
+    verify: bool = True
+    """Check each shard's size and xxh3_128 against the manifest after reading it; a mismatch
+    raises :class:`~loader.errors.CorruptShard` (and fails the lease with a master)."""
+
+    read_chunk_bytes: int = 1 << 20
+    """Bytes requested from the source per read call; the whole shard is never held in memory."""
+
+    max_member_bytes: int = 1 << 31
+    """Largest tar member accepted (it is held in memory as one sample field); a header claiming
+    more is treated as corruption rather than an allocation to attempt."""
+
+    io_timeout_s: float = 60.0
+    """Socket timeout for origin and daemon requests."""
+
+    io_attempts: int = 5
+    """Attempts per request (and per resumed stream) before :class:`~loader.errors.SourceError`."""
+
+    retry_backoff_s: float = 0.2
+    """First retry delay; doubles on each further attempt (with jitter), capped at 5 s."""
+
+    master_deadline_s: float = 60.0
+    """How long one master call keeps retrying an unreachable master before giving up."""
+
+    wait_max_s: float = 5.0
+    """Longest sleep between lease requests while the master answers ``wait``."""
+
+    renew_fraction: float = 1 / 3
+    """Leases are renewed every ``ttl * renew_fraction`` seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.node.strip():
+            object.__setattr__(self, "node", socket.gethostname() or "unknown")
+        if self.lease_ahead < 0 or self.lease_ahead > 64:
+            raise ConfigError(f"lease_ahead must be between 0 and 64, not {self.lease_ahead}")
+        if self.read_chunk_bytes < 4096:
+            raise ConfigError(f"read_chunk_bytes must be at least 4096, not {self.read_chunk_bytes}")
+        if self.max_member_bytes < 1:
+            raise ConfigError("max_member_bytes must be positive")
+        if self.io_attempts < 1:
+            raise ConfigError("io_attempts must be at least 1")
+        if not 0 < self.renew_fraction < 1:
+            raise ConfigError("renew_fraction must be between 0 and 1 (exclusive)")
+        if self.endpoint is not None:
+            endpoint = self.endpoint.strip().rstrip("/")
+            if endpoint and not endpoint.startswith(("http://", "https://", "unix://")):
+                raise ConfigError(
+                    f"invalid cache endpoint {self.endpoint!r}: use http://127.0.0.1:8600 or "
+                    "unix:///run/shardcache/daemon.sock (or unset SHARDCACHE_ENDPOINT to read the origin)"
+                )
+            object.__setattr__(self, "endpoint", endpoint or None)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> LoaderSettings:
+        """Settings from ``SHARDCACHE_*`` variables, then ``overrides`` (None values ignored)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        if env.get("SHARDCACHE_ENDPOINT", "").strip():
+            values["endpoint"] = env["SHARDCACHE_ENDPOINT"]
+        if env.get("SHARDCACHE_MASTER", "").strip():
+            values["master"] = env["SHARDCACHE_MASTER"].strip()
+        values["node"] = (
+            env.get("SHARDCACHE_NODE", "").strip() or env.get("NODE_NAME", "").strip() or socket.gethostname()
+        )
+        raw = env.get("SHARDCACHE_SHORT_CIRCUIT")
+        if raw is not None:
+            lowered = raw.strip().lower()
+            if lowered not in _TRUE | _FALSE:
+                raise ConfigError(f"SHARDCACHE_SHORT_CIRCUIT={raw!r}: use 1 or 0")
+            values["short_circuit"] = lowered in _TRUE
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in overrides.items():
+            if key not in names:
+                raise ConfigError(f"unknown loader setting {key!r}; known: {', '.join(sorted(names))}")
+            if value is not None:
+                values[key] = value
+        return cls(**values)

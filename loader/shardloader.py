@@ -1,0 +1,542 @@
+"""``ShardLoader``: WebDataset samples from a dataset prefix, statically sharded or leased from a
+master, read through the node cache when there is one.
+
+Static mode (no master)::
+
+    for sample in ShardLoader("s3://bucket/train/", rank=0, world_size=8, seed=1, epoch=0): ...
+
+Dynamic mode (elastic; every shard read once per epoch across all trainers)::
+
+    for sample in ShardLoader("s3://bucket/train/", job="resnet50", master="http://master:8700"): ...
+
+Iterating yields one epoch; iterating again yields the next. ``continuous=True`` yields across
+epochs without end (static) or until the job's last epoch (dynamic), for synchronous DDP where
+every rank runs a fixed number of steps: ``itertools.islice(loader, steps * batch)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from loader.dataset import Location, Shard, parse_dataset_url
+from loader.errors import ConfigError, CorruptShard, LoaderError
+from loader.settings import LoaderSettings
+from loader.sources import Source, make_source, resolve_shards
+from loader.static import rank_shards, worker_shards
+from loader.tar import iter_samples
+
+__all__ = ["ShardLoader"]
+
+log = logging.getLogger("loader")
+
+OnError = Literal["raise", "skip"]
+
+
+@dataclasses.dataclass
+class _Position:
+    """Static mode: the next sample to hand out is sample ``offset`` of the ``shard``-th shard of
+    this rank's (and worker's) plan for ``epoch``."""
+
+    epoch: int
+    shard: int = 0
+    offset: int = 0
+
+
+class _Runtime:
+    """Per-process resources (sockets, boto3 clients, ids): never pickled, rebuilt after a fork."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.source: Source | None = None
+        self.client: Any = None
+        self.trainer: str | None = None
+
+
+class ShardLoader:
+    """An iterable of WebDataset samples (``{"__key__": ..., "__url__": ..., "jpg": b"...", ...}``).
+
+    Arguments:
+        url: dataset prefix, ``s3://bucket/prefix/`` or ``file:///root/bucket/prefix/``.
+        job, master: dynamic mode. The job is created on the master if it does not exist (the
+            same arguments join the same job). ``master`` defaults to ``SHARDCACHE_MASTER``.
+        rank, world_size, seed, epoch, shuffle: static mode (defaults: rank 0 of 1, epoch 0).
+            ``seed`` and ``shuffle`` also go into a dynamic job's spec.
+        continuous: iterate across epochs without stopping at epoch ends.
+        epochs, lease_ttl_s, max_failures: the job spec in dynamic mode (``epochs=None``:
+            unbounded).
+        trainer: this trainer's id for the master (default: host-pid-random).
+        endpoint: cache daemon/sidecar URL; default ``SHARDCACHE_ENDPOINT``; ``""`` reads the
+            origin directly even when the variable is set.
+        on_error: ``"raise"`` (default) raises a shard's read error (after reporting it to the
+            master with ``fail``); ``"skip"`` logs it and goes on with the next shard.
+        settings: a :class:`~loader.settings.LoaderSettings` (default: from the environment).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        job: str | None = None,
+        master: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int = 0,
+        epoch: int | None = None,
+        shuffle: bool = True,
+        continuous: bool = False,
+        epochs: int | None = None,
+        lease_ttl_s: float = 30.0,
+        max_failures: int = 3,
+        trainer: str | None = None,
+        endpoint: str | None = None,
+        on_error: OnError = "raise",
+        settings: LoaderSettings | None = None,
+    ) -> None:
+        base = settings if settings is not None else LoaderSettings.from_env()
+        changes: dict[str, Any] = {}
+        if endpoint is not None:
+            changes["endpoint"] = endpoint
+        if master is not None:
+            changes["master"] = master
+        self.settings = dataclasses.replace(base, **changes) if changes else base
+        self.location: Location = parse_dataset_url(url)
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        self.on_error: OnError = on_error
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.continuous = bool(continuous)
+        if master is not None and job is None:
+            raise ConfigError("master= needs job= (the job's name, shared by every trainer of the job)")
+        self.job = job
+        if job is not None:
+            if not isinstance(job, str) or not job.strip():
+                raise ConfigError("job must be a non-empty name")
+            if rank is not None or world_size is not None:
+                raise ConfigError("rank/world_size are for static mode; with job= the master hands out shards")
+            if not self.settings.master:
+                raise ConfigError(
+                    f"job={job!r} needs a master: pass master='http://host:8700' or set SHARDCACHE_MASTER"
+                )
+            if epochs is not None and epochs < 1:
+                raise ConfigError("epochs must be >= 1 (or None for unbounded)")
+            if lease_ttl_s <= 0 or max_failures < 1:
+                raise ConfigError("lease_ttl_s must be > 0 and max_failures >= 1")
+        else:
+            world_size = 1 if world_size is None else int(world_size)
+            rank = 0 if rank is None else int(rank)
+            if world_size < 1 or not 0 <= rank < world_size:
+                raise ConfigError(
+                    f"rank must be in [0, world_size) and world_size >= 1, got rank={rank}, world_size={world_size}"
+                )
+        self.mode: Literal["static", "dynamic"] = "dynamic" if job is not None else "static"
+        self.rank = rank
+        self.world_size = world_size
+        self.epochs = epochs
+        self.lease_ttl_s = float(lease_ttl_s)
+        self.max_failures = int(max_failures)
+        # Fixed here, in the process that builds the loader, so that DataLoader workers (forked or
+        # pickled copies) share it: siblings are "<base>-w<i>" and can recognise each other.
+        self._trainer_base = trainer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._creator_pid = os.getpid()
+        self._worker = (0, 1)
+        self._shards: list[Shard] | None = None
+        # static progress
+        self._pos = _Position(0 if epoch is None else int(epoch))
+        self._in_progress = False
+        self._resume: _Position | None = None
+        self._generation = 0
+        # dynamic progress
+        self._next_epoch: int | None = epoch
+        self._current_epoch: int | None = None
+        self._finished = False
+        self._joined = False
+        self._by_key: dict[str, Shard] = {}
+        self._rt = _Runtime()
+
+    # -- pickling (DataLoader workers) and per-process resources ------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_rt"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._rt = _Runtime()
+
+    def _runtime(self) -> _Runtime:
+        if self._rt.pid != os.getpid():  # forked: sockets and threads of the parent are not ours
+            self._rt = _Runtime()
+        return self._rt
+
+    def _source(self) -> Source:
+        rt = self._runtime()
+        if rt.source is None:
+            rt.source = make_source(self.location, self.settings)
+        return rt.source
+
+    def _client(self) -> Any:
+        rt = self._runtime()
+        if rt.client is None:
+            from loader.master.client import MasterClient
+
+            rt.client = MasterClient(self.settings.master or "", retry_deadline_s=self.settings.master_deadline_s)
+        return rt.client
+
+    @property
+    def trainer(self) -> str:
+        """This process's trainer id for the master (one per DataLoader worker)."""
+        rt = self._runtime()
+        if rt.trainer is None:
+            base = self._trainer_base
+            worker, count = self._worker
+            if count > 1:
+                rt.trainer = f"{base}-w{worker}"
+            elif os.getpid() != self._creator_pid:
+                rt.trainer = f"{base}-p{os.getpid()}"  # a copy iterated in another process: its own trainer
+            else:
+                rt.trainer = base
+        return rt.trainer
+
+    def _siblings_hold_leases(self) -> bool:
+        """Whether another DataLoader worker of this trainer still holds a lease of the job."""
+        if self._worker[1] <= 1:
+            return False
+        prefix = f"{self._trainer_base}-w"
+        me = self.trainer
+        try:
+            trainers = self._client().status(self.job).get("trainers") or []
+        except Exception:
+            log.debug("job status for the sibling check failed", exc_info=True)
+            return False
+        return any(
+            isinstance(t, dict) and t.get("trainer") != me and str(t.get("trainer", "")).startswith(prefix)
+            and int(t.get("leases") or 0) > 0
+            for t in trainers
+        )
+
+    def close(self) -> None:
+        """Release sockets and clients (the loader can still be iterated afterwards)."""
+        rt = self._runtime()
+        if rt.source is not None:
+            rt.source.close()
+        if rt.client is not None:
+            rt.client.close()
+        self._rt = _Runtime()
+
+    def __enter__(self) -> ShardLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public state ---------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    @property
+    def shards(self) -> list[Shard]:
+        """The dataset's shards (manifest or listing), resolved on first use."""
+        if self._shards is None:
+            self._shards = resolve_shards(self._source())
+        return self._shards
+
+    @property
+    def epoch(self) -> int | None:
+        """Static: the epoch being (or next to be) iterated. Dynamic: the epoch of the shard being
+        read (None before the first lease)."""
+        if self.mode == "static":
+            return self._pos.epoch
+        return self._current_epoch if self._current_epoch is not None else self._next_epoch
+
+    @property
+    def finished(self) -> bool:
+        """Dynamic mode: the master reported that the job ran all its epochs."""
+        return self._finished
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at ``epoch`` (like ``DistributedSampler.set_epoch``)."""
+        if self.mode == "static":
+            self._pos = _Position(int(epoch))
+            self._in_progress = False
+            self._resume = None
+        else:
+            self._next_epoch = int(epoch)
+
+    def for_worker(self, worker: int, num_workers: int) -> ShardLoader:
+        """A copy for DataLoader worker ``worker`` of ``num_workers``: static mode splits this
+        rank's shards between workers, dynamic mode gives each worker its own lease stream."""
+        if num_workers < 1 or not 0 <= worker < num_workers:
+            raise ConfigError(f"worker {worker} of {num_workers} is out of range")
+        clone = ShardLoader.__new__(ShardLoader)
+        clone.__setstate__(self.__getstate__())
+        clone._pos = dataclasses.replace(self._pos)
+        clone._worker = (worker, num_workers)
+        return clone
+
+    def state_dict(self) -> dict[str, Any]:
+        """Static mode: where to resume (epoch, shard, sample) for a checkpoint. In dynamic mode
+        the master keeps the progress, so there is nothing to save."""
+        if self.mode != "static":
+            raise ConfigError("state_dict() is for static mode; in dynamic mode the master holds the job's progress")
+        pos = self._resume or self._pos
+        return {
+            "version": 1,
+            "url": self.url,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "worker": list(self._worker),
+            "num_shards": len(self.shards),
+            "epoch": pos.epoch,
+            "shard": pos.shard,
+            "offset": pos.offset,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration continues at the saved sample."""
+        if self.mode != "static":
+            raise ConfigError(
+                "load_state_dict() is for static mode; in dynamic mode the master holds the job's progress"
+            )
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ConfigError("not a ShardLoader state (expected version 1 from state_dict())")
+        expected = {
+            "url": self.url, "seed": self.seed, "shuffle": self.shuffle, "rank": self.rank,
+            "world_size": self.world_size, "worker": list(self._worker), "num_shards": len(self.shards),
+        }
+        for name, value in expected.items():
+            if state.get(name) != value:
+                raise ConfigError(
+                    f"checkpoint was taken with {name}={state.get(name)!r} but this loader has {name}={value!r}; "
+                    "resume with the same dataset and arguments"
+                )
+        try:
+            pos = _Position(int(state["epoch"]), int(state["shard"]), int(state["offset"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError("malformed ShardLoader state: epoch, shard and offset must be integers") from exc
+        if pos.epoch < 0 or pos.shard < 0 or pos.offset < 0:
+            raise ConfigError("malformed ShardLoader state: negative position")
+        self._resume = pos
+
+    # -- iteration ------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._generation += 1
+        if self.mode == "static":
+            return self._iter_static(self._generation)
+        return self._iter_dynamic(self._generation)
+
+    def _samples(self, shard: Shard, start: int) -> Iterator[dict[str, Any]]:
+        """The shard's samples from sample ``start``, verified against what the manifest says."""
+        settings = self.settings
+        reader = self._source().open(shard)
+        try:
+            count = start
+            for sample in iter_samples(
+                reader,
+                url=self.location.shard_url(shard.key),
+                start=start,
+                chunk=settings.read_chunk_bytes,
+                max_member_bytes=settings.max_member_bytes,
+                expected_size=shard.size if settings.verify else None,
+                expected_xxh3_128=shard.xxh3_128 if settings.verify else None,
+            ):
+                count += 1
+                yield sample
+            if settings.verify and shard.samples is not None and count != shard.samples:
+                if count < start:
+                    raise CorruptShard(
+                        f"asked to resume at sample {start} but the shard ends earlier",
+                        url=self.location.shard_url(shard.key),
+                    )
+                raise CorruptShard(
+                    f"holds {count} samples, the manifest says {shard.samples}", url=self.location.shard_url(shard.key)
+                )
+        finally:
+            reader.close()
+
+    # static --------------------------------------------------------------------------------
+
+    def _plan(self, epoch: int) -> list[Shard]:
+        shards = self.shards
+        assert self.rank is not None and self.world_size is not None
+        indices = rank_shards(len(shards), self.rank, self.world_size, self.seed, epoch, self.shuffle)
+        indices = worker_shards(indices, *self._worker)
+        return [shards[i] for i in indices]
+
+    def _iter_static(self, generation: int) -> Iterator[dict[str, Any]]:
+        if self._resume is not None:
+            self._pos, self._resume = self._resume, None
+        elif self._in_progress:
+            self._pos = _Position(self._pos.epoch + 1)
+        pos = self._pos
+        self._in_progress = True
+        while True:
+            plan = self._plan(pos.epoch)
+            while pos.shard < len(plan):
+                shard = plan[pos.shard]
+                ahead = plan[pos.shard + 1 : pos.shard + 1 + self.settings.lease_ahead]
+                if ahead:
+                    self._source().prefetch(ahead)
+                try:
+                    for sample in self._samples(shard, pos.offset):
+                        if self._generation != generation:
+                            return  # a newer iteration took over this loader
+                        pos.offset += 1
+                        yield sample
+                except LoaderError as exc:
+                    if self.on_error == "raise":
+                        raise
+                    log.warning("skipping shard %s: %s", shard.key, exc)
+                if self._generation != generation:
+                    return
+                pos.shard += 1
+                pos.offset = 0
+            log.debug("static epoch %d done: %d shards", pos.epoch, len(plan))
+            pos.epoch += 1
+            pos.shard = 0
+            pos.offset = 0
+            if not self.continuous:
+                self._in_progress = False
+                return
+
+    # dynamic -------------------------------------------------------------------------------
+
+    def _job_spec(self) -> dict[str, Any]:
+        return {
+            "name": self.job,
+            "dataset": self.url,
+            "shards": [s.spec() for s in self.shards],
+            "epochs": self.epochs,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "lease_ttl_s": self.lease_ttl_s,
+            "max_failures": self.max_failures,
+        }
+
+    def _join(self) -> dict[str, Any]:
+        """Create the job, or join the identical one other trainers created."""
+        from loader.master.errors import JobConflict
+
+        client = self._client()
+        try:
+            status: dict[str, Any] = client.create_job(self._job_spec())
+        except JobConflict as exc:
+            raise JobConflict(
+                f"job {self.job!r} exists on the master with a different spec ({exc.message}); start every "
+                "trainer of a job with the same dataset and arguments, or use a new job name"
+            ) from exc
+        self._joined = True
+        self._by_key = {s.key: s for s in self.shards}
+        return status
+
+    def _iter_dynamic(self, generation: int) -> Iterator[dict[str, Any]]:
+        from loader.leases import LeaseStream, Renewer
+
+        client = self._client()
+        job = self.job
+        assert job is not None  # dynamic mode
+        status = self._join() if not self._joined else client.status(job)
+        if status.get("finished"):
+            self._finished = True
+        if self._finished:
+            return
+        epoch: int | None = None
+        if not self.continuous:
+            current = int(status.get("epoch") or 0)
+            # A fresh DataLoader worker starts from a stale copy: never go back before the
+            # master's current epoch, and never re-enter an epoch this loader already finished.
+            epoch = max(current, self._next_epoch or 0)
+            self._next_epoch = epoch
+        trainer = self.trainer
+        renewer = Renewer(client, job, trainer, self.settings.renew_fraction)
+        source = self._source()
+        stream = LeaseStream(
+            client,
+            job,
+            trainer,
+            self.settings.node,
+            epoch,
+            self.settings.lease_ahead,
+            renewer,
+            self.settings.wait_max_s,
+            on_granted=lambda held: source.prefetch([self._shard_for(h) for h in held]),
+            should_stop=lambda: self._generation != generation,
+            # A DataLoader takes results from its workers in order: a worker blocked waiting for
+            # its siblings' last shards would stall them (their samples are never taken, so they
+            # never complete). It ends its epoch instead; the last sibling waits for the others.
+            yield_to_siblings=self._siblings_hold_leases if self._worker[1] > 1 else None,
+        )
+        clean = False
+        try:
+            for held in stream:
+                self._current_epoch = held.epoch
+                yield from self._read_leased(held, renewer, generation)
+                if self._generation != generation:
+                    return
+            clean = True
+        finally:
+            renewer.stop(final_renew=not clean)
+        if stream.finished:
+            self._finished = True
+        if epoch is not None:
+            self._next_epoch = max(epoch + 1, stream.next_epoch or 0)
+        self._current_epoch = None
+
+    def _shard_for(self, held: Any) -> Shard:
+        shard = self._by_key.get(held.key)
+        if shard is None:
+            # Not in our listing (the job was created from another listing): read it unverified.
+            shard = Shard(held.shard, held.key)
+        return shard
+
+    def _read_leased(self, held: Any, renewer: Any, generation: int) -> Iterator[dict[str, Any]]:
+        from loader.master.errors import LeaseLost, MasterError
+
+        client = self._client()
+        shard = self._shard_for(held)
+        try:
+            for sample in self._samples(shard, held.start):
+                if held.stale() and not held.lost:
+                    renewer.renew(held)  # paused past the TTL: make sure the shard is still ours
+                if held.lost or self._generation != generation:
+                    log.info("stopped reading %s at sample %d: lease lost", held.key, held.position)
+                    return
+                held.position += 1
+                yield sample
+        except LoaderError as exc:
+            held.done = True
+            renewer.discard(held)
+            try:
+                state = client.fail(self.job, held.lease, self.trainer, str(exc)[:2000])
+            except MasterError as fail_exc:
+                state = f"unreported ({fail_exc})"
+            log.warning("shard %s (epoch %d) failed, now %s: %s", held.key, held.epoch, state, exc)
+            if self.on_error == "raise":
+                raise
+            return
+        if held.lost:
+            return
+        held.done = True
+        renewer.discard(held)
+        try:
+            client.complete(self.job, held.lease, self.trainer)
+        except LeaseLost as exc:
+            log.warning("completion of %s (epoch %d) refused: %s", held.key, held.epoch, exc)
+            return
+        except MasterError as exc:
+            # The lease will expire and be re-issued at the last renewed offset.
+            log.error("could not complete %s (epoch %d): %s", held.key, held.epoch, exc)
+            return
+        log.debug("completed shard %s epoch %d lease %s", held.key, held.epoch, held.lease)

@@ -1,0 +1,407 @@
+"""Byte sources behind one interface: a local directory (``file://``), S3 directly (boto3), or
+the cache daemon over HTTP (with short-circuit reads of its cache files).
+
+A source opens a shard as a plain reader (``read(n)``, ``close()``) that the tar parser streams
+from; broken connections are resumed at the byte reached (HTTP ``Range``), so a flaky network
+costs a reconnect rather than a failed shard. Sources hold sockets and boto3 clients, so each
+process makes its own (see ``ShardLoader``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from loader.daemon import RETRYABLE_HTTP, DaemonClient, ListedObject
+from loader.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, Location, Shard, check_key, parse_manifest
+from loader.errors import (
+    AccessDenied,
+    ConfigError,
+    DatasetNotFound,
+    LoaderError,
+    ShardNotFound,
+    SourceError,
+)
+from loader.settings import LoaderSettings
+
+__all__ = ["Source", "Reader", "FileSource", "S3Source", "DaemonSource", "make_source", "resolve_shards"]
+
+log = logging.getLogger(__name__)
+
+
+class Reader(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    location: Location
+    via: str  # "file", "s3" or the daemon's endpoint; shown in errors and logs
+
+    def open(self, shard: Shard) -> Reader: ...
+
+    def read_manifest(self) -> bytes | None: ...
+
+    def list_objects(self) -> Iterator[ListedObject]: ...
+
+    def prefetch(self, shards: Sequence[Shard]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_source(location: Location, settings: LoaderSettings) -> Source:
+    if settings.endpoint:
+        return DaemonSource(location, settings.endpoint, settings)
+    if location.scheme == "s3":
+        return S3Source(location, settings)
+    return FileSource(location, settings)
+
+
+def resolve_shards(source: Source) -> list[Shard]:
+    """The dataset's shards: from ``manifest.json`` at the prefix, else a listing of ``*.tar``."""
+    data = source.read_manifest()
+    if data is not None:
+        return parse_manifest(data, f"{source.location.url}{MANIFEST_NAME}")
+    listed = sorted((obj for obj in source.list_objects() if obj.key.endswith(".tar")), key=lambda o: o.key)
+    if not listed:
+        raise DatasetNotFound(
+            f"{source.location.url}: no {MANIFEST_NAME} and no *.tar shards under this prefix "
+            "(check the URL, or build a manifest with `shardcache index`)"
+        )
+    return [
+        Shard(i, check_key(obj.key, source.location.url), obj.size, None, None, obj.etag)
+        for i, obj in enumerate(listed)
+    ]
+
+
+class _Resuming:
+    """A reader that reopens its object at the byte reached when the connection breaks."""
+
+    def __init__(
+        self,
+        open_at: Callable[[int], tuple[Reader, str | None]],
+        what: str,
+        settings: LoaderSettings,
+        retryable: tuple[type[BaseException], ...],
+    ) -> None:
+        self._open_at = open_at
+        self._what = what
+        self._settings = settings
+        self._retryable = retryable
+        self._raw: Reader | None
+        self._raw, self._etag = open_at(0)
+        self.position = 0
+
+    def read(self, n: int = -1, /) -> bytes:
+        delay = self._settings.retry_backoff_s
+        last: BaseException | None = None
+        for attempt in range(self._settings.io_attempts):
+            if attempt:
+                time.sleep(delay * (0.5 + random.random() / 2))
+                delay = min(delay * 2, 5.0)
+            if self._raw is None:
+                try:
+                    self._raw, etag = self._open_at(self.position)
+                except SourceError as exc:
+                    last = exc
+                    continue
+                if self._etag and etag and etag != self._etag:
+                    raise SourceError(
+                        f"{self._what}: the object changed while it was read (ETag {self._etag} -> {etag})"
+                    )
+            try:
+                data = self._raw.read(n)
+            except LoaderError:
+                raise
+            except self._retryable as exc:
+                last = exc
+                log.info("%s: connection broke at byte %d (%s); resuming", self._what, self.position, exc)
+                with contextlib.suppress(Exception):
+                    self._raw.close()
+                self._raw = None
+                continue
+            self.position += len(data)
+            return data
+        raise SourceError(f"{self._what}: reading failed after {self._settings.io_attempts} attempts: {last}") from last
+
+    def close(self) -> None:
+        if self._raw is not None:
+            with contextlib.suppress(Exception):
+                self._raw.close()
+            self._raw = None
+
+
+# -- local directory ----------------------------------------------------------------------------
+
+
+class FileSource:
+    """``file:///root/bucket/prefix/`` read straight from the local file system."""
+
+    via = "file"
+
+    def __init__(self, location: Location, settings: LoaderSettings) -> None:
+        self.location = location
+        self._base = location.prefix
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._base, *check_key(key, self.location.url).split("/"))
+
+    def open(self, shard: Shard) -> Reader:
+        path = self._path(shard.key)
+        try:
+            return open(path, "rb", buffering=0)
+        except FileNotFoundError as exc:
+            raise ShardNotFound(f"{self.location.url}{shard.key}: no such file") from exc
+        except PermissionError as exc:
+            raise AccessDenied(f"{self.location.url}{shard.key}: permission denied") from exc
+        except OSError as exc:
+            raise SourceError(f"{self.location.url}{shard.key}: {exc.strerror or exc}") from exc
+
+    def read_manifest(self) -> bytes | None:
+        path = os.path.join(self._base, MANIFEST_NAME)
+        try:
+            with open(path, "rb") as handle:
+                return handle.read(MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SourceError(f"{self.location.url}{MANIFEST_NAME}: {exc.strerror or exc}") from exc
+
+    def list_objects(self) -> Iterator[ListedObject]:
+        if not os.path.isdir(self._base):
+            raise DatasetNotFound(f"{self.location.url}: no such directory")
+        for root, dirs, files in os.walk(self._base, onerror=None):
+            dirs.sort()
+            rel_root = os.path.relpath(root, self._base)
+            for name in sorted(files):
+                rel = name if rel_root == "." else f"{rel_root.replace(os.sep, '/')}/{name}"
+                try:
+                    size = os.stat(os.path.join(root, name)).st_size
+                except OSError:
+                    continue  # vanished while listing
+                yield ListedObject(rel, size, None)
+
+    def prefetch(self, shards: Sequence[Shard]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+# -- S3 directly --------------------------------------------------------------------------------
+
+
+class S3Source:
+    """``s3://bucket/prefix/`` through boto3: the standard credential chain, ``AWS_ENDPOINT_URL``."""
+
+    via = "s3"
+
+    def __init__(self, location: Location, settings: LoaderSettings) -> None:
+        import boto3
+        import botocore.exceptions
+        from botocore.config import Config
+        from urllib3.exceptions import HTTPError as Urllib3Error
+
+        self.location = location
+        self._settings = settings
+        config = Config(
+            retries={"max_attempts": settings.io_attempts, "mode": "standard"},
+            connect_timeout=min(settings.io_timeout_s, 10.0),
+            read_timeout=settings.io_timeout_s,
+        )
+        self._client: Any = boto3.session.Session().client("s3", config=config)
+        self._client_error = botocore.exceptions.ClientError
+        self._retryable: tuple[type[BaseException], ...] = (
+            *RETRYABLE_HTTP,
+            botocore.exceptions.BotoCoreError,
+            Urllib3Error,
+        )
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except self._client_error as exc:
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            message = f"{what}: {code} ({error.get('Message') or exc})"
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise ShardNotFound(message) from exc
+            if code == "NoSuchBucket":
+                raise DatasetNotFound(message) from exc
+            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
+                raise AccessDenied(message) from exc
+            raise SourceError(message) from exc
+        except LoaderError:
+            raise
+        except self._retryable as exc:
+            raise SourceError(f"{what}: {exc.__class__.__name__}: {exc}") from exc
+
+    def _get(self, key: str, offset: int = 0, etag: str | None = None) -> tuple[Reader, str | None]:
+        args: dict[str, Any] = {"Bucket": self.location.bucket, "Key": self.location.prefix + key}
+        if offset:
+            args["Range"] = f"bytes={offset}-"
+        if etag:
+            args["IfMatch"] = f'"{etag}"'
+        with self._errors(f"s3://{self.location.bucket}/{self.location.prefix}{key}"):
+            answer = self._client.get_object(**args)
+        tag = answer.get("ETag")
+        return answer["Body"], tag.strip('"') if tag else None
+
+    def open(self, shard: Shard) -> Reader:
+        check_key(shard.key, self.location.url)
+        first: dict[str, str | None] = {"etag": None}
+
+        def open_at(offset: int) -> tuple[Reader, str | None]:
+            reader, etag = self._get(shard.key, offset, first["etag"] if offset else None)
+            if not offset:
+                first["etag"] = etag
+            return reader, etag
+
+        return _Resuming(open_at, self.location.url + shard.key, self._settings, self._retryable)
+
+    def read_manifest(self) -> bytes | None:
+        try:
+            reader, _ = self._get(MANIFEST_NAME)
+        except ShardNotFound:
+            return None
+        with self._errors(self.location.url + MANIFEST_NAME):
+            try:
+                return reader.read(MAX_MANIFEST_BYTES + 1)
+            finally:
+                reader.close()
+
+    def list_objects(self) -> Iterator[ListedObject]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        with self._errors(f"listing {self.location.url}"):
+            for page in paginator.paginate(Bucket=self.location.bucket, Prefix=self.location.prefix):
+                for item in page.get("Contents", []):
+                    key = item["Key"][len(self.location.prefix) :]
+                    etag = item.get("ETag")
+                    yield ListedObject(key, int(item.get("Size", 0)), etag.strip('"') if etag else None)
+
+    def prefetch(self, shards: Sequence[Shard]) -> None:
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+
+# -- the cache daemon ---------------------------------------------------------------------------
+
+
+class _HTTPBody:
+    def __init__(self, resp: http.client.HTTPResponse, conn: http.client.HTTPConnection) -> None:
+        self._resp, self._conn = resp, conn
+
+    def read(self, n: int = -1, /) -> bytes:
+        data = self._resp.read(n if n >= 0 else None)
+        if not data and n != 0 and self._resp.length:
+            # http.client answers b"" when the peer closes before Content-Length is reached;
+            # that is a broken connection (resume it), not the end of the object.
+            raise http.client.IncompleteRead(b"", self._resp.length)
+        return data
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class DaemonSource:
+    """The dataset read through ``shardcache serve`` (sidecar or node daemon) over HTTP.
+
+    ``s3://bucket/prefix/`` maps to ``/{bucket}/{prefix}...``; ``file:///root/bucket/prefix/``
+    maps through the daemon's origin root (``GET /_shardcache/stats``) to ``/{bucket}/{prefix}``.
+    """
+
+    def __init__(self, location: Location, endpoint: str, settings: LoaderSettings) -> None:
+        self.location = location
+        self.via = endpoint
+        self._settings = settings
+        self._client = DaemonClient(endpoint, settings)
+        self._short_circuit = settings.short_circuit
+        self._bucket, self._prefix = self._map(location)
+
+    def _map(self, location: Location) -> tuple[str, str]:
+        if location.scheme == "s3":
+            return location.bucket, location.prefix
+        origin = self._client.origin()
+        if not origin.startswith("file://"):
+            raise ConfigError(
+                f"dataset {location.url} is a local directory but the cache at {self.via} serves origin "
+                f"{origin!r}: point endpoint= at a daemon started with --origin file://..., or pass endpoint='' "
+                "to read the directory directly"
+            )
+        root = origin[len("file://") :].rstrip("/") + "/"
+        if not location.prefix.startswith(root):
+            raise ConfigError(
+                f"dataset {location.url} is not under the cache's origin root {origin}: use a URL below it "
+                "(file:///root/bucket/prefix/) or pass endpoint='' to read the directory directly"
+            )
+        bucket, _, prefix = location.prefix[len(root) :].partition("/")
+        if not bucket:
+            raise ConfigError(f"dataset {location.url}: the first directory under {origin} is the bucket; name one")
+        return bucket, prefix
+
+    def open(self, shard: Shard) -> Reader:
+        key = self._prefix + check_key(shard.key, self.location.url)
+        what = self.location.url + shard.key
+        if self._short_circuit:
+            obj = self._client.open_object(self._bucket, key, short_circuit=True)
+            if obj.path is not None:
+                handle = self._open_short_circuit(obj.path, obj.size)
+                if handle is not None:
+                    return handle
+            elif obj.response is not None and obj.conn is not None:
+                return self._resuming(key, what, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
+        return self._resuming(key, what)
+
+    def _open_short_circuit(self, path: str, size: int | None) -> Reader | None:
+        try:
+            handle = open(path, "rb", buffering=0)
+        except OSError as exc:
+            # The cache dir is not mounted in this pod (or not readable): stream over HTTP from now on.
+            log.info("short-circuit path %s not readable here (%s); reading through %s", path, exc, self.via)
+            self._short_circuit = False
+            return None
+        if size is not None and os.fstat(handle.fileno()).st_size != size:
+            handle.close()
+            log.warning("short-circuit file %s has the wrong size; reading through %s", path, self.via)
+            self._short_circuit = False
+            return None
+        return handle
+
+    def _resuming(self, key: str, what: str, first: tuple[Reader, str | None] | None = None) -> Reader:
+        pending = [first] if first is not None else []
+
+        def open_at(offset: int) -> tuple[Reader, str | None]:
+            if pending and not offset:
+                return pending.pop()
+            obj = self._client.open_object(self._bucket, key, offset=offset)
+            assert obj.response is not None and obj.conn is not None
+            return _HTTPBody(obj.response, obj.conn), obj.etag
+
+        return _Resuming(open_at, what, self._settings, RETRYABLE_HTTP)
+
+    def read_manifest(self) -> bytes | None:
+        try:
+            return self._client.get_small(self._bucket, self._prefix + MANIFEST_NAME)
+        except ShardNotFound as exc:
+            raise DatasetNotFound(f"{self.location.url}: {exc}") from exc
+
+    def list_objects(self) -> Iterator[ListedObject]:
+        for obj in self._client.list_objects(self._bucket, self._prefix):
+            yield ListedObject(obj.key[len(self._prefix) :], obj.size, obj.etag)
+
+    def prefetch(self, shards: Sequence[Shard]) -> None:
+        self._client.prefetch([(self._bucket, self._prefix + s.key) for s in shards], "lease")
+
+    def close(self) -> None:
+        return None
