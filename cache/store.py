@@ -118,22 +118,42 @@ class Writer:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._hasher = xxhash.xxh3_128()
         self._hashed = 0
+        self._hash_lock = threading.Lock()
         self._closed = False
         self._reserved = size
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
-        if offset < 0 or offset + len(data) > self.size:
-            raise IntegrityError(f"write of {len(data)} bytes at {offset} is outside an object of {self.size} bytes")
-        view = memoryview(data)
+        self.writev_at(offset, [data])
+
+    def writev_at(self, offset: int, chunks: list[bytes | memoryview]) -> None:
+        """Write ``chunks`` back to back at ``offset`` with one vectored write (no joining copy).
+
+        Bytes that extend the hashed prefix are hashed from memory here; bytes landing beyond it
+        (a later part of a parallel fill) are hashed by reading them back once the gap is filled.
+        """
+        total = sum(len(chunk) for chunk in chunks)
+        if offset < 0 or offset + total > self.size:
+            raise IntegrityError(f"write of {total} bytes at {offset} is outside an object of {self.size} bytes")
+        views = [memoryview(chunk) for chunk in chunks if len(chunk)]
+        position = offset
         try:
-            while view:
-                written = os.pwrite(self.fd, view, offset)
-                view = view[written:]
-                offset += written
+            while views:
+                written = os.pwritev(self.fd, views, position)
+                position += written
+                while views and written >= len(views[0]):
+                    written -= len(views[0])
+                    views.pop(0)
+                if views and written:
+                    views[0] = views[0][written:]
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise NoSpace(exc.errno, f"cache file system full while writing {self.key}: {exc.strerror}") from exc
             raise
+        with self._hash_lock:
+            if offset == self._hashed:
+                for chunk in chunks:
+                    self._hasher.update(chunk)
+                self._hashed += total
 
     def read_at(self, offset: int, length: int) -> bytes:
         """Read back bytes already written (streaming to readers while the fill goes on)."""
@@ -141,12 +161,13 @@ class Writer:
 
     def hash_upto(self, end: int) -> None:
         """Advance the checksum over ``[hashed, end)``, which the caller knows is written."""
-        while self._hashed < end:
-            chunk = os.pread(self.fd, min(_HASH_CHUNK, end - self._hashed), self._hashed)
-            if not chunk:
-                raise IntegrityError(f"temp file shorter than {end} bytes")
-            self._hasher.update(chunk)
-            self._hashed += len(chunk)
+        with self._hash_lock:
+            while self._hashed < end:
+                chunk = os.pread(self.fd, min(_HASH_CHUNK, end - self._hashed), self._hashed)
+                if not chunk:
+                    raise IntegrityError(f"temp file shorter than {end} bytes")
+                self._hasher.update(chunk)
+                self._hashed += len(chunk)
 
     def commit(self) -> Entry:
         """Verify, fsync and publish. On any failure the temp file is removed and nothing is published."""
@@ -373,6 +394,19 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
+
+    def known_good(self, entry: Entry) -> bool:
+        """Whether this process verified the entry's file and nothing has changed it since as far
+        as the index knows (no stat: cheap enough for the event loop)."""
+        with self._lock:
+            return entry.id in self._verified and entry.id in self._entries
+
+    def touch_in_memory(self, entry: Entry) -> None:
+        """Refresh LRU recency without touching the disk (the on-disk recency is refreshed by
+        the next :meth:`touch`)."""
+        with self._lock:
+            if entry.id in self._entries:
+                self._entries.move_to_end(entry.id)
 
     def touch(self, entry: Entry) -> None:
         now = time.time()

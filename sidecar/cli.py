@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # command not built in this install
         module.register(sub)
+    for command_parser in sub.choices.values():
+        # accepted after the command too (shardcache serve --log-level DEBUG); SUPPRESS keeps the
+        # top-level value when it is not given there
+        command_parser.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level")
     return parser
 
 

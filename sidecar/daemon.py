@@ -187,6 +187,11 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
     short_circuit = request.headers.get("x-shardcache-short-circuit") == "1"
     if store is not None:
         entry = store.lookup(bucket, key, xxh3_128=expected)
+        if entry is not None and short_circuit and store.known_good(entry):
+            # The caller reads the file itself: no open, no executor hop, just the path.
+            store.touch_in_memory(entry)
+            metrics.cache_lookups.labels(result="hit").inc()
+            return _short_circuit_answer(request, store, entry, "hit")
         if entry is not None:
             with store.pinned(entry):
                 opened = await _open_hit(store, entry)
@@ -215,10 +220,12 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
     status, start, end = _range_headers(headers, rng, info.size)
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
-    body = _fill_body(fetcher, fill, start, end) if fill.cacheable else fetcher.passthrough(
-        bucket, key, start, end, info.etag or None
-    )
-    source = "miss" if fill.cacheable else "passthrough"
+    if fill.cacheable:
+        await _send_fill(request, response, fetcher, fill, start, end, state)
+        metrics.request_duration.labels(cache=state).observe(time.perf_counter() - began)
+        return response
+    body = fetcher.passthrough(bucket, key, start, end, info.etag or None)
+    source = "passthrough"
     # Pull the first chunk before committing to a 200: an origin that fails at once still gets
     # its proper S3 error answer instead of a truncated body.
     first = await anext(body, b"")
@@ -234,24 +241,50 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
     return response
 
 
-async def _fill_body(fetcher: Fetcher, fill: Fill, start: int, end: int) -> AsyncIterator[bytes]:
-    """Stream from the shared fill; if caching fails underneath (disk full), finish from the origin."""
+async def _send_fill(
+    request: web.Request, response: web.StreamResponse, fetcher: Fetcher, fill: Fill, start: int, end: int, state: str
+) -> None:
+    """Send ``[start, end)`` of a fill in progress with sendfile from its temp file, as the bytes
+    land. If caching fails underneath (disk full), finish from the origin at the byte reached."""
+    metrics = request.app[METRICS]
+    loop = asyncio.get_running_loop()
     sent = start
     try:
-        async for chunk in fill.stream(start, end):
-            sent += len(chunk)
-            if sent >= end and fill.expected_xxh3:
+        async for fd, offset, length in fill.ranges(start, end):
+            if offset + length >= end and fill.expected_xxh3:
                 # The caller named the checksum it expects: hold the last bytes back until the
                 # fill is verified, so a mismatch reaches it as an error, not as wrong data.
                 await fill.wait_done()
-            yield chunk
+            if not response.prepared:
+                # Prepared only once bytes exist: a fill failing at once still gets an S3 error.
+                await response.prepare(request)
+            transport = request.transport
+            if transport is None:
+                raise ConnectionResetError("client went away")
+            with os.fdopen(fd, "rb", closefd=False) as fobj:
+                await loop.sendfile(transport, fobj, offset, length)
+            sent = offset + length
+            metrics.served_bytes.labels(source=state).inc(length)
     except (CacheError, OSError) as exc:
-        if isinstance(exc, (OriginError, IntegrityError)):
+        if isinstance(exc, (OriginError, IntegrityError, ConnectionError)) or not fill.info:
             raise
         log.warning("cache fill of %s/%s failed (%s); serving from the origin", fill.bucket, fill.key, exc)
-        etag = fill.info.etag if fill.info else None
-        async for chunk in fetcher.passthrough(fill.bucket, fill.key, sent, end, etag or None):
-            yield chunk
+        async for chunk in fetcher.passthrough(fill.bucket, fill.key, sent, end, fill.info.etag or None):
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write(chunk)
+            metrics.served_bytes.labels(source="passthrough").inc(len(chunk))
+    if not response.prepared:  # an empty range
+        await response.prepare(request)
+    await response.write_eof()
+
+
+def _short_circuit_answer(request: web.Request, store: Store, entry: Entry, state: str) -> web.Response:
+    headers = _object_headers(entry.size, entry.etag, state)
+    headers["x-shardcache-path"] = str(store.data_path(entry))
+    headers["x-shardcache-size"] = str(entry.size)
+    request.app[METRICS].served_bytes.labels(source="short_circuit").inc(entry.size)
+    return web.Response(status=200, headers=headers)
 
 
 async def _serve_entry(
@@ -262,10 +295,7 @@ async def _serve_entry(
     headers = _object_headers(entry.size, entry.etag, state)
     if short_circuit:
         os.close(fd)
-        headers["x-shardcache-path"] = str(store.data_path(entry))
-        headers["x-shardcache-size"] = str(entry.size)
-        metrics.served_bytes.labels(source="short_circuit").inc(entry.size)
-        return web.Response(status=200, headers=headers)
+        return _short_circuit_answer(request, store, entry, state)
     try:
         rng = parse_range(request.headers.get("Range"), entry.size)
     except BaseException:

@@ -40,10 +40,14 @@ _WRITE_BUFFER = 1024 * 1024
 @dataclass(frozen=True)
 class FetchSettings:
     part_size: int = 8 * 1024 * 1024
-    """Bytes per ranged GET. Objects up to this size take a single request."""
+    """Bytes per ranged GET once a fill is split."""
 
     parts_per_object: int = 8
-    """Ranged GETs in flight for one object."""
+    """Ranged GETs in flight for one object once a fill is split."""
+
+    split_below_bytes_per_s: float = 200e6
+    """Split a fill into parallel ranged GETs only when its first stream delivers less than this
+    (measured from the first byte, over the first 4 MiB). 0 never splits; infinity always does."""
 
     origin_concurrency: int = 32
     """Origin requests in flight for the whole daemon."""
@@ -126,6 +130,28 @@ class Fill:
             self._readers -= 1
             self._maybe_close()
 
+    async def ranges(self, start: int, end: int) -> AsyncIterator[tuple[int, int, int]]:
+        """``(fd, offset, length)`` pieces of ``[start, end)`` as they land in the temp file, for
+        sendfile. ``fd`` stays open until the generator finishes. Raises the fill's error."""
+        self._readers += 1
+        try:
+            sent = start
+            while sent < end:
+                event = self._progress
+                if self.contiguous > sent and self._read_fd is not None:
+                    length = min(self.contiguous, end) - sent
+                    yield self._read_fd, sent, length
+                    sent += length
+                    continue
+                if self.error is not None:
+                    raise self.error
+                if self.finished:
+                    raise OriginBadResponse(f"{self.bucket}/{self.key}: fill ended at {self.contiguous}")
+                await event.wait()
+        finally:
+            self._readers -= 1
+            self._maybe_close()
+
     def _maybe_close(self) -> None:
         if self.finished and self._readers == 0 and self._read_fd is not None:
             os.close(self._read_fd)
@@ -149,6 +175,146 @@ async def retrying(
             await asyncio.sleep(random.uniform(0, delay))
             delay = min(delay * 2, settings.backoff_max_s)
     raise AssertionError("unreachable")
+
+
+class _PartedFill:
+    """The bytes of one fill: one stream from the first byte, split into parallel ranged GETs
+    only when that stream turns out slow.
+
+    The first request asks for the whole object. Once ``probe_bytes`` have arrived its rate is
+    known: an origin that streams faster than ``split_below_bytes_per_s`` (MinIO or Ceph in the
+    same rack, moto) keeps the single stream, which costs one request per object; a slow one (S3
+    over a WAN, a throttled gateway) is split: the first stream stops at the next part boundary
+    and the rest is fetched in ``part_size`` ranges by ``parts_per_object - 1`` more connections.
+    Each part retries from the byte it reached.
+    """
+
+    def __init__(self, fetcher: "Fetcher", fill: Fill, writer: Writer, info: ObjectInfo) -> None:
+        self.fetcher = fetcher
+        self.settings = fetcher.settings
+        self.metrics = fetcher.metrics
+        self.fill = fill
+        self.writer = writer
+        self.info = info
+        self.parts: list[list[int]] = [[0, info.size, 0]]  # [start, end, written]
+        self.decided = False
+        self.workers: list[asyncio.Task[None]] = []
+        self.queue: asyncio.Queue[int] = asyncio.Queue()
+
+    async def run(self, first_body: AsyncIterator[bytes]) -> None:
+        what = f"{self.fill.bucket}/{self.fill.key}"
+        try:
+            if self.info.size:
+                try:
+                    await self._sink(0, first_body)
+                except (OriginUnavailable, OriginBadResponse) as exc:
+                    self.metrics.origin_errors.labels(kind=type(exc).__name__).inc()
+                    await retrying(self.settings, self.metrics, f"{what}#0", self._attempt, 0)
+                if self.workers:
+                    await asyncio.gather(*self.workers)
+            self._advance()
+        finally:
+            for task in self.workers:
+                task.cancel()
+            for task in self.workers:
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _advance(self) -> None:
+        contiguous = 0
+        for start, end, written in self.parts:  # parts are in offset order
+            contiguous = start + written
+            if start + written < end:
+                break
+        if contiguous > self.fill.contiguous:
+            self.fill.contiguous = contiguous
+            self.fill._notify()
+
+    def _maybe_split(self, first_byte_at: float) -> None:
+        part0 = self.parts[0]
+        probe = min(4 * 1024 * 1024, self.settings.part_size)
+        if self.decided or part0[2] < probe:
+            return
+        self.decided = True
+        rate = part0[2] / max(time.perf_counter() - first_byte_at, 1e-6)
+        part_size = self.settings.part_size
+        boundary = part0[2] + part_size
+        if (
+            self.settings.parts_per_object <= 1
+            or rate >= self.settings.split_below_bytes_per_s
+            or self.info.size - boundary < part_size
+        ):
+            return
+        part0[1] = boundary
+        for start in range(boundary, self.info.size, part_size):
+            self.parts.append([start, min(start + part_size, self.info.size), 0])
+            self.queue.put_nowait(len(self.parts) - 1)
+        what = f"{self.fill.bucket}/{self.fill.key}"
+
+        async def worker() -> None:
+            while not self.queue.empty():
+                index = self.queue.get_nowait()
+                await retrying(self.settings, self.metrics, f"{what}#{index}", self._attempt, index)
+
+        count = min(self.settings.parts_per_object - 1, len(self.parts) - 1)
+        self.workers = [asyncio.create_task(worker(), name=f"part-worker:{what}") for _ in range(count)]
+
+    async def _attempt(self, index: int) -> None:
+        start, end, written = self.parts[index]
+        fill = self.fill
+        async with self.fetcher.limiter.slot(fill.priority):
+            began = time.perf_counter()
+            body = self.fetcher.origin.read(fill.bucket, fill.key, start + written, end, etag=self.info.etag or None)
+            first = await anext(body, None)
+            self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
+
+            async def chained() -> AsyncIterator[bytes]:
+                if first is not None:
+                    yield first
+                async for chunk in body:
+                    yield chunk
+
+            try:
+                await self._sink(index, chained())
+            finally:
+                await body.aclose()  # type: ignore[attr-defined]
+
+    async def _sink(self, index: int, body: AsyncIterator[bytes]) -> None:
+        part = self.parts[index]
+        chunks: list[bytes | memoryview] = []
+        pending = 0
+        first_byte_at = 0.0
+        try:
+            async for chunk in body:
+                if not first_byte_at:
+                    first_byte_at = time.perf_counter()
+                room = part[1] - (part[0] + part[2] + pending)
+                if len(chunk) > room:  # the part was shortened by a split: stop at its end
+                    chunk = memoryview(chunk)[:room]
+                chunks.append(chunk)
+                pending += len(chunk)
+                self.metrics.origin_bytes.inc(len(chunk))
+                if pending >= _WRITE_BUFFER or part[0] + part[2] + pending >= part[1]:
+                    await asyncio.to_thread(self.writer.writev_at, part[0] + part[2], chunks)
+                    part[2] += pending
+                    chunks, pending = [], 0
+                    self._advance()
+                    if index == 0 and not self.decided:
+                        self._maybe_split(first_byte_at)
+                if part[0] + part[2] >= part[1]:
+                    break
+            if chunks:
+                await asyncio.to_thread(self.writer.writev_at, part[0] + part[2], chunks)
+                part[2] += pending
+                self._advance()
+        finally:
+            if index == 0:
+                with contextlib.suppress(BaseException):
+                    await body.aclose()  # type: ignore[attr-defined]
+        if part[0] + part[2] != part[1]:
+            raise OriginBadResponse(
+                f"{self.fill.bucket}/{self.fill.key}: part ended at {part[0] + part[2]} of {part[1]}"
+            )
 
 
 class Fetcher:
@@ -216,7 +382,7 @@ class Fetcher:
     async def _open_first(self, fill: Fill) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
         async with self.limiter.slot(fill.priority):
             began = time.perf_counter()
-            result = await self.origin.read_head(fill.bucket, fill.key, self.settings.part_size)
+            result = await self.origin.read_head(fill.bucket, fill.key, None)
             self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
             return result
 
@@ -245,98 +411,9 @@ class Fetcher:
         fill._read_fd = os.open(writer.path, os.O_RDONLY)
         fill.info = info
         fill._notify()
-
-        size = info.size
-        part = self.settings.part_size
-        bounds = [(start, min(start + part, size)) for start in range(0, size, part)]
-        written = [0] * len(bounds)
-
-        def advance() -> None:
-            contiguous = 0
-            for (start, end), done in zip(bounds, written):
-                contiguous = start + done
-                if start + done < end:
-                    break
-            else:
-                contiguous = size
-            if contiguous > fill.contiguous:
-                fill.contiguous = contiguous
-                fill._notify()
-
-        async def sink(index: int, body: AsyncIterator[bytes]) -> None:
-            start, end = bounds[index]
-            buffer = bytearray()
-            async for chunk in body:
-                buffer += chunk
-                self.metrics.origin_bytes.inc(len(chunk))
-                if len(buffer) >= _WRITE_BUFFER:
-                    await self._write(writer, start + written[index], bytes(buffer))
-                    written[index] += len(buffer)
-                    buffer.clear()
-                    advance()
-            if buffer:
-                await self._write(writer, start + written[index], bytes(buffer))
-                written[index] += len(buffer)
-                advance()
-            if start + written[index] != end:
-                raise OriginBadResponse(f"{fill.bucket}/{fill.key}: part ended at {start + written[index]} of {end}")
-
-        async def attempt_part(index: int) -> None:
-            start, end = bounds[index]
-            async with self.limiter.slot(fill.priority):
-                began = time.perf_counter()
-                body = self.origin.read(fill.bucket, fill.key, start + written[index], end, etag=info.etag or None)
-                first = await anext(body, None)
-                self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
-
-                async def chained() -> AsyncIterator[bytes]:
-                    if first is not None:
-                        yield first
-                    async for chunk in body:
-                        yield chunk
-
-                await sink(index, chained())
-
-        if size == 0:
-            pass
-        else:
-            # Part 0 streams from the request that told us the size; a cut retries from where it got.
-            try:
-                await sink(0, first_body)
-            except (OriginUnavailable, OriginBadResponse):
-                await retrying(self.settings, self.metrics, f"{fill.bucket}/{fill.key}#0", attempt_part, 0)
-            if len(bounds) > 1:
-                queue: asyncio.Queue[int] = asyncio.Queue()
-                for index in range(1, len(bounds)):
-                    queue.put_nowait(index)
-
-                async def worker() -> None:
-                    while not queue.empty():
-                        index = queue.get_nowait()
-                        await retrying(
-                            self.settings, self.metrics, f"{fill.bucket}/{fill.key}#{index}", attempt_part, index
-                        )
-
-                workers = [
-                    asyncio.create_task(worker(), name=f"part-worker:{fill.key}")
-                    for _ in range(min(self.settings.parts_per_object, len(bounds) - 1))
-                ]
-                try:
-                    await asyncio.gather(*workers)
-                finally:
-                    for task in workers:
-                        task.cancel()
-                    for task in workers:
-                        with contextlib.suppress(BaseException):
-                            await task
-        advance()
-        try:
-            fill.entry = await asyncio.to_thread(writer.commit)
-        finally:
-            fill.writer = None  # committed, or commit already aborted it
-
-    async def _write(self, writer: Writer, offset: int, data: bytes) -> None:
-        await asyncio.to_thread(writer.write_at, offset, data)
+        await _PartedFill(self, fill, writer, info).run(first_body)
+        fill.entry = await asyncio.to_thread(writer.commit)
+        fill.writer = None
 
     # -- straight from the origin (nothing cached) --------------------------------------------
 

@@ -59,9 +59,9 @@ class Origin(abc.ABC):
         the version ``etag``. Does not retry."""
 
     @abc.abstractmethod
-    async def read_head(self, bucket: str, key: str, length: int) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
-        """One request that returns the object's info and its first ``length`` bytes, so a fill
-        needs no separate HEAD round trip before its parallel ranged GETs."""
+    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
+        """One request that returns the object's info and its first ``length`` bytes (``None``:
+        all of it), so a fill needs no separate HEAD round trip."""
 
     @abc.abstractmethod
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
@@ -201,9 +201,10 @@ class FileOrigin(Origin):
         async for chunk in self._chunks(fd, start, stop):
             yield chunk
 
-    async def read_head(self, bucket: str, key: str, length: int) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
+    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
         fd, st = await asyncio.to_thread(self._open, bucket, key, None)
-        return self._info(st), self._chunks(fd, 0, min(length, st.st_size))
+        end = st.st_size if length is None else min(length, st.st_size)
+        return self._info(st), self._chunks(fd, 0, end)
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
         return await asyncio.to_thread(self._list, bucket, dict(params))

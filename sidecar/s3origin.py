@@ -214,10 +214,10 @@ class S3Origin(Origin):
         async for chunk in self._stream(resp, expected, f"{bucket}/{key}"):
             yield chunk
 
-    async def read_head(self, bucket: str, key: str, length: int) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
+    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
         params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
         try:
-            resp = await self._request("GET", "get_object", params, {"Range": f"bytes=0-{max(length, 1) - 1}"})
+            resp = await self._request("GET", "get_object", params, {"Range": _first_range(length)})
         except InvalidRange:
             # An empty object has no byte 0: S3 answers 416 to any range on it.
             info = await self.head(bucket, key)
@@ -265,6 +265,11 @@ class S3Origin(Origin):
             raise OriginBadResponse(f"listing {bucket}: {exc}") from exc
         finally:
             resp.release()
+
+
+def _first_range(length: int | None) -> str:
+    # A Range (even bytes=0-) makes S3 answer 206 with Content-Range: the object's size.
+    return "bytes=0-" if length is None else f"bytes=0-{max(length, 1) - 1}"
 
 
 async def _empty() -> AsyncIterator[bytes]:
@@ -335,8 +340,8 @@ class Boto3S3Origin(S3Origin):
         async for chunk in self._body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}"):
             yield chunk
 
-    async def read_head(self, bucket: str, key: str, length: int) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
-        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "Range": f"bytes=0-{max(length, 1) - 1}"}
+    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
+        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "Range": _first_range(length)}
         try:
             resp = await asyncio.to_thread(self._call, "get_object", **params)
         except InvalidRange:

@@ -128,11 +128,22 @@ def test_fifty_concurrent_readers_cause_one_origin_fetch(s3_server, bucket, s3_d
     assert proxy.gets(key_path) == 1, proxy.log
 
 
-def test_large_object_uses_parallel_ranged_gets(s3_server, bucket, s3_daemon, proxy):
-    data = os.urandom(5 * 1024 * 1024 + 3)  # 6 parts of 1 MiB
+@pytest.mark.parametrize("split_below, gets", [(0, {1}), (float("inf"), {4, 5})])
+def test_large_object_split_into_parallel_ranged_gets_only_when_slow(
+    s3_server, bucket, tmp_path, proxy, start_daemon, split_below, gets
+):
+    from tests.daemon.conftest import make_settings, replace_fetch
+
+    data = os.urandom(5 * 1024 * 1024 + 3)
     put_objects(s3_server.client(), bucket, {"big.tar": data})
-    assert s3_daemon.client().get_object(Bucket=bucket, Key="big.tar")["Body"].read() == data
-    assert proxy.gets(f"/{bucket}/big.tar") == 6
-    s3_daemon.settle()
-    assert s3_daemon.client().get_object(Bucket=bucket, Key="big.tar")["Body"].read() == data
-    assert proxy.gets(f"/{bucket}/big.tar") == 6  # warm: no origin traffic
+    # 1 MiB parts: the first stream probes 1 MiB, then either keeps going alone (a fast origin)
+    # or stops at 2 MiB while 3 more connections fetch [2, 5+) MiB in parts (a slow one).
+    settings = replace_fetch(make_settings(tmp_path / "cache", "s3", proxy.endpoint), split_below_bytes_per_s=split_below)
+    daemon = start_daemon(settings)
+    assert daemon.client().get_object(Bucket=bucket, Key="big.tar")["Body"].read() == data
+    # the split point follows the first 1 MiB write, so 3 or 4 more parts
+    assert proxy.gets(f"/{bucket}/big.tar") in gets
+    before = proxy.gets(f"/{bucket}/big.tar")
+    daemon.settle()
+    assert daemon.client().get_object(Bucket=bucket, Key="big.tar")["Body"].read() == data
+    assert proxy.gets(f"/{bucket}/big.tar") == before  # warm: no origin traffic
