@@ -1,0 +1,86 @@
+"""``python -m bench``: the whole comparison suite (shardcache vs peers vs the local limit).
+
+    python -m bench                      # 2 GiB, 20 ms per request: the published table (< 20 min)
+    python -m bench --smoke              # CI: small dataset, every reader once (< 3 min)
+    python -m bench --delay-ms 50 --stream-mbps 100 --size 4GiB
+    python -m bench --readers raw,boto3,shardcache_loader
+
+Writes ``bench/results/suite-<UTC time>.json`` (machine facts, versions, every figure),
+``suite.json``/``suite.md``/``suite.png`` (the latest), ``suite-smoke*`` for ``--smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from bench.common import RESULTS_DIR, parse_size
+from bench.suite import PEERS, SHARDCACHE_RUNS, SuiteConfig, publish, run_suite
+
+RUN_NAMES = ("raw", *PEERS, *SHARDCACHE_RUNS, "half_cache_lru", "half_cache_hold")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmark shardcache against boto3, s3fs, webdataset, mosaicml-streaming and s3torchconnector "
+        "on the same generated WebDataset on a moto S3 server behind a latency proxy, and against raw local reads.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--smoke", action="store_true", help="small CI run: 192MiB, 16MiB shards, 2 s stall windows")
+    parser.add_argument("--size", default=None, help="dataset payload size (default 2GiB; 192MiB with --smoke)")
+    parser.add_argument("--shard-size", default=None, help="tar shard size (default 64MiB; 16MiB with --smoke)")
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="per-request delay of the store (default 20)")
+    parser.add_argument("--stream-mbps", type=float, default=None,
+                        help="per-connection rate cap of the store in MB/s (default: none, loopback speed)")
+    parser.add_argument("--trainer-rate", type=float, default=1000.0,
+                        help="samples/s the simulated trainer consumes (default 1000)")
+    parser.add_argument("--stall-seconds", type=float, default=None,
+                        help="length of each stall measurement (default 10; 2 with --smoke)")
+    parser.add_argument("--readers", default=None, help=f"comma-separated subset of: {', '.join(RUN_NAMES)}")
+    parser.add_argument("--seed", type=int, default=0, help="dataset seed")
+    parser.add_argument("--workdir", type=Path, default=None, help="where caches and logs go (default: a temp dir, removed)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp work dir (logs)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where results are written")
+    args = parser.parse_args(argv)
+    if args.readers:
+        unknown = set(args.readers.split(",")) - set(RUN_NAMES)
+        if unknown:
+            parser.error(f"unknown reader(s) {', '.join(sorted(unknown))}; known: {', '.join(RUN_NAMES)}")
+    if args.delay_ms < 0 or args.trainer_rate <= 0:
+        parser.error("--delay-ms must be >= 0 and --trainer-rate > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        size = parse_size(args.size or ("192MiB" if args.smoke else "2GiB"))
+        shard = parse_size(args.shard_size or ("16MiB" if args.smoke else "64MiB"))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cfg = SuiteConfig(
+        size=size, shard_bytes=shard, delay_ms=args.delay_ms, stream_mbps=args.stream_mbps,
+        trainer_rate=args.trainer_rate,
+        stall_cap_s=args.stall_seconds if args.stall_seconds is not None else (2.0 if args.smoke else 10.0),
+        seed=args.seed, smoke=args.smoke, readers=tuple(args.readers.split(",")) if args.readers else None,
+        workdir=args.workdir, keep=args.keep, results_dir=args.results_dir,
+        command="python -m bench" + ("" if argv is None and len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:] if argv is None else argv)),
+        timeout_s=300.0 if args.smoke else 900.0,
+    )
+    result = run_suite(cfg)
+    paths = publish(result, cfg)
+    print(paths["md"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    failed = [name for name, row in result["rows"].items() if "error" in row]
+    if failed:
+        print(f"readers that failed: {', '.join(failed)} (see the JSON for their errors)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""A TCP proxy that makes a loopback S3 endpoint behave like a remote object store.
+
+Two properties of a real object store starve trainers, and a loopback moto server has neither:
+
+- **request latency**: every request waits ``--delay-ms`` (one way, client to server) before the
+  server sees it, so each GET costs at least that much before its first byte. The delay is a
+  pipe delay, not a pause: bytes are forwarded at ``arrival + delay`` in order, so pipelined or
+  concurrent requests overlap their delays exactly as on a long link.
+- **single-stream throughput** (optional, ``--stream-mbps``): each connection's answers are paced
+  to that many MB/s (10^6 bytes), as one S3 connection gives ~50-100 MB/s however fast the
+  network; clients that open several connections (ranged GETs) get several times that.
+
+    python -m bench.latency_proxy --upstream 127.0.0.1:5000 --port 5001 --delay-ms 20
+
+:class:`LatencyProxy` runs it in its own process for the benchmark suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+__all__ = ["LatencyProxy", "serve", "main"]
+
+_CHUNK = 256 * 1024
+
+
+async def _pipe_delayed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    """Forward reader → writer, each chunk ``delay_s`` after it arrived, order kept."""
+    loop = asyncio.get_running_loop()
+    pending: deque[tuple[float, bytes]] = deque()
+    arrived = asyncio.Event()
+    eof = False
+
+    async def intake() -> None:
+        nonlocal eof
+        while True:
+            data = await reader.read(_CHUNK)
+            if not data:
+                break
+            pending.append((loop.time() + delay_s, data))
+            arrived.set()
+        eof = True
+        arrived.set()
+
+    feeder = asyncio.create_task(intake(), name="proxy-intake")
+    try:
+        while True:
+            if not pending:
+                if eof:
+                    break
+                arrived.clear()
+                await arrived.wait()
+                continue
+            due, data = pending.popleft()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+        with contextlib.suppress(OSError):
+            writer.write_eof()
+    finally:
+        feeder.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await feeder
+
+
+async def _pipe_paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bytes_per_s: float | None) -> None:
+    """Forward reader → writer, at most ``bytes_per_s`` (a token bucket with no burst credit
+    carried over idle time, so a new answer starts at the stream rate, not above it)."""
+    loop = asyncio.get_running_loop()
+    next_free = 0.0
+    while True:
+        data = await reader.read(_CHUNK)
+        if not data:
+            break
+        if bytes_per_s:
+            now = loop.time()
+            next_free = max(next_free, now) + len(data) / bytes_per_s
+            if next_free - now > 0.001:
+                await asyncio.sleep(next_free - now)
+        writer.write(data)
+        await writer.drain()
+    with contextlib.suppress(OSError):
+        writer.write_eof()
+
+
+async def serve(port: int, upstream: tuple[str, int], delay_s: float, bytes_per_s: float | None,
+                ready: asyncio.Event | None = None) -> None:
+    async def handle(creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        try:
+            sreader, swriter = await asyncio.open_connection(*upstream)
+        except OSError:
+            cwriter.close()
+            return
+        for w in (cwriter, swriter):
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tasks = [asyncio.create_task(_pipe_delayed(creader, swriter, delay_s), name="proxy-up"),
+                 asyncio.create_task(_pipe_paced(sreader, cwriter, bytes_per_s), name="proxy-down")]
+        try:
+            # Either side closing ends the pair: the other direction cannot make progress.
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            for w in (cwriter, swriter):
+                with contextlib.suppress(Exception):
+                    w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+    if ready is not None:
+        ready.set()
+    async with server:
+        await server.serve_forever()
+
+
+class LatencyProxy:
+    """:func:`serve` in its own process (a ``bench.common.spawn`` child), in front of ``upstream``."""
+
+    def __init__(self, upstream: str, delay_ms: float, stream_mbps: float | None, log: Path) -> None:
+        from bench.common import free_port
+
+        self.upstream = upstream.removeprefix("http://").rstrip("/")
+        self.delay_ms = delay_ms
+        self.stream_mbps = stream_mbps
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.proc = None
+
+    def __enter__(self) -> "LatencyProxy":
+        from bench.common import spawn, wait_until
+
+        args = [sys.executable, "-m", "bench.latency_proxy", "--port", str(self.port), "--upstream", self.upstream,
+                "--delay-ms", str(self.delay_ms)]
+        if self.stream_mbps:
+            args += ["--stream-mbps", str(self.stream_mbps)]
+        self.proc = spawn(args, self.log)
+
+        def listening() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+
+        wait_until(listening, timeout=30, what="the latency proxy")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from bench.common import stop_process
+
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.latency_proxy",
+        description="TCP proxy adding a per-request delay (and optionally a per-connection rate cap)",
+        epilog="example:\n  python -m bench.latency_proxy --upstream 127.0.0.1:5000 --port 5001 --delay-ms 20 --stream-mbps 100",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--port", type=int, required=True, help="port to listen on (127.0.0.1)")
+    parser.add_argument("--upstream", required=True, help="host:port to forward to")
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay added to every request")
+    parser.add_argument("--stream-mbps", type=float, default=None, help="per-connection answer rate cap, MB/s")
+    args = parser.parse_args(argv)
+    host, _, port = args.upstream.rpartition(":")
+    if not host or not port.isdigit() or args.delay_ms < 0:
+        parser.error("--upstream must be host:port and --delay-ms >= 0")
+    rate = args.stream_mbps * 1e6 if args.stream_mbps else None
+    started = time.monotonic()
+    try:
+        asyncio.run(serve(args.port, (host, int(port)), args.delay_ms / 1000, rate))
+    except KeyboardInterrupt:
+        pass
+    print(f"latency proxy ran {time.monotonic() - started:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

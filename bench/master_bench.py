@@ -1,0 +1,258 @@
+"""Master throughput: lease + complete round trips per second and their latency, 64 trainers.
+
+Each trainer is an aiohttp client task that leases one shard and completes it, again and again
+(one "round trip" = the two requests, each answered only once its change is durable). The
+trainers run in ``--procs`` client processes next to one ``shardcache master`` process. Configs:
+
+- ``sqlite``: the default store with group commit (``--max-batch 512``);
+- ``sqlite-no-group-commit``: the same with ``--max-batch 1``, one fsync per change: the baseline
+  the group commit is reported against;
+- ``etcd``: the high-availability store on a local etcd (skipped when /usr/bin/etcd is missing).
+
+Run: ``python -m bench.master_bench`` (``--quick`` for a short smoke run). Prints a table and writes
+``bench/results/master.json``. Target on the 2-core reference machine: >= 2,000 round trips/s on
+SQLite with p99 < 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS_DIR, free_port, http_ok, machine_facts, spawn, stop_process, wait_until, write_results
+
+__all__ = ["main"]
+
+ETCD = "/usr/bin/etcd"
+
+
+async def _trainers(url: str, job: str, tasks: int, warmup_s: float, measure_s: float, offset: int) -> dict[str, Any]:
+    import aiohttp
+
+    latencies: list[float] = []
+    waits = 0
+    errors = 0
+    total = 0
+    start = time.perf_counter()
+    measure_from = start + warmup_s
+    measure_to = measure_from + measure_s
+
+    async def trainer(session: aiohttp.ClientSession, idx: int) -> None:
+        nonlocal waits, errors, total
+        name = f"bench-{offset + idx}"
+        lease_url = f"{url}/v1/jobs/{job}/leases"
+        body = json.dumps({"trainer": name, "node": f"node-{idx % 8}", "count": 1}).encode()
+        done_body = json.dumps({"trainer": name}).encode()
+        headers = {"Content-Type": "application/json"}
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= measure_to:
+                return
+            async with session.post(lease_url, data=body, headers=headers) as resp:
+                answer = await resp.json()
+            if resp.status != 200:
+                errors += 1
+                await asyncio.sleep(0.01)
+                continue
+            if answer["status"] != "ok":
+                waits += 1
+                await asyncio.sleep(min(answer.get("retry_after_s") or 0.01, 0.05))
+                continue
+            lease = answer["leases"][0]["lease"]
+            async with session.post(f"{lease_url}/{lease}/complete", data=done_body, headers=headers) as resp:
+                await resp.read()
+                ok = resp.status == 200
+            t1 = time.perf_counter()
+            total += 1
+            if not ok:
+                errors += 1
+            elif measure_from <= t0 and t1 <= measure_to:
+                latencies.append(t1 - t0)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(trainer(session, i) for i in range(tasks)))
+    return {"latencies": latencies, "waits": waits, "errors": errors, "total": total}
+
+
+def _client_proc(url: str, job: str, tasks: int, warmup_s: float, measure_s: float, offset: int, out: Any) -> None:
+    out.put(asyncio.run(_trainers(url, job, tasks, warmup_s, measure_s, offset)))
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class _Etcd:
+    def __init__(self, workdir: Path) -> None:
+        self.port, self.peer = free_port(), free_port()
+        self.workdir = workdir
+        self.proc: Any = None
+
+    def __enter__(self) -> _Etcd:
+        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
+        self.proc = spawn(
+            [ETCD, "--data-dir", str(self.workdir / "etcd"), "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"default={peer}", "--log-level", "warn"],
+            self.workdir / "etcd.log",
+        )
+        wait_until(lambda: http_ok(client + "/health"), timeout=30, what="etcd")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_process(self.proc)
+
+
+def run_config(name: str, state: str, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import urllib.request
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    master = spawn(
+        [sys.executable, "-m", "sidecar.cli", "--log-level", "WARNING", "master", "--listen", f"tcp://127.0.0.1:{port}",
+         "--state", state, "--advertise-url", url, *extra],
+        workdir / f"master-{name}.log",
+    )
+    try:
+        wait_until(lambda: http_ok(url + "/readyz"), timeout=60, what=f"master ({name})")
+        job = "bench-" + uuid.uuid4().hex[:6]
+        spec = {"name": job, "dataset": "s3://bench/train/", "seed": 1, "lease_ttl_s": 60,
+                "shards": [{"key": f"train-{i:06d}.tar", "size": 1 << 20, "samples": 100} for i in range(args.shards)]}
+        req = urllib.request.Request(url + "/v1/jobs", data=json.dumps(spec).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 201
+        queue: Any = mp.get_context("spawn").Queue()
+        cpu_before = _cpu_s(master.pid)
+        per_proc = [args.trainers // args.procs + (1 if i < args.trainers % args.procs else 0) for i in range(args.procs)]
+        procs = []
+        offset = 0
+        for tasks in per_proc:
+            proc = mp.get_context("spawn").Process(
+                target=_client_proc, args=(url, job, tasks, args.warmup, args.seconds, offset, queue)
+            )
+            proc.start()
+            procs.append(proc)
+            offset += tasks
+        results = [queue.get(timeout=args.warmup + args.seconds + 120) for _ in procs]
+        master_cpu = _cpu_s(master.pid) - cpu_before
+        for proc in procs:
+            proc.join(30)
+        latencies = [x for r in results for x in r["latencies"]]
+        with urllib.request.urlopen(f"{url}/v1/jobs/{job}", timeout=10) as resp:
+            status = json.load(resp)
+    finally:
+        stop_process(master)
+    return {
+        "config": name,
+        "state": state.split("://")[0],
+        "extra_flags": extra,
+        "round_trips": len(latencies),
+        "round_trips_per_s": round(len(latencies) / args.seconds, 1),
+        "p50_ms": round(_percentile(latencies, 0.50) * 1000, 2),
+        "p99_ms": round(_percentile(latencies, 0.99) * 1000, 2),
+        "max_ms": round(max(latencies, default=float("nan")) * 1000, 2),
+        "waits": sum(r["waits"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+        "completed_total": status["totals"]["completed"],
+        "master_cpu_us_per_round_trip": round(1e6 * master_cpu / max(1, sum(r["total"] for r in results)), 1),
+        "loadavg_after": os.getloadavg(),
+        "epochs_total": status["totals"]["epochs"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.master_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainers", type=int, default=64, help="concurrent trainers (client tasks)")
+    parser.add_argument("--procs", type=int, default=2, help="client processes the trainers are spread over")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per config")
+    parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before")
+    parser.add_argument("--shards", type=int, default=10_000, help="shards in the job (epochs roll over)")
+    parser.add_argument("--configs", default="sqlite,sqlite-no-group-commit,etcd", help="comma-separated configs")
+    parser.add_argument("--quick", action="store_true", help="short smoke run (3 s per config)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "master.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.warmup = 3.0, 1.0
+    workdir = Path(tempfile.mkdtemp(prefix="master-bench-"))
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    try:
+        for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+            if config == "sqlite":
+                rows.append(run_config(config, f"sqlite://{workdir}/{config}/master.db", ["--max-batch", "512"], args, workdir))
+            elif config == "sqlite-no-group-commit":
+                rows.append(run_config(config, f"sqlite://{workdir}/{config}/master.db", ["--max-batch", "1"], args, workdir))
+            elif config == "etcd":
+                if not os.path.exists(ETCD):
+                    skipped[config] = f"{ETCD} missing (apt-get install etcd-server)"
+                    continue
+                with _Etcd(workdir) as etcd:
+                    rows.append(run_config(config, f"etcd://127.0.0.1:{etcd.port}/bench", ["--max-batch", "512"], args, workdir))
+            else:
+                parser.error(f"unknown config {config!r}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    baseline = next((r for r in rows if r["config"] == "sqlite-no-group-commit"), None)
+    for row in rows:
+        row["vs_no_group_commit"] = (
+            round(row["round_trips_per_s"] / baseline["round_trips_per_s"], 2) if baseline and baseline["round_trips_per_s"] else None
+        )
+    header = (f"{'config':<24} {'round trips/s':>14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'x baseline':>10} "
+              f"{'master us/rt':>12} {'errors':>6}")
+    print(f"master: lease+complete round trips, {args.trainers} trainers in {args.procs} process(es), {args.seconds:g} s each")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        ratio = f"{row['vs_no_group_commit']:.2f}" if row["vs_no_group_commit"] is not None else "-"
+        print(f"{row['config']:<24} {row['round_trips_per_s']:>14,.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+              f"{row['max_ms']:>8.1f} {ratio:>10} {row['master_cpu_us_per_round_trip']:>12.0f} {row['errors']:>6}")
+    for config, why in skipped.items():
+        print(f"{config:<24} skipped: {why}")
+    sqlite = next((r for r in rows if r["config"] == "sqlite"), None)
+    target = None
+    if sqlite is not None:
+        target = {"round_trips_per_s": 2000, "p99_ms": 50,
+                  "met": sqlite["round_trips_per_s"] >= 2000 and sqlite["p99_ms"] < 50}
+        print(f"target (sqlite >= 2,000/s, p99 < 50 ms): {'met' if target['met'] else 'NOT met'}")
+    path = write_results(args.out, {
+        "benchmark": "master",
+        "what": "lease+complete round trips (2 durable requests each) with concurrent trainers",
+        "params": {"trainers": args.trainers, "procs": args.procs, "seconds": args.seconds, "warmup": args.warmup,
+                   "shards": args.shards},
+        "machine": machine_facts(),
+        "results": rows,
+        "skipped": skipped,
+        "target": target,
+    })
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):
+        print(f"note: load average {load:.1f} on {os.cpu_count()} CPUs: other work competed for the CPUs during this run")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
