@@ -28,6 +28,8 @@ _MAX_META_BYTES = 1 << 20  # a PAX or GNU long-name record larger than this is n
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)
 _META_RE = re.compile(r"__[^/]*__($|/)")
 _REGULAR = (b"0", b"\x00", b"7")
+# maps bytes > 127 to 1 and the rest to 0: counts the bytes that are negative as signed chars
+_HIGH_BYTES = bytes(1 if b > 127 else 0 for b in range(256))
 
 
 class RawReader(Protocol):
@@ -288,9 +290,13 @@ def _check_checksum(header: bytes, url: str, pos: int) -> None:
     except ValueError:
         stored = -1
     unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
-    signed = sum(b - 256 if b > 127 else b for b in header[:148]) + 8 * 32
-    signed += sum(b - 256 if b > 127 else b for b in header[156:])
-    if stored not in (unsigned, signed):
+    if stored == unsigned:
+        return
+    # Some old writers summed signed chars. Only computed when the common form fails: done for
+    # every member, a per-byte generator was 70% of the warm read time.
+    high = header[:148].translate(_HIGH_BYTES).count(1) + header[156:].translate(_HIGH_BYTES).count(1)
+    signed = unsigned - 256 * high
+    if stored != signed:
         raise CorruptShard("invalid tar header (checksum mismatch): not a tar file or corrupted", url=url, position=pos)
 
 
