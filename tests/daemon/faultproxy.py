@@ -28,6 +28,7 @@ class Faults:
     truncate_at: int = 1000
     delay_s: float = 0.0       # wait before answering
     body_delay_s: float = 0.0  # wait between header and body (a slow origin mid-transfer)
+    trickle_bps: float = 0.0   # send bodies at this many bytes per second (a slow transfer)
     stall: int = 0             # hold the answer back for stall_s (longer than the client's timeout)
     stall_s: float = 2.0
     only_get: bool = True      # faults apply to GETs of objects only
@@ -129,7 +130,15 @@ class FaultProxy:
                 if self.faults.body_delay_s and faultable:
                     await writer.drain()
                     await asyncio.sleep(self.faults.body_delay_s)
-                writer.write(response[header_end:])
+                body = response[header_end:]
+                if self.faults.trickle_bps and faultable:
+                    step = 64 * 1024
+                    for offset in range(0, len(body), step):
+                        writer.write(body[offset : offset + step])
+                        await writer.drain()
+                        await asyncio.sleep(step / self.faults.trickle_bps)
+                else:
+                    writer.write(body)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, ValueError):
             pass

@@ -128,7 +128,7 @@ def test_corrupt_file_found_after_restart_is_refetched(s3_server, bucket, tmp_pa
 def test_kill9_during_fetch_leaves_no_partial_object(s3_server, bucket, tmp_path, proxy):
     data = os.urandom(6 * 1024 * 1024)
     put_objects(s3_server.client(), bucket, {"k.tar": data})
-    proxy.faults.body_delay_s = 0.3  # every part dawdles: the fill is in progress for a while
+    proxy.faults.trickle_bps = 2e6  # a slow origin: the fill is in progress for ~3 s
     cache_dir = tmp_path / "cache"
     args = ["--origin", "s3", "--s3-endpoint", proxy.endpoint, "--cache-dir", str(cache_dir),
             "--cache-size", "1GiB", "--min-free", "0", "--part-size", "1MiB", "--parts-per-object", "2"]
@@ -144,7 +144,7 @@ def test_kill9_during_fetch_leaves_no_partial_object(s3_server, bucket, tmp_path
     reader.join(10)
     assert any(tmp_dir.iterdir())  # the crash left a partial temp file behind ...
     assert not any((cache_dir / "v1" / "meta").rglob("*.json"))  # ... and published nothing
-    proxy.faults.body_delay_s = 0
+    proxy.faults.trickle_bps = 0
     daemon = DaemonProcess(args, tmp_path / "daemon2.log").start()
     try:
         assert list(tmp_dir.iterdir()) == []  # start-up discarded it
