@@ -548,8 +548,12 @@ class Store:
     # -- reporting --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
-        with self._lock:
+        try:
             usage = shutil.disk_usage(self.base)
+            fs_total, fs_free = usage.total, usage.free
+        except OSError:  # the directory vanished under us: report what the index knows
+            fs_total = fs_free = 0
+        with self._lock:
             return {
                 "root": str(self.settings.root),
                 "eviction": self.settings.eviction,
@@ -559,8 +563,8 @@ class Store:
                 "items": len(self._entries),
                 "max_items": self.settings.max_items,
                 "filling": len(self._writers),
-                "fs_total_bytes": usage.total,
-                "fs_free_bytes": usage.free,
+                "fs_total_bytes": fs_total,
+                "fs_free_bytes": fs_free,
                 "min_free_ratio": self.settings.min_free_ratio,
                 **self._counters,
             }

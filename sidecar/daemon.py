@@ -47,6 +47,7 @@ PREFETCHER = web.AppKey("prefetcher", Prefetcher)
 STARTED = web.AppKey("started", float)
 
 CONTROL = "/_shardcache/"
+UNCACHED_NAMES = frozenset({"manifest.json"})
 MAX_CONTROL_BODY = 8 * 1024 * 1024
 _HEX128 = re.compile(r"^[0-9a-fA-F]{32}$")
 
@@ -138,6 +139,9 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
     if expected is not None and not _HEX128.match(expected):
         raise BadRequest("x-shardcache-xxh3-128 must be 32 hex digits")
     store = request.app.get(STORE)
+    if key.rsplit("/", 1)[-1] in UNCACHED_NAMES:
+        # The manifest is the mutable index of immutable shards: always the origin's current copy.
+        store = None
     if request.method == "HEAD":
         return await _head(request, store, bucket, key, expected)
     return await _get(request, store, bucket, key, expected)
@@ -202,6 +206,8 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
                     return response
 
     fetcher = request.app[FETCHER]
+    if store is None:
+        return await _passthrough_get(request, bucket, key)
     fill, created = fetcher.start(bucket, key, DEMAND, expected)
     state = "miss" if created else "coalesced"
     metrics.cache_lookups.labels(result=state).inc()
@@ -238,6 +244,27 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
         metrics.served_bytes.labels(source=source).inc(len(chunk))
     await response.write_eof()
     metrics.request_duration.labels(cache=state).observe(time.perf_counter() - began)
+    return response
+
+
+async def _passthrough_get(request: web.Request, bucket: str, key: str) -> web.StreamResponse:
+    """Straight from the origin, caching nothing (uncacheable names, or no store at all)."""
+    fetcher = request.app[FETCHER]
+    metrics = request.app[METRICS]
+    metrics.cache_lookups.labels(result="miss").inc()
+    info: ObjectInfo = await retrying(
+        fetcher.settings, metrics, f"head {bucket}/{key}", request.app[ORIGIN].head, bucket, key
+    )
+    rng = parse_range(request.headers.get("Range"), info.size)
+    headers = _object_headers(info.size, info.etag, "miss", info.last_modified)
+    status, start, end = _range_headers(headers, rng, info.size)
+    response = web.StreamResponse(status=status, headers=headers)
+    response.content_length = end - start
+    await response.prepare(request)
+    async for chunk in fetcher.passthrough(bucket, key, start, end, info.etag or None):
+        await response.write(chunk)
+        metrics.served_bytes.labels(source="passthrough").inc(len(chunk))
+    await response.write_eof()
     return response
 
 
@@ -315,9 +342,8 @@ async def _serve_entry(
 async def _json_body(request: web.Request) -> dict[str, Any]:
     if request.content_length is not None and request.content_length > MAX_CONTROL_BODY:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_CONTROL_BODY, actual_size=request.content_length)
-    raw = await request.content.read(MAX_CONTROL_BODY + 1)
-    if len(raw) > MAX_CONTROL_BODY:
-        raise web.HTTPRequestEntityTooLarge(max_size=MAX_CONTROL_BODY, actual_size=len(raw))
+    # The whole body, however many segments it arrives in; aiohttp stops at client_max_size (413).
+    raw = await request.read()
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

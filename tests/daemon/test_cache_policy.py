@@ -181,3 +181,29 @@ def test_sidecar_forwards_to_node_daemon_and_falls_back_standalone(s3_server, bu
         assert json.loads(r.read()) == {"ready": True, "mode": "sidecar", "upstream": False}
     sidecar.settle()
     assert any((tmp_path / "pod-cache" / "v1" / "data").rglob("*"))
+
+
+def test_manifest_is_never_cached(s3_server, bucket, s3_daemon):
+    put_objects(s3_server.client(), bucket, {"ds/manifest.json": b'{"version": 1}'})
+    client = s3_daemon.client()
+    assert client.get_object(Bucket=bucket, Key="ds/manifest.json")["Body"].read() == b'{"version": 1}'
+    put_objects(s3_server.client(), bucket, {"ds/manifest.json": b'{"version": 2}'})  # re-indexed
+    resp = client.get_object(Bucket=bucket, Key="ds/manifest.json")
+    assert resp["Body"].read() == b'{"version": 2}'
+    assert resp["ResponseMetadata"]["HTTPHeaders"]["x-shardcache-cache"] == "miss"
+    assert s3_daemon.stats()["cache"]["items"] == 0
+
+
+def test_control_body_in_several_segments(s3_server, bucket, s3_daemon):
+    import socket
+    import time
+
+    put_objects(s3_server.client(), bucket, {"seg.tar": b"s" * 100})
+    body = json.dumps({"objects": [{"bucket": bucket, "key": "seg.tar"}]}).encode()
+    with socket.create_connection(("127.0.0.1", s3_daemon.port), timeout=10) as sock:
+        sock.sendall(b"POST /_shardcache/prefetch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+        time.sleep(0.3)
+        sock.sendall(body[10:])
+        answer = sock.recv(4096)
+    assert b" 202 " in answer.split(b"\r\n", 1)[0], answer

@@ -1,0 +1,542 @@
+"""Datasets as the operator CLI sees them: listing shards, scanning them, reading and writing
+``manifest.json`` (the **contract** format), on ``s3://`` or ``file://`` origins.
+
+``manifest.json``::
+
+    {"version": 1, "format": "webdataset",
+     "shards": [{"key": "train-000000.tar", "size": 123, "xxh3_128": "<hex>", "samples": 100}, ...]}
+
+Keys are relative to the dataset prefix. Samples are counted with the loader's own tar reader and
+grouping rule (members sharing a basename up to the first dot are one sample), so the counts the
+master bounds renew offsets by are exactly what a trainer will see.
+
+Everything here is synchronous (boto3, files); the CLI runs it on threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import threading
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import xxhash
+
+from sidecar.errors import SidecarError
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Counter",
+    "DatasetAccessDenied",
+    "DatasetError",
+    "DatasetNotFound",
+    "DatasetURL",
+    "DatasetUnavailable",
+    "ListedObject",
+    "ManifestInvalid",
+    "ManifestShard",
+    "Mismatch",
+    "ObjectStore",
+    "ShardInfo",
+    "atomic_write",
+    "build_manifest",
+    "compare",
+    "list_shards",
+    "manifest_bytes",
+    "open_store",
+    "parse_dataset_url",
+    "parse_manifest",
+    "read_object",
+    "scan_shard",
+    "write_object",
+]
+
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 256 << 20
+_META_RE = re.compile(r"__[^/]*__($|/)")  # the loader skips __meta__-style members
+_HEX128 = re.compile(r"^[0-9a-f]{32}$")
+_READ = 1 << 20
+
+
+class DatasetError(SidecarError):
+    """Root of the errors reaching a dataset from the CLI."""
+
+
+class DatasetNotFound(DatasetError, FileNotFoundError):
+    pass
+
+
+class DatasetAccessDenied(DatasetError, PermissionError):
+    pass
+
+
+class DatasetUnavailable(DatasetError, ConnectionError):
+    pass
+
+
+class ManifestInvalid(DatasetError, ValueError):
+    pass
+
+
+# -- where a dataset is ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetURL:
+    """``s3://bucket/prefix/`` or ``file:///root/bucket/prefix/``; ``prefix`` ends with ``/`` or is
+    empty. For ``file://``, ``path`` is the directory (with a trailing ``/``)."""
+
+    url: str
+    scheme: str
+    bucket: str = ""
+    prefix: str = ""
+    path: str = ""
+
+    def object_url(self, key: str) -> str:
+        return self.url + key
+
+
+def parse_dataset_url(url: str) -> DatasetURL:
+    if not isinstance(url, str) or "\x00" in url:
+        raise ValueError("dataset URL must be a string without NUL bytes")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ValueError(f"{url!r} has no bucket: use s3://bucket/prefix/")
+        prefix = parts.path.lstrip("/")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        _check_relative(prefix.rstrip("/"), url, allow_empty=True)
+        return DatasetURL(f"s3://{parts.netloc}/{prefix}", "s3", bucket=parts.netloc, prefix=prefix)
+    if parts.scheme == "file":
+        path = urllib.parse.unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+            raise ValueError(f"{url!r}: file URLs need an absolute path, file:///root/bucket/prefix/")
+        if not path.endswith("/"):
+            path += "/"
+        _check_relative(path.strip("/"), url, allow_empty=True)
+        return DatasetURL("file://" + path, "file", path=path)
+    raise ValueError(f"unsupported dataset URL {url!r}: use s3://bucket/prefix/ or file:///root/bucket/prefix/")
+
+
+def _check_relative(path: str, where: str, allow_empty: bool = False) -> None:
+    if not path:
+        if allow_empty:
+            return
+        raise ManifestInvalid(f"{where}: empty key")
+    if "\x00" in path or "\\" in path:
+        raise ManifestInvalid(f"{where}: {path!r} contains a NUL byte or a backslash")
+    if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
+        raise ManifestInvalid(f"{where}: {path!r} must be a plain relative path (no '..', '.', '//' or leading '/')")
+
+
+# -- object access --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ListedObject:
+    key: str  # relative to the dataset prefix
+    size: int
+    etag: str | None = None
+
+
+class Reader(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class ObjectStore(Protocol):
+    """What the CLI needs of an origin, keys relative to the dataset prefix."""
+
+    dataset: DatasetURL
+
+    def list(self) -> list[ListedObject]: ...
+
+    def open(self, key: str) -> Reader: ...
+
+    def read_small(self, key: str, limit: int) -> bytes | None: ...
+
+
+class FileObjects:
+    def __init__(self, dataset: DatasetURL) -> None:
+        self.dataset = dataset
+        self.root = Path(dataset.path)
+
+    def _path(self, key: str) -> Path:
+        _check_relative(key, self.dataset.url)
+        return self.root.joinpath(*key.split("/"))
+
+    def list(self) -> list[ListedObject]:
+        if not self.root.is_dir():
+            raise DatasetNotFound(f"{self.dataset.url}: no such directory")
+        found: list[ListedObject] = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames.sort()
+            for name in filenames:
+                full = Path(dirpath) / name
+                with contextlib.suppress(OSError):  # vanished while listing
+                    found.append(ListedObject(full.relative_to(self.root).as_posix(), full.stat().st_size))
+        return sorted(found, key=lambda obj: obj.key)
+
+    def open(self, key: str) -> Reader:
+        try:
+            return open(self._path(key), "rb", buffering=0)
+        except FileNotFoundError as exc:
+            raise DatasetNotFound(f"{self.dataset.url}{key}: no such file") from exc
+        except PermissionError as exc:
+            raise DatasetAccessDenied(f"{self.dataset.url}{key}: permission denied") from exc
+
+    def read_small(self, key: str, limit: int) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as handle:
+                return handle.read(limit + 1)
+        except FileNotFoundError:
+            return None
+        except PermissionError as exc:
+            raise DatasetAccessDenied(f"{self.dataset.url}{key}: permission denied") from exc
+
+
+class S3Objects:
+    """boto3 with the standard credential chain; ``endpoint_url`` or ``AWS_ENDPOINT_URL``."""
+
+    def __init__(self, dataset: DatasetURL, endpoint_url: str | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.dataset = dataset
+        self.client: Any = boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url or None,
+            config=Config(
+                retries={"max_attempts": 4, "mode": "standard"}, connect_timeout=5, read_timeout=60,
+                max_pool_connections=64, s3={"addressing_style": "path"},
+            ),
+        )
+
+    @contextlib.contextmanager
+    def errors(self, what: str) -> Iterator[None]:
+        import botocore.exceptions as bex
+
+        try:
+            yield
+        except bex.ClientError as exc:
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            message = f"{what}: {code or 'error'} ({error.get('Message') or exc})"
+            if code in ("NoSuchBucket", "NoSuchKey", "404", "NotFound"):
+                raise DatasetNotFound(message) from exc
+            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
+                raise DatasetAccessDenied(message + "; check the AWS credentials") from exc
+            raise DatasetUnavailable(message) from exc
+        except bex.NoCredentialsError as exc:
+            raise DatasetAccessDenied(f"{what}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_PROFILE)") from exc
+        except (bex.EndpointConnectionError, bex.ConnectionError, bex.ReadTimeoutError) as exc:
+            raise DatasetUnavailable(f"{what}: cannot reach S3 ({exc}); check --s3-endpoint / AWS_ENDPOINT_URL") from exc
+        except bex.BotoCoreError as exc:
+            raise DatasetUnavailable(f"{what}: {exc}") from exc
+
+    def list(self) -> list[ListedObject]:
+        found: list[ListedObject] = []
+        prefix = self.dataset.prefix
+        with self.errors(f"listing {self.dataset.url}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.dataset.bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    key = item["Key"][len(prefix):]
+                    if key and not key.endswith("/"):
+                        found.append(ListedObject(key, int(item.get("Size", 0)), item.get("ETag")))
+        return sorted(found, key=lambda obj: obj.key)
+
+    def open(self, key: str) -> Reader:
+        with self.errors(self.dataset.url + key):
+            answer = self.client.get_object(Bucket=self.dataset.bucket, Key=self.dataset.prefix + key)
+        return _S3Body(answer["Body"], self, self.dataset.url + key)
+
+    def read_small(self, key: str, limit: int) -> bytes | None:
+        try:
+            body = self.open(key)
+        except DatasetNotFound:
+            return None
+        try:
+            return body.read(limit + 1)
+        finally:
+            body.close()
+
+
+class _S3Body:
+    def __init__(self, body: Any, store: S3Objects, what: str) -> None:
+        self._body = body
+        self._store = store
+        self._what = what
+
+    def read(self, n: int = -1, /) -> bytes:
+        with self._store.errors(self._what):
+            return bytes(self._body.read(None if n is None or n < 0 else n))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._body.close()
+
+
+def open_store(dataset: DatasetURL, s3_endpoint: str | None = None) -> ObjectStore:
+    if dataset.scheme == "s3":
+        return S3Objects(dataset, s3_endpoint)
+    return FileObjects(dataset)
+
+
+def list_shards(store: ObjectStore) -> list[ListedObject]:
+    """The dataset's shards as the loader finds them without a manifest: every ``*.tar`` under the
+    prefix, sorted by key."""
+    return [obj for obj in store.list() if obj.key.endswith(".tar")]
+
+
+# -- scanning shards ------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardInfo:
+    key: str
+    size: int
+    xxh3_128: str
+    samples: int | None
+    error: str | None = None  # not a readable WebDataset tar (the size and checksum still hold)
+
+    def entry(self) -> dict[str, Any]:
+        return {"key": self.key, "size": self.size, "xxh3_128": self.xxh3_128, "samples": self.samples}
+
+
+class _Hashing:
+    """Passes reads through while hashing and counting them (``on_bytes`` feeds a progress bar)."""
+
+    def __init__(self, raw: Reader, on_bytes: Callable[[int], None] | None) -> None:
+        self.raw = raw
+        self.hasher = xxhash.xxh3_128()
+        self.size = 0
+        self.on_bytes = on_bytes
+
+    def read(self, n: int = -1, /) -> bytes:
+        data = self.raw.read(n)
+        if data:
+            self.hasher.update(data)
+            self.size += len(data)
+            if self.on_bytes is not None:
+                self.on_bytes(len(data))
+        return data
+
+
+def scan_shard(raw: Reader, key: str, url: str = "", on_bytes: Callable[[int], None] | None = None) -> ShardInfo:
+    """Size, xxh3-128 and sample count of one shard, streaming (one member in memory at most)."""
+    from loader.errors import (
+        CorruptShard,  # the loader's strict reader: same counts as trainers
+    )
+    from loader.tar import iter_members, split_name
+
+    reader = _Hashing(raw, on_bytes)
+    samples = 0
+    current: str | None = None
+    error = None
+    try:
+        for name, _ in iter_members(reader, url=url or key, want=lambda name: False):
+            if _META_RE.match(name):
+                continue
+            parts = split_name(name)
+            if parts is None:
+                continue
+            if parts[0] != current:
+                current = parts[0]
+                samples += 1
+    except CorruptShard as exc:
+        error = str(exc)
+    while reader.read(_READ):  # the bytes after the end-of-archive block are part of the object
+        pass
+    return ShardInfo(key, reader.size, reader.hasher.hexdigest(), None if error else samples, error)
+
+
+# -- the manifest ---------------------------------------------------------------------------------
+
+
+def build_manifest(shards: list[ShardInfo]) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "format": "webdataset",
+        "shards": [shard.entry() for shard in sorted(shards, key=lambda s: s.key)],
+    }
+
+
+def manifest_bytes(doc: dict[str, Any]) -> bytes:
+    # One shard per line: diffable, greppable, and still plain JSON.
+    lines = [json.dumps(entry, separators=(", ", ": ")) for entry in doc["shards"]]
+    head = f'{{"version": {doc["version"]}, "format": {json.dumps(doc["format"])}, "shards": ['
+    return (head + "\n  " + ",\n  ".join(lines) + "\n]}\n").encode() if lines else (head + "]}\n").encode()
+
+
+@dataclass(frozen=True)
+class ManifestShard:
+    key: str
+    size: int | None
+    xxh3_128: str | None
+    samples: int | None
+
+
+def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
+    """Validate a version-1 manifest; every problem is one clear :class:`ManifestInvalid`."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestInvalid(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestInvalid(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("version") != 1:
+        raise ManifestInvalid(f"{where}: not a version 1 manifest (rebuild it with `shardcache index`)")
+    if doc.get("format", "webdataset") != "webdataset":
+        raise ManifestInvalid(f"{where}: format {doc.get('format')!r} is not webdataset")
+    entries = doc.get("shards")
+    if not isinstance(entries, list):
+        raise ManifestInvalid(f"{where}: 'shards' must be a list")
+    shards: list[ManifestShard] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        at = f"{where}: shards[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+            raise ManifestInvalid(f"{at} must be an object with a string 'key'")
+        key = entry["key"]
+        _check_relative(key, at)
+        if key in seen:
+            raise ManifestInvalid(f"{at}: {key!r} is listed twice")
+        seen.add(key)
+        values = []
+        for name in ("size", "samples"):
+            value = entry.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ManifestInvalid(f"{at}.{name} must be a non-negative integer or null")
+            values.append(value)
+        digest = entry.get("xxh3_128")
+        if digest is not None and (not isinstance(digest, str) or not _HEX128.match(digest.lower())):
+            raise ManifestInvalid(f"{at}.xxh3_128 must be 32 hex digits")
+        shards.append(ManifestShard(key, values[0], digest.lower() if digest else None, values[1]))
+    return shards
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    key: str
+    problem: str  # missing | size | xxh3_128 | samples | unreadable | unlisted
+    detail: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"key": self.key, "problem": self.problem, "detail": self.detail}
+
+
+def compare(expected: list[ManifestShard], found: dict[str, ShardInfo], listed: list[str]) -> list[Mismatch]:
+    """Every way the objects differ from the manifest (pure: what was read is passed in)."""
+    problems: list[Mismatch] = []
+    for shard in expected:
+        info = found.get(shard.key)
+        if info is None:
+            problems.append(Mismatch(shard.key, "missing", "listed in the manifest but not in the dataset"))
+            continue
+        if shard.size is not None and info.size != shard.size:
+            problems.append(Mismatch(shard.key, "size", f"object is {info.size} bytes, the manifest says {shard.size}"))
+        if shard.xxh3_128 is not None and info.xxh3_128 != shard.xxh3_128:
+            problems.append(Mismatch(
+                shard.key, "xxh3_128", f"object hashes to {info.xxh3_128}, the manifest says {shard.xxh3_128}"
+            ))
+        if info.error is not None:
+            problems.append(Mismatch(shard.key, "unreadable", info.error))
+        elif shard.samples is not None and info.samples != shard.samples:
+            problems.append(Mismatch(
+                shard.key, "samples", f"object holds {info.samples} samples, the manifest says {shard.samples}"
+            ))
+    known = {shard.key for shard in expected}
+    for key in listed:
+        if key not in known:
+            problems.append(Mismatch(key, "unlisted", "a *.tar shard in the dataset that the manifest does not list"))
+    return problems
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename, fsync the directory: readers see the old
+    manifest or the new one, never half of one; the temp is removed on any failure."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_object(target: str, data: bytes, s3_endpoint: str | None = None) -> str:
+    """Write ``data`` to ``s3://bucket/key``, ``file:///path`` or a local path; returns where."""
+    if target.startswith("s3://"):
+        parts = urllib.parse.urlsplit(target)
+        key = parts.path.lstrip("/")
+        if not parts.netloc or not key or key.endswith("/"):
+            raise ValueError(f"{target!r}: an S3 output needs a bucket and a key, s3://bucket/path/manifest.json")
+        dataset = DatasetURL(f"s3://{parts.netloc}/", "s3", bucket=parts.netloc)
+        store = S3Objects(dataset, s3_endpoint)
+        with store.errors(f"writing {target}"):
+            store.client.put_object(
+                Bucket=parts.netloc, Key=key, Body=data, ContentType="application/json"
+            )
+        return target
+    path = Path(urllib.parse.unquote(target[len("file://"):]) if target.startswith("file://") else target)
+    if not path.parent.is_dir():
+        raise DatasetNotFound(f"cannot write {target}: directory {path.parent} does not exist")
+    try:
+        atomic_write(path, data)
+    except PermissionError as exc:
+        raise DatasetAccessDenied(f"cannot write {target}: permission denied") from exc
+    return str(path)
+
+
+def read_object(target: str, s3_endpoint: str | None = None) -> bytes | None:
+    """The bytes at ``s3://bucket/key``, ``file:///path`` or a local path; None if absent."""
+    if target.startswith("s3://"):
+        parts = urllib.parse.urlsplit(target)
+        key = parts.path.lstrip("/")
+        dataset = DatasetURL(f"s3://{parts.netloc}/", "s3", bucket=parts.netloc)
+        return S3Objects(dataset, s3_endpoint).read_small(key, MAX_MANIFEST_BYTES)
+    path = Path(urllib.parse.unquote(target[len("file://"):]) if target.startswith("file://") else target)
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class Counter:
+    """Thread-safe progress counters for parallel scans."""
+
+    files: int = 0
+    bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_bytes(self, count: int) -> None:
+        with self.lock:
+            self.bytes += count
+
+    def add_file(self) -> None:
+        with self.lock:
+            self.files += 1

@@ -1,0 +1,95 @@
+"""``shardcache status`` against a real daemon and a real master (SQLite state)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli.conftest import Dataset
+from tests.cli.support import Daemon, run_cli
+from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
+
+
+class Master:
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = spawn(
+            [PYTHON, "-m", "sidecar.cli", "master", "--listen", f"tcp://127.0.0.1:{self.port}",
+             "--state", f"sqlite://{tmp}/master.db"],
+            tmp / "master.log",
+        )
+        wait_until(lambda: http_ok(self.url + "/readyz"), timeout=30, what="master readiness")
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[Master]:
+    m = Master(tmp_path)
+    try:
+        yield m
+    finally:
+        stop(m.proc)
+
+
+def test_status_of_daemon_and_master(master: Master, file_dataset: Dataset, daemon_factory: Any, tmp_path: Path):
+    daemon: Daemon = daemon_factory(f"file://{tmp_path}/root")
+    assert run_cli(["warmup", file_dataset.url, "--daemon", daemon.url]).returncode == 0
+    # Reads through the daemon: one miss... then hits.
+    for _ in range(3):
+        with urllib.request.urlopen(f"{daemon.url}/bkt/train/train-000000.tar", timeout=10) as resp:
+            resp.read()
+    shards = [{"key": k, "size": len(v), "samples": 4} for k, v in sorted(file_dataset.shards.items())]
+    master.post("/v1/jobs", {"name": "resnet", "dataset": file_dataset.url, "shards": shards, "epochs": 2,
+                             "max_failures": 1})
+    lease = master.post("/v1/jobs/resnet/leases", {"trainer": "t1", "node": "n1", "count": 2})["leases"]
+    master.post(f"/v1/jobs/resnet/leases/{lease[0]['lease']}/complete", {"trainer": "t1"})
+    master.post(f"/v1/jobs/resnet/leases/{lease[1]['lease']}/fail", {"trainer": "t1", "error": "bad tar header"})
+
+    result = run_cli(["status", "--daemon", daemon.unix, "--master", master.url, "--interval", "0.2"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert daemon.unix in out and "node" in out and "100.0%" in out  # every lookup was a hit
+    assert file_dataset.url.rstrip("/").rsplit("/", 1)[1] in out  # the warm-up's id, listed
+    assert "leader" in out
+    row = next(line for line in out.splitlines() if line.startswith("resnet "))
+    assert row.split()[:6] == ["resnet", "1/2", "1/5", "0", "3", "1"]
+    assert f"FAILED shard resnet/{lease[1]['key']}" in out and "bad tar header" in out
+
+    as_json = run_cli(["status", "--daemon", daemon.url, "--interval", "0", "--json"],
+                      env={"SHARDCACHE_MASTER": master.url})
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    (report,) = doc["daemons"]
+    assert report["stats"]["requests"]["hits"] == 3 and report["stats"]["cache"]["items"] == 5
+    assert report["warmups"][0]["state"] == "done"
+    (job,) = doc["master"]["jobs"]
+    assert job["name"] == "resnet" and job["shards"]["failed"] == 1
+    assert job["failed_shards"][0]["key"] == lease[1]["key"]
+
+
+def test_status_unreachable_and_unknown_job(master: Master):
+    down = f"http://127.0.0.1:{free_port()}"
+    result = run_cli(["status", "--daemon", down, "--interval", "0"])
+    assert result.returncode == 69
+    assert "unreachable" in result.stdout and "connection refused" in result.stdout
+    assert "Traceback" not in result.stderr
+    only_master = run_cli(["status", "--master", master.url])
+    assert only_master.returncode == 0 and "DAEMON" not in only_master.stdout and "no jobs" in only_master.stdout
+    missing = run_cli(["status", "--master", master.url, "--job", "nope"])
+    assert missing.returncode == 1 and "no job 'nope'" in missing.stdout
+    master_down = run_cli(["status", "--master", down, "--json"])
+    assert master_down.returncode == 69
+    assert json.loads(master_down.stdout)["master"]["masters"][0]["error"]
+    bad = run_cli(["status", "--master", "ftp://x"])
+    assert bad.returncode == 2 and "invalid master address" in bad.stderr
