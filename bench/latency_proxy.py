@@ -9,6 +9,9 @@ Two properties of a real object store starve trainers, and a loopback moto serve
 - **single-stream throughput** (optional, ``--stream-mbps``): each connection's answers are paced
   to that many MB/s (10^6 bytes), as one S3 connection gives ~50-100 MB/s however fast the
   network; clients that open several connections (ranged GETs) get several times that.
+- **total throughput** (optional, ``--total-mbps``): the answers of all connections together are
+  paced to that many MB/s through one shared token bucket, as a node's share of a WAN link or a
+  throttled gateway caps a reader however many connections it opens.
 
     python -m bench.latency_proxy --upstream 127.0.0.1:5000 --port 5001 --delay-ms 20
 
@@ -26,7 +29,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-__all__ = ["LatencyProxy", "serve", "main"]
+__all__ = ["LatencyProxy", "SharedRate", "serve", "main"]
 
 _CHUNK = 256 * 1024
 
@@ -72,20 +75,47 @@ async def _pipe_delayed(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
             await feeder
 
 
-async def _pipe_paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bytes_per_s: float | None) -> None:
+class SharedRate:
+    """One token bucket for every connection of the proxy: each chunk reserves its transmission
+    slot after the slots already reserved (by any connection), so the connections together never
+    exceed ``bytes_per_s`` and share it in arrival order. No burst credit is kept over idle time."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError("bytes_per_s must be positive")
+        self.bytes_per_s = bytes_per_s
+        self.next_free = 0.0
+
+    def reserve(self, now: float, size: int) -> float:
+        """The time at which ``size`` bytes reserved now have been sent."""
+        self.next_free = max(self.next_free, now) + size / self.bytes_per_s
+        return self.next_free
+
+
+async def _pipe_paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bytes_per_s: float | None,
+                      shared: SharedRate | None = None) -> None:
     """Forward reader → writer, at most ``bytes_per_s`` (a token bucket with no burst credit
-    carried over idle time, so a new answer starts at the stream rate, not above it)."""
+    carried over idle time, so a new answer starts at the stream rate, not above it) and, with
+    ``shared``, within the proxy-wide rate as well."""
     loop = asyncio.get_running_loop()
     next_free = 0.0
+    # Smaller chunks under a shared cap: a 256 KiB reservation at a few MB/s would hold the
+    # bucket for tens of ms and make the other connections' answers bursty.
+    chunk = _CHUNK if shared is None else 64 * 1024
     while True:
-        data = await reader.read(_CHUNK)
+        data = await reader.read(chunk)
         if not data:
             break
-        if bytes_per_s:
+        if bytes_per_s or shared is not None:
             now = loop.time()
-            next_free = max(next_free, now) + len(data) / bytes_per_s
-            if next_free - now > 0.001:
-                await asyncio.sleep(next_free - now)
+            due = now
+            if bytes_per_s:
+                next_free = max(next_free, now) + len(data) / bytes_per_s
+                due = next_free
+            if shared is not None:
+                due = max(due, shared.reserve(now, len(data)))
+            if due - now > 0.001:
+                await asyncio.sleep(due - now)
         writer.write(data)
         await writer.drain()
     with contextlib.suppress(OSError):
@@ -93,7 +123,9 @@ async def _pipe_paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 
 async def serve(port: int, upstream: tuple[str, int], delay_s: float, bytes_per_s: float | None,
-                ready: asyncio.Event | None = None) -> None:
+                ready: asyncio.Event | None = None, total_bytes_per_s: float | None = None) -> None:
+    shared = SharedRate(total_bytes_per_s) if total_bytes_per_s else None
+
     async def handle(creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         try:
             sreader, swriter = await asyncio.open_connection(*upstream)
@@ -106,7 +138,7 @@ async def serve(port: int, upstream: tuple[str, int], delay_s: float, bytes_per_
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tasks = [asyncio.create_task(_pipe_delayed(creader, swriter, delay_s), name="proxy-up"),
-                 asyncio.create_task(_pipe_paced(sreader, cwriter, bytes_per_s), name="proxy-down")]
+                 asyncio.create_task(_pipe_paced(sreader, cwriter, bytes_per_s, shared), name="proxy-down")]
         try:
             # Either side closing ends the pair: the other direction cannot make progress.
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -130,12 +162,14 @@ async def serve(port: int, upstream: tuple[str, int], delay_s: float, bytes_per_
 class LatencyProxy:
     """:func:`serve` in its own process (a ``bench.common.spawn`` child), in front of ``upstream``."""
 
-    def __init__(self, upstream: str, delay_ms: float, stream_mbps: float | None, log: Path) -> None:
+    def __init__(self, upstream: str, delay_ms: float, stream_mbps: float | None, log: Path,
+                 total_mbps: float | None = None) -> None:
         from bench.common import free_port
 
         self.upstream = upstream.removeprefix("http://").rstrip("/")
         self.delay_ms = delay_ms
         self.stream_mbps = stream_mbps
+        self.total_mbps = total_mbps
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -148,6 +182,8 @@ class LatencyProxy:
                 "--delay-ms", str(self.delay_ms)]
         if self.stream_mbps:
             args += ["--stream-mbps", str(self.stream_mbps)]
+        if self.total_mbps:
+            args += ["--total-mbps", str(self.total_mbps)]
         self.proc = spawn(args, self.log)
 
         def listening() -> bool:
@@ -173,22 +209,28 @@ class LatencyProxy:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.latency_proxy",
-        description="TCP proxy adding a per-request delay (and optionally a per-connection rate cap)",
-        epilog="example:\n  python -m bench.latency_proxy --upstream 127.0.0.1:5000 --port 5001 --delay-ms 20 --stream-mbps 100",
+        description="TCP proxy adding a per-request delay (and optionally per-connection and total rate caps)",
+        epilog="examples:\n  python -m bench.latency_proxy --upstream 127.0.0.1:5000 --port 5001 --delay-ms 20 --stream-mbps 100\n"
+               "  python -m bench.latency_proxy --upstream 127.0.0.1:5000 --port 5001 --delay-ms 20 --total-mbps 60",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--port", type=int, required=True, help="port to listen on (127.0.0.1)")
     parser.add_argument("--upstream", required=True, help="host:port to forward to")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay added to every request")
     parser.add_argument("--stream-mbps", type=float, default=None, help="per-connection answer rate cap, MB/s")
+    parser.add_argument("--total-mbps", type=float, default=None,
+                        help="cap on the answers of all connections together, MB/s (shared token bucket)")
     args = parser.parse_args(argv)
     host, _, port = args.upstream.rpartition(":")
     if not host or not port.isdigit() or args.delay_ms < 0:
         parser.error("--upstream must be host:port and --delay-ms >= 0")
+    if (args.stream_mbps is not None and args.stream_mbps <= 0) or (args.total_mbps is not None and args.total_mbps <= 0):
+        parser.error("--stream-mbps and --total-mbps must be > 0")
     rate = args.stream_mbps * 1e6 if args.stream_mbps else None
+    total = args.total_mbps * 1e6 if args.total_mbps else None
     started = time.monotonic()
     try:
-        asyncio.run(serve(args.port, (host, int(port)), args.delay_ms / 1000, rate))
+        asyncio.run(serve(args.port, (host, int(port)), args.delay_ms / 1000, rate, total_bytes_per_s=total))
     except KeyboardInterrupt:
         pass
     print(f"latency proxy ran {time.monotonic() - started:.0f}s", file=sys.stderr)

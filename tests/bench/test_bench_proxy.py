@@ -112,3 +112,42 @@ def test_garbage_and_dead_upstream_close_the_connection(tmp_path: Path) -> None:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
             assert sock.recv(1024) == b""
         assert proxy.proc is not None and proxy.proc.poll() is None
+
+
+def test_total_rate_cap_is_shared_by_all_connections(s3_server, blob_key, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """4 parallel connections through a 20 MB/s total cap take 4x as long as one would alone; a
+    per-connection cap of the same rate would let them finish in the time of one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bucket, key, data = blob_key
+    rate = 20e6
+    with LatencyProxy(s3_server.endpoint, 0, None, tmp_path / "total.log", total_mbps=rate / 1e6) as capped:
+        path = _signed(capped, bucket, key)
+
+        def one(_: int) -> bytes:
+            conn = http.client.HTTPConnection("127.0.0.1", capped.port, timeout=60)
+            try:
+                _elapsed, body, status = _get(conn, path)
+                assert status == 200
+                return body
+            finally:
+                conn.close()
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            bodies = list(pool.map(one, range(4)))
+        elapsed = time.monotonic() - started
+    assert all(body == data for body in bodies)
+    assert elapsed >= 4 * len(data) / rate * 0.8
+
+
+def test_total_rate_cap_flag_is_validated(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from bench.common import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "bench.latency_proxy", "--port", "1", "--upstream", "127.0.0.1:2",
+                           "--total-mbps", "0"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2
+    assert "--total-mbps" in proc.stderr
