@@ -1,0 +1,35 @@
+"""The shard-lease master (``shardcache master``) and its trainer-side client.
+
+Importing this package stays light (stdlib only): the server side (aiohttp, SQLite, etcd) lives
+in submodules imported explicitly (:mod:`loader.master.app`, :mod:`loader.master.service`).
+"""
+
+from __future__ import annotations
+
+from loader.master.client import MasterClient
+from loader.master.errors import (
+    BadRequest,
+    BodyTooLarge,
+    JobConflict,
+    LeaseLost,
+    MasterError,
+    MasterUnavailable,
+    NoSuchJob,
+    NotLeader,
+    NotLeaseHolder,
+    StateError,
+)
+
+__all__ = [
+    "MasterClient",
+    "MasterError",
+    "BadRequest",
+    "BodyTooLarge",
+    "NoSuchJob",
+    "JobConflict",
+    "LeaseLost",
+    "NotLeaseHolder",
+    "MasterUnavailable",
+    "NotLeader",
+    "StateError",
+]

@@ -1,0 +1,300 @@
+"""Trainer-side client of ``shardcache master``: small, synchronous, thread-safe, stdlib only.
+
+Usage::
+
+    from loader.master.client import MasterClient
+
+    client = MasterClient("http://m1:8700,http://m2:8700")      # several masters: follows the leader
+    client.create_job({"name": "resnet50", "dataset": "s3://b/train/",
+                       "shards": [{"key": "train-000000.tar", "size": 123, "samples": 100}],
+                       "epochs": 10, "seed": 1})
+    answer = client.lease("resnet50", trainer="t1", node="node-a", count=2)
+    for lease in answer["leases"]:
+        ttl = client.renew("resnet50", lease["lease"], "t1", offset=57)
+        client.complete("resnet50", lease["lease"], "t1")
+
+Methods (the HTTP contract is ``docs/master-api.md``):
+
+- ``create_job(spec) -> dict``: create the job or join the identical existing one; returns its
+  status. :class:`JobConflict` if a job with that name has a different spec.
+- ``lease(job, trainer, node, count, epoch=None) -> dict``: ``{"status": "ok"|"wait"|"epoch_done"|
+  "finished", "epoch": int, "leases": [{"lease", "key", "shard", "epoch", "offset", "size",
+  "samples", "ttl_s"}], "retry_after_s": float|None}``. ``offset`` is the sample to resume at.
+  ``epoch=None`` takes whatever epoch is current (continuous mode). A retried request (lost
+  answer) returns the leases already granted to it instead of granting more.
+- ``renew(job, lease, trainer, offset) -> float``: records the sample offset reached and extends
+  the lease; returns its TTL in seconds. :class:`LeaseLost` when it expired or was re-issued.
+- ``complete(job, lease, trainer) -> None``: the shard is done for this epoch (exactly once).
+  :class:`LeaseLost` when the lease expired or was re-issued: the completion counted nowhere.
+  Completing the same lease again (a retry after a lost answer) succeeds and counts once.
+- ``fail(job, lease, trainer, error) -> str``: report that the shard could not be read;
+  returns ``"todo"`` (it will be re-issued) or ``"failed"`` (it reached ``max_failures`` and is
+  skipped this epoch).
+- ``status(job) -> dict`` and ``jobs() -> list[dict]``: job status as in the API doc.
+
+Errors are typed, under :class:`MasterError`: :class:`NoSuchJob`, :class:`JobConflict`,
+:class:`LeaseLost`, :class:`NotLeaseHolder`, :class:`BadRequest`, and :class:`MasterUnavailable`
+once every master stayed unreachable (connection errors, 503, ``NotLeader`` without a reachable
+leader) for ``retry_deadline_s``. Connection errors and 503 answers are retried with exponential
+backoff and jitter, trying the next master of the list and following ``NotLeader`` hints.
+
+One instance may be shared by threads: each thread keeps its own keep-alive connection per
+master, and the known leader is shared.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from loader.master.errors import (
+    BadRequest,
+    JobConflict,
+    LeaseLost,
+    MasterError,
+    MasterUnavailable,
+    NoSuchJob,
+    NotLeader,
+    NotLeaseHolder,
+    error_from_answer,
+)
+
+# The errors are re-exported so a trainer needs one import line.
+__all__ = [
+    "MasterClient",
+    "MasterError",
+    "BadRequest",
+    "NoSuchJob",
+    "JobConflict",
+    "LeaseLost",
+    "NotLeaseHolder",
+    "MasterUnavailable",
+]
+
+_USER_AGENT = "shardcache-master-client/1"
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a unix domain socket (``unix:///run/shardcache/master.sock``)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _split_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
+    raw = master.split(",") if isinstance(master, str) else list(master)
+    urls = [u.strip().rstrip("/") for u in raw if u and u.strip()]
+    if not urls:
+        raise BadRequest("no master URL given: use http://host:8700 (or several, comma-separated)")
+    for url in urls:
+        scheme = urllib.parse.urlsplit(url).scheme
+        if scheme not in ("http", "https", "unix"):
+            raise BadRequest(f"invalid master URL {url!r}: use http://host:port or unix:///path/to.sock")
+    return urls
+
+
+class MasterClient:
+    """Synchronous, thread-safe client of the master HTTP API (see the module docstring)."""
+
+    def __init__(
+        self,
+        master: str | list[str] | tuple[str, ...],
+        *,
+        timeout_s: float = 10.0,
+        retry_deadline_s: float = 60.0,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+    ) -> None:
+        """``master``: one URL or several (list, or comma-separated string).
+        ``timeout_s``: per HTTP exchange. ``retry_deadline_s``: how long one call keeps retrying
+        connection errors and 503 answers before raising :class:`MasterUnavailable`."""
+        self._urls = _split_urls(master)
+        self._timeout = float(timeout_s)
+        self._deadline = float(retry_deadline_s)
+        self._backoff_initial = float(backoff_initial_s)
+        self._backoff_max = float(backoff_max_s)
+        self._lock = threading.Lock()
+        self._preferred = 0  # index into self._urls of the master believed to lead
+        self._local = threading.local()
+
+    @property
+    def urls(self) -> list[str]:
+        with self._lock:
+            return list(self._urls)
+
+    # -- API ------------------------------------------------------------------------------
+
+    def create_job(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", dict(spec))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/v1/jobs")["jobs"])
+
+    def status(self, job: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{_q(job)}")
+
+    def lease(self, job: str, trainer: str, node: str, count: int = 1, epoch: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"trainer": trainer, "node": node, "count": count, "request_id": uuid.uuid4().hex}
+        if epoch is not None:
+            body["epoch"] = epoch
+        return self._call("POST", f"/v1/jobs/{_q(job)}/leases", body)
+
+    def renew(self, job: str, lease: str, trainer: str, offset: int) -> float:
+        answer = self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/renew", {"trainer": trainer, "offset": offset})
+        return float(answer["ttl_s"])
+
+    def complete(self, job: str, lease: str, trainer: str) -> None:
+        self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/complete", {"trainer": trainer})
+
+    def fail(self, job: str, lease: str, trainer: str, error: str) -> str:
+        answer = self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/fail", {"trainer": trainer, "error": str(error)})
+        return str(answer["shard_state"])
+
+    def close(self) -> None:
+        """Close this thread's connections (other threads' close when they exit)."""
+        conns: dict[str, http.client.HTTPConnection] = getattr(self._local, "conns", {})
+        for conn in conns.values():
+            conn.close()
+        conns.clear()
+
+    def __enter__(self) -> MasterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport ------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        payload = None if body is None else json.dumps(body).encode()
+        deadline = time.monotonic() + self._deadline
+        backoff = self._backoff_initial
+        last: MasterError | None = None
+        hops = 0
+        while True:
+            with self._lock:
+                index = self._preferred
+                url = self._urls[index]
+            try:
+                status, answer = self._exchange(url, method, path, payload)
+            except (OSError, http.client.HTTPException) as exc:
+                last = MasterUnavailable(f"master {url} unreachable: {exc.__class__.__name__}: {exc}")
+                self._rotate(index)
+            else:
+                if status < 400:
+                    return answer if isinstance(answer, dict) else {}
+                err = error_from_answer(status, answer)
+                if not isinstance(err, MasterUnavailable):
+                    raise err
+                last = err
+                leader = err.details.get("leader") if isinstance(err, NotLeader) else None
+                if isinstance(leader, str) and leader and self._follow(leader, index):
+                    hops += 1
+                    if hops <= len(self._urls) + 1:
+                        continue  # a hint to a different master: try it right away
+                else:
+                    self._rotate(index)
+            if time.monotonic() + backoff > deadline:
+                assert last is not None
+                raise MasterUnavailable(
+                    f"no master answered {method} {path} within {self._deadline:g}s "
+                    f"(tried {', '.join(self.urls)}); last error: {last.message}. "
+                    "Check that `shardcache master` is running and reachable."
+                ) from last
+            time.sleep(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, self._backoff_max)
+
+    def _rotate(self, failed_index: int) -> None:
+        with self._lock:
+            if self._preferred == failed_index:
+                self._preferred = (failed_index + 1) % len(self._urls)
+
+    def _follow(self, leader: str, current: int) -> bool:
+        """Prefer ``leader`` from now on; False if it is the master that just declined."""
+        leader = leader.rstrip("/")
+        with self._lock:
+            if leader not in self._urls:
+                try:
+                    _split_urls(leader)
+                except BadRequest:
+                    return False
+                self._urls.append(leader)
+            index = self._urls.index(leader)
+            if index == current:
+                return False
+            self._preferred = index
+            return True
+
+    def _connection(self, url: str) -> http.client.HTTPConnection:
+        conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(url)
+        if conn is None:
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme == "unix":
+                conn = _UnixHTTPConnection(urllib.parse.unquote(parts.path), self._timeout)
+            elif parts.scheme == "https":
+                conn = http.client.HTTPSConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
+            else:
+                conn = http.client.HTTPConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
+            conns[url] = conn
+        return conn
+
+    def _exchange(self, url: str, method: str, path: str, payload: bytes | None) -> tuple[int, Any]:
+        prefix = "" if url.startswith("unix:") else urllib.parse.urlsplit(url).path
+        headers = {"User-Agent": _USER_AGENT, "Accept": "application/json"}
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
+        # A kept-alive connection may have been closed by the server since its last use: one
+        # immediate reconnect for that case, before counting it as a real failure.
+        for attempt in (0, 1):
+            conn = self._connection(url)
+            try:
+                conn.request(method, prefix + path, body=payload, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                conn.close()
+                self._local.conns.pop(url, None)
+                if attempt:
+                    raise
+                continue
+            except BaseException:
+                conn.close()
+                self._local.conns.pop(url, None)
+                raise
+            if resp.will_close:
+                conn.close()
+                self._local.conns.pop(url, None)
+            try:
+                answer = json.loads(raw) if raw else {}
+            except ValueError:
+                answer = raw.decode("utf-8", "replace")
+            return resp.status, answer
+        raise AssertionError("unreachable")
+
+
+def _q(part: str) -> str:
+    if not isinstance(part, str) or not part:
+        raise BadRequest(f"invalid identifier {part!r}")
+    return urllib.parse.quote(part, safe="")

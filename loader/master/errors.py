@@ -1,0 +1,141 @@
+"""Exceptions of the master, shared by the server (which maps them to HTTP answers) and the
+trainer-side client (which maps HTTP answers back to them): one table, one place.
+
+Every error has a stable ``code`` (the ``"error"`` field of the JSON answer) and an HTTP
+``status``. Subclasses also inherit the matching builtin, so callers that only know Python's
+exceptions still catch them sensibly (``except ConnectionError`` catches ``MasterUnavailable``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "MasterError",
+    "BadRequest",
+    "BodyTooLarge",
+    "NoSuchJob",
+    "JobConflict",
+    "LeaseLost",
+    "NotLeaseHolder",
+    "MasterUnavailable",
+    "NotLeader",
+    "StateError",
+    "ERRORS_BY_CODE",
+    "error_from_answer",
+]
+
+
+class MasterError(Exception):
+    """Root of every error raised by :mod:`loader.master`."""
+
+    code: str = "InternalError"
+    status: int = 500
+
+    def __init__(self, message: str = "", **details: Any) -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+        self.message = message or (self.__class__.__doc__ or self.code).strip()
+        self.details: dict[str, Any] = details
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.code, "message": self.message, **self.details}
+
+
+class BadRequest(MasterError, ValueError):
+    """The request is malformed (bad JSON, missing or out-of-range field)."""
+
+    code = "BadRequest"
+    status = 400
+
+
+class BodyTooLarge(BadRequest):
+    """The request body is larger than the master accepts."""
+
+    code = "BodyTooLarge"
+    status = 413
+
+
+class NoSuchJob(MasterError, LookupError):
+    """No job with that name exists on the master."""
+
+    code = "NoSuchJob"
+    status = 404
+
+
+class JobConflict(MasterError, ValueError):
+    """A job with that name exists with a different spec."""
+
+    code = "JobConflict"
+    status = 409
+
+
+class LeaseLost(MasterError):
+    """The lease expired, was re-issued, failed or is unknown: drop the shard and lease another.
+
+    Whatever the trainer did with the shard is counted nowhere."""
+
+    code = "LeaseLost"
+    status = 409
+
+
+class NotLeaseHolder(MasterError, PermissionError):
+    """The lease is held by another trainer."""
+
+    code = "NotLeaseHolder"
+    status = 403
+
+
+class MasterUnavailable(MasterError, ConnectionError):
+    """No master answered (connection refused, timeouts, 5xx) within the retry budget."""
+
+    code = "Unavailable"
+    status = 503
+
+
+class NotLeader(MasterUnavailable):
+    """This master is a standby; ``details["leader"]`` names the leader's URL when known."""
+
+    code = "NotLeader"
+    status = 503
+
+
+class StateError(MasterError, OSError):
+    """The master could not make a transition durable (disk or etcd failure); nothing was changed."""
+
+    code = "StateUnavailable"
+    status = 503
+
+
+ERRORS_BY_CODE: dict[str, type[MasterError]] = {
+    cls.code: cls
+    for cls in (
+        MasterError,
+        BadRequest,
+        BodyTooLarge,
+        NoSuchJob,
+        JobConflict,
+        LeaseLost,
+        NotLeaseHolder,
+        MasterUnavailable,
+        NotLeader,
+        StateError,
+    )
+}
+
+
+def error_from_answer(status: int, body: Any) -> MasterError:
+    """Rebuild the typed error from an HTTP error answer (used by the client)."""
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        code = body["error"]
+        message = str(body.get("message") or code)
+        details = {k: v for k, v in body.items() if k not in ("error", "message")}
+        cls = ERRORS_BY_CODE.get(code)
+        if cls is None:
+            cls = BadRequest if 400 <= status < 500 else MasterUnavailable if status >= 500 else MasterError
+        err = cls(message, **details)
+        return err
+    if status == 413:
+        return BodyTooLarge(f"HTTP {status}: request body too large")
+    if 400 <= status < 500:
+        return BadRequest(f"HTTP {status}: {str(body)[:200]}")
+    return MasterUnavailable(f"HTTP {status}: {str(body)[:200]}")

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the master, on a registry of its own (several masters in one test
+process must not collide on the global one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["MasterMetrics"]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class _JobCollector(Collector):
+    """Per-job gauges read from the live state at scrape time (nothing to keep in sync)."""
+
+    def __init__(self, source: Callable[[], list[dict[str, Any]]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        shards = GaugeMetricFamily("shardcache_master_job_shards", "Shards of the current epoch by state", labels=["job", "state"])
+        epoch = GaugeMetricFamily("shardcache_master_job_epoch", "Current epoch of the job", labels=["job"])
+        rate = GaugeMetricFamily("shardcache_master_job_samples_per_second", "Samples processed per second (last 30 s)", labels=["job"])
+        events = CounterMetricFamily("shardcache_master_job_events", "Lease events of the job", labels=["job", "event"])
+        for status in self._source():
+            name = status["name"]
+            for state in ("todo", "leased", "done", "failed"):
+                shards.add_metric([name, state], status["shards"][state])
+            epoch.add_metric([name], status["epoch"])
+            rate.add_metric([name], status.get("samples_per_s") or 0.0)
+            for event, value in status.get("totals", {}).items():
+                events.add_metric([name, event], value)
+        yield shards
+        yield epoch
+        yield rate
+        yield events
+
+
+class MasterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "shardcache_master_requests_total", "API requests by route and HTTP status", ["route", "code"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "shardcache_master_request_duration_seconds", "API request latency", ["route"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.commit_latency = Histogram(
+            "shardcache_master_commit_duration_seconds", "Duration of one group commit to the state store",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.commit_batch = Histogram(
+            "shardcache_master_commit_batch_events", "Events made durable per group commit",
+            buckets=_BATCH_BUCKETS, registry=self.registry,
+        )
+        self.refused = Counter(
+            "shardcache_master_lease_refusals_total", "Renew/complete/fail refused because the lease was lost",
+            ["action"], registry=self.registry,
+        )
+        self.leader = Gauge("shardcache_master_leader", "1 while this master leads and serves", registry=self.registry)
+        self.store_failures = Counter(
+            "shardcache_master_store_failures_total", "State store writes that failed", registry=self.registry
+        )
+
+        self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        # labels() hashes and locks on every call: keep the children per (route, status).
+        children = self._request_children.get((route, status))
+        if children is None:
+            children = (self.requests.labels(route, str(status)), self.latency.labels(route))
+            self._request_children[(route, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def watch_jobs(self, source: Callable[[], list[dict[str, Any]]]) -> None:
+        self.registry.register(_JobCollector(source))
+
+    def observe_commit(self, events: int, seconds: float) -> None:
+        self.commit_batch.observe(events)
+        self.commit_latency.observe(seconds)

@@ -1,0 +1,434 @@
+"""The lease state machine against an independent model, driven by hypothesis with an injected
+clock: random sequences of lease / renew / complete / fail / time passing / master restarts.
+
+The model is a second, naive implementation of the rules in docs/master-api.md; every answer
+of the real machine is checked against it, so exactly-once is checked at every step: a
+completion is accepted only for a lease the model holds valid (so at most once per shard and
+epoch), a shard is handed out only while no valid lease holds it and it is neither done nor
+failed, offsets resume where the last renew left them, and the epoch advances exactly when
+every shard is done or failed. The log of accepted events, replayed into a fresh machine, must
+rebuild the same state (that is how the stores recover), as must a snapshot round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from loader.master.errors import BadRequest, JobConflict, LeaseLost, MasterError, NoSuchJob, NotLeaseHolder
+from loader.master.leases import (
+    Complete,
+    CreateJob,
+    Event,
+    Fail,
+    JobSpec,
+    Lease,
+    MasterState,
+    Renew,
+    Resume,
+    ShardSpec,
+)
+
+TRAINERS = ("t0", "t1", "t2")
+FAKE = "unknownLease0"
+JOB = "job"
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = MasterState()
+        self.now = 1000.0
+        self.ids = 0
+        self.base: dict[str, Any] | None = None
+        self.log: list[tuple[Event, float]] = []
+
+    # -- setup --
+
+    @initialize(
+        n=st.integers(min_value=1, max_value=7),
+        epochs=st.one_of(st.none(), st.integers(min_value=1, max_value=3)),
+        max_failures=st.integers(min_value=1, max_value=3),
+        samples=st.one_of(st.none(), st.integers(min_value=0, max_value=20)),
+        shuffle=st.booleans(),
+        seed=st.integers(min_value=0, max_value=1000),
+    )
+    def create(self, n: int, epochs: int | None, max_failures: int, samples: int | None, shuffle: bool, seed: int) -> None:
+        self.n, self.epochs, self.max_failures, self.samples = n, epochs, max_failures, samples
+        self.ttl = 10.0
+        spec = JobSpec(JOB, "s3://b/p/", tuple(ShardSpec(f"k{i}", 1, samples) for i in range(n)), epochs, seed, shuffle, self.ttl, max_failures)
+        self.spec = spec
+        self.apply_ok(CreateJob(spec))
+        # The model.
+        self.epoch = 0
+        self.finished = False
+        self.done: set[int] = set()
+        self.failed: set[int] = set()
+        self.failures: Counter[int] = Counter()
+        self.offsets: dict[int, int] = {}
+        self.live: dict[str, list[Any]] = {}  # lease -> [trainer, shard, expires_at]
+        self.closed: dict[str, tuple[str, str, int]] = {}  # lease -> (trainer, outcome, epoch)
+        self.completions: Counter[tuple[int, int]] = Counter()
+        self.last_mut = self.now
+        self.last_request: dict[str, tuple[str, list[str]]] = {}
+
+    # -- helpers --
+
+    def apply_ok(self, event: Event) -> dict[str, Any]:
+        result = self.state.apply(event, self.now)
+        if result.mutated:
+            assert result.record is not None
+            self.log.append((result.record, result.now))
+        return result.answer
+
+    def apply(self, event: Event) -> tuple[dict[str, Any] | None, MasterError | None, bool]:
+        try:
+            result = self.state.apply(event, self.now)
+        except MasterError as exc:
+            return None, exc, False
+        if result.mutated:
+            assert result.record is not None
+            self.log.append((result.record, result.now))
+            self.last_mut = result.now
+        return result.answer, None, result.mutated
+
+    def valid(self, lease: str) -> bool:
+        return lease in self.live and self.live[lease][2] > self.now
+
+    def available(self) -> set[int]:
+        held = {self.live[lid][1] for lid in self.live if self.valid(lid)}
+        return set(range(self.n)) - self.done - self.failed - held
+
+    def visible_closed(self, lease: str) -> tuple[str, str, int] | None:
+        hit = self.closed.get(lease)
+        return hit if hit is not None and hit[2] >= self.epoch - 1 else None
+
+    def new_ids(self, count: int) -> tuple[str, ...]:
+        out = []
+        for _ in range(count):
+            self.ids += 1
+            out.append(f"L{self.ids:010d}")
+        return tuple(out)
+
+    def maybe_advance(self) -> None:
+        if len(self.done) + len(self.failed) < self.n:
+            return
+        self.epoch += 1
+        self.live.clear()
+        self.last_request.clear()
+        if self.epochs is not None and self.epoch >= self.epochs:
+            self.finished = True
+            return
+        self.done, self.failed = set(), set()
+        self.failures.clear()
+        self.offsets.clear()
+
+    def pick_lease(self, data: st.DataObject) -> str:
+        known = sorted(self.live) + sorted(self.closed)
+        return data.draw(st.sampled_from(known + [FAKE]) if known else st.just(FAKE), label="lease")
+
+    def pick_trainer(self, data: st.DataObject, lease: str) -> str:
+        holder = self.live[lease][0] if lease in self.live else self.closed[lease][0] if lease in self.closed else "t0"
+        return data.draw(st.sampled_from([holder, holder, *TRAINERS]), label="trainer")
+
+    # -- rules --
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 3.0, 9.9, 10.0, 25.0]))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(
+        trainer=st.sampled_from(TRAINERS),
+        count=st.integers(min_value=1, max_value=4),
+        which=st.sampled_from(["none", "current", "previous", "next"]),
+        retry=st.booleans(),
+    )
+    def lease(self, trainer: str, count: int, which: str, retry: bool) -> None:
+        epoch = {"none": None, "current": self.epoch, "previous": self.epoch - 1, "next": self.epoch + 1}[which]
+        if epoch is not None and epoch < 0:
+            epoch = None
+        self.ids += 1
+        request_id = f"r{self.ids}"
+        granted = self.check_lease(trainer, count, epoch, request_id)
+        if retry and granted:
+            # The same request again (its answer was lost): the same leases, nothing new.
+            again, err, mutated = self.apply(Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id))
+            assert err is None and again is not None and not mutated
+            assert [g["lease"] for g in again["leases"]] == granted
+
+    @rule(trainer=st.sampled_from(TRAINERS), count=st.integers(min_value=1, max_value=4))
+    def retry_last_request_later(self, trainer: str, count: int) -> None:
+        """A retry that arrives after time passed gets its still-valid leases, or a normal answer."""
+        last = self.last_request.get(trainer)
+        assume(last is not None)
+        assert last is not None
+        request_id, ids = last
+        still = [lid for lid in ids if self.valid(lid) and self.live[lid][0] == trainer]
+        if still:
+            answer, err, mutated = self.apply(Lease(JOB, trainer, "node", count, None, self.new_ids(count), request_id))
+            assert err is None and answer is not None and not mutated
+            assert [g["lease"] for g in answer["leases"]] == still
+        else:
+            self.check_lease(trainer, count, None, request_id)
+
+    def check_lease(self, trainer: str, count: int, epoch: int | None, request_id: str) -> list[str]:
+        event = Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id)
+        answer, err, _ = self.apply(event)
+        assert err is None, err
+        assert answer is not None
+        available = self.available()
+        if self.finished:
+            assert answer["status"] == "finished"
+            return []
+        assert answer["epoch"] == self.epoch
+        if epoch is not None and epoch < self.epoch:
+            assert answer["status"] == "epoch_done"
+            return []
+        if epoch is not None and epoch > self.epoch or not available:
+            assert answer["status"] == "wait", (answer, available)
+            assert 0 < answer["retry_after_s"] <= 1.0
+            return []
+        assert answer["status"] == "ok"
+        granted = answer["leases"]
+        assert len(granted) == min(count, len(available))
+        assert all(g["lease"] in event.lease_ids for g in granted), "a new request must get new leases"
+        shards = [g["shard"] for g in granted]
+        assert len(set(shards)) == len(shards)
+        assert set(shards) <= available, "a shard was handed out while done, failed or validly leased"
+        for g in granted:
+            assert g["offset"] == self.offsets.get(g["shard"], 0), "a re-issued shard must resume at the last offset"
+            assert g["epoch"] == self.epoch and g["key"] == f"k{g['shard']}"
+            self.live[g["lease"]] = [trainer, g["shard"], self.now + self.ttl]
+        ids = [g["lease"] for g in granted]
+        self.last_request[trainer] = (request_id, ids)
+        return ids
+
+    @rule(data=st.data(), offset=st.integers(min_value=-1, max_value=25))
+    def renew(self, data: st.DataObject, offset: int) -> None:
+        lease = self.pick_lease(data)
+        trainer = self.pick_trainer(data, lease)
+        answer, err, _ = self.apply(Renew(JOB, lease, trainer, offset))
+        if offset < 0:
+            assert isinstance(err, BadRequest)
+            return
+        if lease in self.live and self.live[lease][0] != trainer:
+            assert isinstance(err, NotLeaseHolder) or (not self.valid(lease) and isinstance(err, LeaseLost)), err
+            return
+        if not self.valid(lease):
+            assert isinstance(err, LeaseLost), err
+            return
+        shard = self.live[lease][1]
+        if self.samples is not None and offset > self.samples:
+            assert isinstance(err, BadRequest)
+            return
+        assert err is None and answer is not None
+        self.offsets[shard] = max(self.offsets.get(shard, 0), offset)
+        assert answer["offset"] == self.offsets[shard]
+        self.live[lease][2] = self.now + self.ttl
+
+    @rule(data=st.data())
+    def complete(self, data: st.DataObject) -> None:
+        lease = self.pick_lease(data)
+        trainer = self.pick_trainer(data, lease)
+        answer, err, _ = self.apply(Complete(JOB, lease, trainer))
+        if lease in self.live:
+            holder, shard, _ = self.live[lease]
+            if holder != trainer:
+                assert isinstance(err, NotLeaseHolder) or (not self.valid(lease) and isinstance(err, LeaseLost)), err
+            elif not self.valid(lease):
+                assert isinstance(err, LeaseLost), err
+            else:
+                assert err is None and answer is not None and answer["already"] is False
+                assert answer["epoch"] == self.epoch
+                assert shard not in self.done
+                self.completions[(self.epoch, shard)] += 1
+                self.done.add(shard)
+                del self.live[lease]
+                self.closed[lease] = (trainer, "done", self.epoch)
+                self.maybe_advance()
+            return
+        closed = self.visible_closed(lease)
+        if closed is not None and closed[0] != trainer:
+            assert isinstance(err, NotLeaseHolder), err
+        elif closed is not None and closed[1] == "done":
+            assert err is None and answer is not None and answer["already"] is True
+        else:
+            assert isinstance(err, LeaseLost), err
+
+    @rule(data=st.data())
+    def fail(self, data: st.DataObject) -> None:
+        lease = self.pick_lease(data)
+        trainer = self.pick_trainer(data, lease)
+        answer, err, _ = self.apply(Fail(JOB, lease, trainer, "boom"))
+        if lease in self.live:
+            holder, shard, _ = self.live[lease]
+            if holder != trainer:
+                assert isinstance(err, NotLeaseHolder) or (not self.valid(lease) and isinstance(err, LeaseLost)), err
+            elif not self.valid(lease):
+                assert isinstance(err, LeaseLost), err
+            else:
+                assert err is None and answer is not None
+                self.failures[shard] += 1
+                outcome = "failed" if self.failures[shard] >= self.max_failures else "todo"
+                assert answer == {"shard_state": outcome, "already": False}
+                if outcome == "failed":
+                    self.failed.add(shard)
+                del self.live[lease]
+                self.closed[lease] = (trainer, outcome, self.epoch)
+                self.maybe_advance()
+            return
+        closed = self.visible_closed(lease)
+        if closed is not None and closed[0] != trainer:
+            assert isinstance(err, NotLeaseHolder), err
+        elif closed is not None and closed[1] in ("todo", "failed"):
+            assert err is None and answer == {"shard_state": closed[1], "already": True}
+        else:
+            assert isinstance(err, LeaseLost), err
+
+    @rule()
+    def master_restarts(self) -> None:
+        """Resume: leases expired by the last accepted event stay expired, the others get a full TTL."""
+        last_accepted = self.last_mut
+        _, err, _ = self.apply(Resume())
+        assert err is None
+        for lease, rec in list(self.live.items()):
+            if rec[2] <= last_accepted:
+                del self.live[lease]
+            else:
+                rec[2] = max(rec[2], self.now + self.ttl)
+
+    @precondition(lambda self: len(self.log) > 0)
+    @rule()
+    def replay_and_snapshot(self) -> None:
+        """What a store does on restart: snapshot + log replay must rebuild the very same state."""
+        fresh = MasterState.from_json(self.base) if self.base is not None else MasterState()
+        for event, at in self.log:
+            assert fresh.apply(event, at).mutated
+        assert fresh.to_json() == self.state.to_json()
+        self.base = json.loads(json.dumps(fresh.to_json()))
+        self.state = MasterState.from_json(self.base)
+        self.log = []
+
+    # -- invariants --
+
+    @invariant()
+    def exactly_once(self) -> None:
+        assert all(count == 1 for count in self.completions.values())
+
+    @invariant()
+    def status_matches_model(self) -> None:
+        if not hasattr(self, "n"):
+            return
+        status = self.state.status(JOB, self.now)
+        assert status["epoch"] == self.epoch
+        assert status["finished"] == self.finished
+        leased = sum(1 for lid in self.live if self.valid(lid))
+        expected = {"total": self.n, "done": len(self.done), "failed": len(self.failed)}
+        if self.finished:
+            expected.update(todo=0, leased=0)
+        else:
+            expected.update(leased=leased, todo=self.n - leased - len(self.done) - len(self.failed))
+        assert status["shards"] == expected
+        assert sorted(f["shard"] for f in status["failed_shards"]) == sorted(self.failed)
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+# -- focused examples the properties rely on ---------------------------------------------------
+
+
+def spec(name: str = JOB, n: int = 3, **kw: Any) -> JobSpec:
+    return JobSpec.from_json({"name": name, "dataset": "s3://b/", "shards": [f"s{i}" for i in range(n)], **kw})
+
+
+def test_create_is_idempotent_and_conflicts_on_a_different_spec() -> None:
+    state = MasterState()
+    assert state.apply(CreateJob(spec(epochs=2)), 1.0).created
+    again = state.apply(CreateJob(spec(epochs=2)), 2.0)
+    assert not again.mutated and not again.created
+    with pytest.raises(JobConflict) as info:
+        state.apply(CreateJob(spec(epochs=3)), 3.0)
+    assert info.value.details["differs"] == ["epochs"]
+    with pytest.raises(NoSuchJob):
+        state.apply(Lease("other", "t", "n", 1, None, ("abcdefgh1",)), 4.0)
+
+
+def test_an_expired_lease_is_reissued_at_its_offset_and_its_completion_refused() -> None:
+    state = MasterState()
+    state.apply(CreateJob(spec(n=1, lease_ttl_s=5)), 0.0)
+    first = state.apply(Lease(JOB, "a", "n", 1, 0, ("lease0001",)), 0.0).answer["leases"][0]
+    state.apply(Renew(JOB, first["lease"], "a", 2), 4.0)
+    # Others wait while the lease is valid, then get the shard at the reported offset.
+    assert state.apply(Lease(JOB, "b", "n", 1, 0, ("lease0002",)), 8.9).answer["status"] == "wait"
+    second = state.apply(Lease(JOB, "b", "n", 1, 0, ("lease0003",)), 9.0).answer["leases"][0]
+    assert (second["shard"], second["offset"]) == (first["shard"], 2)
+    before = state.to_json()
+    with pytest.raises(LeaseLost):
+        state.apply(Complete(JOB, first["lease"], "a"), 9.5)
+    assert state.to_json() == before  # refused: changed nothing
+    done = state.apply(Complete(JOB, second["lease"], "b"), 9.6)
+    assert done.answer["epoch"] == 0
+    assert state.status(JOB, 9.6)["epoch"] == 1
+
+
+def test_poison_shard_is_failed_after_max_failures_and_does_not_block_the_epoch() -> None:
+    state = MasterState()
+    state.apply(CreateJob(spec(n=2, max_failures=2, shuffle=False, epochs=1)), 0.0)
+    good, bad = state.apply(Lease(JOB, "a", "n", 2, None, ("lease0001", "lease0002")), 0.0).answer["leases"]
+    state.apply(Complete(JOB, good["lease"], "a"), 1.0)
+    assert state.apply(Fail(JOB, bad["lease"], "a", "corrupt tar"), 1.0).answer["shard_state"] == "todo"
+    again = state.apply(Lease(JOB, "b", "n", 1, None, ("lease0003",)), 2.0).answer["leases"][0]
+    assert state.apply(Fail(JOB, again["lease"], "b", "corrupt tar"), 2.0).answer["shard_state"] == "failed"
+    status = state.status(JOB, 3.0)
+    assert status["finished"] and status["failed_shards"] == [
+        {"key": bad["key"], "shard": bad["shard"], "failures": 2, "last_error": "corrupt tar"}
+    ]
+    assert state.apply(Lease(JOB, "a", "n", 1, None, ("lease0004",)), 3.0).answer["status"] == "finished"
+
+
+def test_trainer_is_not_handed_back_the_shard_it_just_failed_while_others_remain() -> None:
+    state = MasterState()
+    state.apply(CreateJob(spec(n=3, shuffle=False)), 0.0)
+    first = state.apply(Lease(JOB, "a", "n", 1, None, ("lease0001",)), 0.0).answer["leases"][0]
+    state.apply(Fail(JOB, first["lease"], "a", "read error"), 0.0)
+    nxt = state.apply(Lease(JOB, "a", "n", 1, None, ("lease0002",)), 0.0).answer["leases"][0]
+    assert nxt["shard"] != first["shard"]
+    other = state.apply(Lease(JOB, "b", "n", 1, None, ("lease0003",)), 0.0).answer["leases"][0]
+    assert other["shard"] == first["shard"]
+
+
+def test_epoch_orders_follow_the_seeded_shuffle() -> None:
+    from loader.master.shuffle import permutation
+
+    state = MasterState()
+    state.apply(CreateJob(spec(n=6, seed=3)), 0.0)
+    for epoch in range(3):
+        answer = state.apply(Lease(JOB, "a", "n", 6, None, tuple(f"lease{epoch}{i:04d}" for i in range(6))), 0.0).answer
+        assert [g["shard"] for g in answer["leases"]] == permutation(6, 3, epoch)
+        for g in answer["leases"]:
+            state.apply(Complete(JOB, g["lease"], "a"), 0.0)
+
+
+def test_a_retried_lease_request_returns_only_leases_still_valid() -> None:
+    state = MasterState()
+    state.apply(CreateJob(spec(n=2, lease_ttl_s=5, shuffle=False)), 0.0)
+    first = state.apply(Lease(JOB, "a", "n", 1, None, ("lease0001",), "req-1"), 0.0)
+    assert first.mutated
+    retry = state.apply(Lease(JOB, "a", "n", 1, None, ("lease0002",), "req-1"), 1.0)
+    assert not retry.mutated and retry.answer["leases"][0]["lease"] == "lease0001"
+    # Once that lease expired, the same request id is a new request: it gets a lease of its own.
+    late = state.apply(Lease(JOB, "a", "n", 1, None, ("lease0003",), "req-1"), 6.0)
+    assert late.mutated and [g["lease"] for g in late.answer["leases"]] == ["lease0003"]
