@@ -106,30 +106,6 @@ class Fill:
             raise self.error
         return self.entry
 
-    async def stream(self, start: int, end: int) -> AsyncIterator[bytes]:
-        """Bytes ``[start, end)`` as they land. Raises the fill's error if it fails first."""
-        self._readers += 1
-        try:
-            sent = start
-            while sent < end:
-                event = self._progress
-                if self.contiguous > sent and self._read_fd is not None:
-                    length = min(self.contiguous, end) - sent
-                    chunk = await asyncio.to_thread(os.pread, self._read_fd, min(length, _WRITE_BUFFER), sent)
-                    if not chunk:
-                        raise OriginBadResponse(f"{self.bucket}/{self.key}: temp file ended early")
-                    sent += len(chunk)
-                    yield chunk
-                    continue
-                if self.error is not None:
-                    raise self.error
-                if self.finished:
-                    raise OriginBadResponse(f"{self.bucket}/{self.key}: fill ended at {self.contiguous}")
-                await event.wait()
-        finally:
-            self._readers -= 1
-            self._maybe_close()
-
     async def ranges(self, start: int, end: int) -> AsyncIterator[tuple[int, int, int]]:
         """``(fd, offset, length)`` pieces of ``[start, end)`` as they land in the temp file, for
         sendfile. ``fd`` stays open until the generator finishes. Raises the fill's error."""

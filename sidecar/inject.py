@@ -58,7 +58,7 @@ def _default_image() -> str:
 
 DEFAULT_IMAGE = _default_image()
 
-# --- names users see (labels and annotations are a contract: documented in docs/kubernetes.md) ---
+# --- names users see (labels and annotations are a contract: documented in the README, section Kubernetes) ---
 INJECT_LABEL = "shardcache.io/inject"
 STATUS_ANNOTATION = "shardcache.io/injected"
 ANN_IMAGE = "shardcache.io/sidecar-image"
