@@ -56,6 +56,8 @@ class _Runtime:
         self.source: Source | None = None
         self.client: Any = None
         self.trainer: str | None = None
+        # Prefetch hints held back until the shard being read has opened (see _hint).
+        self.pending_hints: list[Shard] = []
 
 
 class ShardLoader:
@@ -337,10 +339,29 @@ class ShardLoader:
             return self._iter_static(self._generation)
         return self._iter_dynamic(self._generation)
 
+    def _hint(self, shards: list[Shard], replace: bool = False) -> None:
+        """Queue prefetch hints for the next shards; they go to the daemon once the shard about
+        to be read has opened. Sent earlier, their fills would share a bandwidth-capped origin with
+        that shard's own fill and delay the first batch (bench/stall_bench.py measured it)."""
+        rt = self._runtime()
+        if replace:
+            rt.pending_hints = list(shards)
+        else:
+            rt.pending_hints.extend(shards)
+
+    def _flush_hints(self) -> None:
+        rt = self._runtime()
+        if rt.pending_hints:
+            hints, rt.pending_hints = rt.pending_hints, []
+            self._source().prefetch(hints)
+
     def _samples(self, shard: Shard, start: int) -> Iterator[dict[str, Any]]:
         """The shard's samples from sample ``start``, verified against what the manifest says."""
         settings = self.settings
-        reader = self._source().open(shard)
+        try:
+            reader = self._source().open(shard)
+        finally:
+            self._flush_hints()  # after the open attempt, whatever its outcome
         try:
             count = start
             for sample in iter_samples(
@@ -387,8 +408,7 @@ class ShardLoader:
             while pos.shard < len(plan):
                 shard = plan[pos.shard]
                 ahead = plan[pos.shard + 1 : pos.shard + 1 + self.settings.lease_ahead]
-                if ahead:
-                    self._source().prefetch(ahead)
+                self._hint(ahead, replace=True)
                 try:
                     for sample in self._samples(shard, pos.offset):
                         if self._generation != generation:
@@ -471,7 +491,7 @@ class ShardLoader:
             self.settings.lease_ahead,
             renewer,
             self.settings.wait_max_s,
-            on_granted=lambda held: source.prefetch([self._shard_for(h) for h in held]),
+            on_granted=lambda held: self._hint([self._shard_for(h) for h in held]),
             should_stop=lambda: self._generation != generation,
             # A DataLoader takes results from its workers in order: a worker blocked waiting for
             # its siblings' last shards would stall them (their samples are never taken, so they

@@ -304,6 +304,10 @@ class Fetcher:
         self.limiter = PriorityLimiter(settings.origin_concurrency, settings.demand_reserved)
         self.inflight: dict[tuple[str, str], Fill] = {}
 
+    def demand_in_flight(self) -> bool:
+        """Whether a trainer is waiting on a fill right now (a demand read, or a prefetch it joined)."""
+        return any(fill.priority == DEMAND for fill in self.inflight.values())
+
     def start(self, bucket: str, key: str, priority: int, expected_xxh3: str | None = None) -> tuple[Fill, bool]:
         """The fill of ``bucket/key``: the running one (``False``) or a new one (``True``)."""
         name = (bucket, key)

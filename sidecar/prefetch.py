@@ -36,6 +36,8 @@ class PrefetchItem:
 
 
 class Prefetcher:
+    DEMAND_YIELD_MAX_S = 5.0
+
     def __init__(self, store: Store | None, fetcher: Fetcher, metrics: Metrics, workers: int, max_queued: int) -> None:
         self.store = store
         self.fetcher = fetcher
@@ -93,6 +95,18 @@ class Prefetcher:
         for name, count in self.queued().items():
             self.metrics.prefetch_queued.labels(priority=name).set(count)
 
+    async def _yield_to_demand(self) -> None:
+        """Start no new prefetch while a trainer waits on a fill, for up to ``DEMAND_YIELD_MAX_S``.
+
+        Priorities order who gets an origin connection, but once fills run they share the
+        origin's bandwidth: at a trainer's start its first shard (demand) and the hinted next ones
+        (lease) would split a bandwidth-capped origin evenly and the first batch would wait for
+        all of them. Measured by bench/stall_bench.py as nearly all of the cold-epoch stall."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.DEMAND_YIELD_MAX_S
+        while self.fetcher.demand_in_flight() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
     async def _guarded(self, index: int) -> None:
         # A crash of one prefetch must never kill the worker: log it and take the next.
         while True:
@@ -103,6 +117,9 @@ class Prefetcher:
             del self._queued[name]
             self._update_gauge()
             try:
+                if self.store is not None and self.store.lookup(item.bucket, item.key, xxh3_128=item.expected_xxh3):
+                    continue
+                await self._yield_to_demand()
                 if self.store is not None and self.store.lookup(item.bucket, item.key, xxh3_128=item.expected_xxh3):
                     continue
                 fill, _ = self.fetcher.start(item.bucket, item.key, priority, item.expected_xxh3)

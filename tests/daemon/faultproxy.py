@@ -11,6 +11,7 @@ import asyncio
 import collections
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
 __all__ = ["FaultProxy", "Faults"]
@@ -41,6 +42,7 @@ class FaultProxy:
     faults: Faults = field(default_factory=Faults)
     requests: collections.Counter[str] = field(default_factory=collections.Counter)
     log: list[str] = field(default_factory=list)
+    timeline: list[tuple[float, str]] = field(default_factory=list)  # (time.monotonic(), request line)
 
     def __post_init__(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -98,6 +100,7 @@ class FaultProxy:
                 key = f"{method} {path}"
                 self.requests[key] += 1
                 self.log.append(request_line)
+                self.timeline.append((time.monotonic(), request_line))
                 is_object_get = method == "GET" and path.count("/") >= 2 and "list-type" not in target
                 faultable = is_object_get or not self.faults.only_get
                 if self.faults.delay_s:

@@ -207,3 +207,32 @@ def test_control_body_in_several_segments(s3_server, bucket, s3_daemon):
         sock.sendall(body[10:])
         answer = sock.recv(4096)
     assert b" 202 " in answer.split(b"\r\n", 1)[0], answer
+
+
+def test_prefetch_waits_while_a_trainer_waits_on_a_demand_fill(s3_server, bucket, s3_daemon, proxy):
+    import threading
+    import time
+
+    objects = {"now.tar": os.urandom(600_000), "next1.tar": os.urandom(10_000), "next2.tar": os.urandom(10_000)}
+    put_objects(s3_server.client(), bucket, objects)
+    proxy.faults.trickle_bps = 1e6  # the demand fill takes ~0.6 s
+    done_at: list[float] = []
+
+    def demand() -> None:
+        body = s3_daemon.client().get_object(Bucket=bucket, Key="now.tar")["Body"].read()
+        assert body == objects["now.tar"]
+        done_at.append(time.monotonic())
+
+    reader = threading.Thread(target=demand)
+    reader.start()
+    wait_until(lambda: proxy.gets(f"/{bucket}/now.tar") == 1, what="the demand GET")
+    status, _ = _post(s3_daemon.url + "/_shardcache/prefetch", {
+        "objects": [{"bucket": bucket, "key": "next1.tar"}, {"bucket": bucket, "key": "next2.tar"}],
+        "priority": "lease"})
+    assert status == 202
+    reader.join(30)
+    wait_until(lambda: s3_daemon.stats()["cache"]["items"] == 3, timeout=30, what="prefetches")
+    prefetch_starts = [t for t, line in proxy.timeline if "/next" in line]
+    demand_fill_end = done_at[0]
+    # the hinted shards were not fetched while the trainer's own shard was still coming in
+    assert len(prefetch_starts) == 2 and min(prefetch_starts) >= demand_fill_end - 0.1
