@@ -155,10 +155,6 @@ class Writer:
                     self._hasher.update(chunk)
                 self._hashed += total
 
-    def read_at(self, offset: int, length: int) -> bytes:
-        """Read back bytes already written (streaming to readers while the fill goes on)."""
-        return os.pread(self.fd, length, offset)
-
     def hash_upto(self, end: int) -> None:
         """Advance the checksum over ``[hashed, end)``, which the caller knows is written."""
         with self._hash_lock:
@@ -410,9 +406,8 @@ class Store:
 
     def touch(self, entry: Entry) -> None:
         now = time.time()
+        self.touch_in_memory(entry)
         with self._lock:
-            if entry.id in self._entries:
-                self._entries.move_to_end(entry.id)
             # Persist recency coarsely (it orders LRU after a restart) without a write per read.
             persist = now - entry.last_access > 30
             entry.last_access = now

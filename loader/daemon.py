@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import socket
 import threading
 import time
 import urllib.parse
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 
 from loader.errors import AccessDenied, LoaderError, ShardNotFound, SourceError
 from loader.settings import LoaderSettings
+from loader.unixhttp import UnixHTTPConnection
 
 __all__ = ["DaemonClient", "DaemonObject", "ListedObject", "RETRYABLE_HTTP"]
 
@@ -60,22 +60,6 @@ class DaemonObject:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
-
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 class _DaemonHTTPError(Exception):
@@ -121,7 +105,7 @@ class DaemonClient:
 
     def _new_connection(self, timeout: float) -> http.client.HTTPConnection:
         if self._unix is not None:
-            return _UnixHTTPConnection(self._unix, timeout)
+            return UnixHTTPConnection(self._unix, timeout)
         if self._https:
             return http.client.HTTPSConnection(self._host, self._port, timeout=timeout)
         return http.client.HTTPConnection(self._host, self._port, timeout=timeout)

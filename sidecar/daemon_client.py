@@ -19,6 +19,8 @@ from typing import Any, Self
 
 import xxhash
 
+from loader.unixhttp import UnixHTTPConnection
+
 __all__ = [
     "DEFAULT_DAEMON",
     "DaemonAPIError",
@@ -141,22 +143,6 @@ def resolve_addresses(
     return found
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 class DaemonClient:
     """Control-API calls to one daemon over one keep-alive connection (not thread-safe)."""
 
@@ -169,7 +155,7 @@ class DaemonClient:
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
             if self._kind == "unix":
-                self._conn = _UnixHTTPConnection(self._host, self.timeout)
+                self._conn = UnixHTTPConnection(self._host, self.timeout)
             else:
                 self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
         return self._conn

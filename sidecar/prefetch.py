@@ -117,8 +117,6 @@ class Prefetcher:
             del self._queued[name]
             self._update_gauge()
             try:
-                if self.store is not None and self.store.lookup(item.bucket, item.key, xxh3_128=item.expected_xxh3):
-                    continue
                 await self._yield_to_demand()
                 if self.store is not None and self.store.lookup(item.bucket, item.key, xxh3_128=item.expected_xxh3):
                     continue

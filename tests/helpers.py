@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Self
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,3 +82,67 @@ def kill9(proc: subprocess.Popen[bytes]) -> None:
 
 
 PYTHON = sys.executable
+
+
+class ServerThread:
+    """A server coroutine on a thread of this process with its own event loop, so the autouse
+    blocking-call guard watches that loop. ``serve(stop, on_ready)`` runs until ``stop`` is set
+    and calls ``on_ready()`` once it listens."""
+
+    def __init__(self, name: str) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    async def serve(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            await self.serve(self._stop, self._ready.set)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # surfaced by start()/stop()
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def start(self) -> Self:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self._error:
+            raise self._error
+
+
+class DaemonThread(ServerThread):
+    """``shardcache serve`` (its aiohttp app) running in this process; see :class:`ServerThread`."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__("daemon")
+        self.settings = settings
+        self.port = int(settings.listen[0].rsplit(":", 1)[1]) if settings.listen[0].startswith("tcp") else 0
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
+        from sidecar.server import serve_forever
+
+        ready = asyncio.Event()
+        notify = asyncio.create_task(ready.wait())
+        notify.add_done_callback(lambda _: on_ready())
+        try:
+            await serve_forever(self.settings, ready, stop)
+        finally:
+            notify.cancel()

@@ -47,7 +47,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import socket
 import threading
 import time
 import urllib.parse
@@ -66,6 +65,7 @@ from loader.master.errors import (
     NotLeaseHolder,
     error_from_answer,
 )
+from loader.unixhttp import UnixHTTPConnection
 
 # The errors are re-exported so a trainer needs one import line.
 __all__ = [
@@ -80,24 +80,6 @@ __all__ = [
 ]
 
 _USER_AGENT = "shardcache-master-client/1"
-
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP over a unix domain socket (``unix:///run/shardcache/master.sock``)."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 def _split_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -252,7 +234,7 @@ class MasterClient:
         if conn is None:
             parts = urllib.parse.urlsplit(url)
             if parts.scheme == "unix":
-                conn = _UnixHTTPConnection(urllib.parse.unquote(parts.path), self._timeout)
+                conn = UnixHTTPConnection(urllib.parse.unquote(parts.path), self._timeout)
             elif parts.scheme == "https":
                 conn = http.client.HTTPSConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
             else:

@@ -3,7 +3,6 @@ daemon subprocesses, an in-process daemon (so the blocking-call guard sees its l
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import io
 import json
@@ -16,7 +15,6 @@ import struct
 import subprocess
 import tarfile
 import termios
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -25,7 +23,16 @@ from typing import Any
 
 import xxhash
 
-from tests.helpers import PYTHON, REPO, free_port, http_ok, spawn, stop, wait_until
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    DaemonThread,
+    free_port,
+    http_ok,
+    spawn,
+    stop,
+    wait_until,
+)
 
 __all__ = [
     "Daemon",
@@ -217,48 +224,5 @@ class Daemon:
         return found
 
 
-class ThreadDaemon:
-    """The daemon app on a thread of this process, so the blocking-call guard watches its loop."""
-
-    def __init__(self, settings: Any) -> None:
-        self.settings = settings
-        self.port = int(settings.listen[0].rsplit(":", 1)[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="daemon", daemon=True)
-
-    def _main(self) -> None:
-        from sidecar.server import serve_forever
-
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            ready = asyncio.Event()
-            task = asyncio.create_task(serve_forever(self.settings, ready, self._stop))
-            waiter = asyncio.create_task(ready.wait())
-            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-            self._ready.set()
-            await task
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - surfaced by start()/stop()
-            self._error = exc
-            self._ready.set()
-
-    def start(self) -> ThreadDaemon:
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error:
-            raise self._error
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-        if self._error:
-            raise self._error
+# The daemon app on a thread of this process, so the blocking-call guard watches its loop.
+ThreadDaemon = DaemonThread

@@ -3,11 +3,9 @@ loop), a daemon subprocess for kill -9, and a fault-injecting proxy in front of 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
-import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,10 +18,10 @@ from botocore.config import Config
 from cache import StoreSettings
 from sidecar.fetcher import FetchSettings
 from sidecar.s3origin import S3Settings
-from sidecar.server import serve_forever
 from sidecar.settings import ServeSettings
 from tests.daemon.faultproxy import FaultProxy
 from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
+from tests.helpers import DaemonThread as BaseDaemonThread
 
 FAST_RETRY = FetchSettings(retries=3, backoff_base_s=0.01, backoff_max_s=0.05, part_size=1024 * 1024)
 
@@ -36,49 +34,8 @@ def s3_client(endpoint: str, retries: int = 0) -> Any:
     )
 
 
-class DaemonThread:
-    """``shardcache serve`` running in this process on a thread with its own event loop."""
-
-    def __init__(self, settings: ServeSettings) -> None:
-        self.settings = settings
-        self.port = int(settings.listen[0].rsplit(":", 1)[1]) if settings.listen[0].startswith("tcp") else 0
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="daemon", daemon=True)
-        self._ready = threading.Event()
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            ready = asyncio.Event()
-            task = asyncio.create_task(serve_forever(self.settings, ready, self._stop))
-            waiter = asyncio.create_task(ready.wait())
-            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-            self._ready.set()
-            await task
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # surfaced by start()/stop()
-            self._error = exc
-            self._ready.set()
-
-    def start(self) -> "DaemonThread":
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error:
-            raise self._error
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-        if self._error:
-            raise self._error
+class DaemonThread(BaseDaemonThread):
+    """The in-process daemon, with the S3 client and stats helpers these tests use."""
 
     def client(self, retries: int = 0) -> Any:
         return s3_client(self.url, retries)

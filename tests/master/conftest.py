@@ -11,14 +11,23 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from loader.master.settings import MasterSettings
-from tests.helpers import PYTHON, free_port, http_ok, kill9, spawn, stop, wait_until
+from tests.helpers import (
+    PYTHON,
+    ServerThread,
+    free_port,
+    http_ok,
+    kill9,
+    spawn,
+    stop,
+    wait_until,
+)
 
 ETCD = os.environ.get("SHARDCACHE_TEST_ETCD", "/usr/bin/etcd")
 
@@ -142,47 +151,19 @@ def master_procs(tmp_path: Path) -> Iterator[list[MasterProcess]]:
             proc.stop()
 
 
-class MasterThread:
+class MasterThread(ServerThread):
     """A master serving in this process, on a thread with its own event loop."""
 
     def __init__(self, settings: MasterSettings) -> None:
+        super().__init__("master")
         self.settings = settings
         self.port = int(settings.listen[0].rsplit(":", 1)[1])
         self.url = f"http://127.0.0.1:{self.port}"
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="master", daemon=True)
 
-    def _run(self) -> None:
+    async def serve(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
         from loader.master.app import serve
 
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            await serve(self.settings, stop=self._stop, on_ready=self._ready.set)
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._ready.set()
-
-    def start(self) -> MasterThread:
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error:
-            raise self._error
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-        if self._error:
-            raise self._error
+        await serve(self.settings, stop=stop, on_ready=on_ready)
 
 
 @pytest.fixture(scope="module")
