@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from cache import Entry, IntegrityError, NoSpace, Store, Writer
 from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
 from sidecar.metrics import Metrics
-from sidecar.origin import ObjectInfo, Origin
+from sidecar.origin import Body, ObjectInfo, Origin
 from sidecar.priority import DEMAND, PriorityLimiter
 
 __all__ = ["FetchSettings", "Fetcher", "Fill", "retrying"]
@@ -163,6 +163,11 @@ class _PartedFill:
     over a WAN, a throttled gateway) is split: the first stream stops at the next part boundary
     and the rest is fetched in ``part_size`` ranges by ``parts_per_object - 1`` more connections.
     Each part retries from the byte it reached.
+
+    Each part's body is pumped by a worker thread (``_pump``: readinto a reused 1 MiB buffer,
+    pwrite, hash) that tells the loop how far it got with ``call_soon_threadsafe``; the loop
+    owns everything else (the part list, readers' progress, the split's extra requests). A part
+    is over only when its thread is: the temp file is never closed under a write.
     """
 
     def __init__(self, fetcher: "Fetcher", fill: Fill, writer: Writer, info: ObjectInfo) -> None:
@@ -172,12 +177,15 @@ class _PartedFill:
         self.fill = fill
         self.writer = writer
         self.info = info
+        self.loop = asyncio.get_running_loop()
         self.parts: list[list[int]] = [[0, info.size, 0]]  # [start, end, written]
         self.decided = False
+        self.stopping = False
         self.workers: list[asyncio.Task[None]] = []
         self.queue: asyncio.Queue[int] = asyncio.Queue()
+        self._advance_pending = False
 
-    async def run(self, first_body: AsyncIterator[bytes]) -> None:
+    async def run(self, first_body: Body) -> None:
         what = f"{self.fill.bucket}/{self.fill.key}"
         try:
             if self.info.size:
@@ -188,8 +196,11 @@ class _PartedFill:
                     await retrying(self.settings, self.metrics, f"{what}#0", self._attempt, 0)
                 if self.workers:
                     await asyncio.gather(*self.workers)
+            else:
+                self.fetcher.origin.release(first_body)
             self._advance()
         finally:
+            self.stopping = True
             for task in self.workers:
                 task.cancel()
             for task in self.workers:
@@ -197,6 +208,7 @@ class _PartedFill:
                     await task
 
     def _advance(self) -> None:
+        self._advance_pending = False  # before reading the parts: a thread's later update reschedules
         contiguous = 0
         for start, end, written in self.parts:  # parts are in offset order
             contiguous = start + written
@@ -206,22 +218,11 @@ class _PartedFill:
             self.fill.contiguous = contiguous
             self.fill._notify()
 
-    def _maybe_split(self, first_byte_at: float) -> None:
-        part0 = self.parts[0]
-        probe = min(4 * 1024 * 1024, self.settings.part_size)
-        if self.decided or part0[2] < probe:
+    def _split(self, boundary: int) -> None:
+        """On the loop: fetch ``[boundary, size)`` in parts on more connections."""
+        if self.stopping:
             return
-        self.decided = True
-        rate = part0[2] / max(time.perf_counter() - first_byte_at, 1e-6)
         part_size = self.settings.part_size
-        boundary = part0[2] + part_size
-        if (
-            self.settings.parts_per_object <= 1
-            or rate >= self.settings.split_below_bytes_per_s
-            or self.info.size - boundary < part_size
-        ):
-            return
-        part0[1] = boundary
         for start in range(boundary, self.info.size, part_size):
             self.parts.append([start, min(start + part_size, self.info.size), 0])
             self.queue.put_nowait(len(self.parts) - 1)
@@ -238,59 +239,83 @@ class _PartedFill:
     async def _attempt(self, index: int) -> None:
         start, end, written = self.parts[index]
         fill = self.fill
+        origin = self.fetcher.origin
         async with self.fetcher.limiter.slot(fill.priority):
             began = time.perf_counter()
-            body = self.fetcher.origin.read(fill.bucket, fill.key, start + written, end, etag=self.info.etag or None)
-            first = await anext(body, None)
+            body = await origin.call(origin.open, fill.bucket, fill.key, start + written, end, self.info.etag or None)
             self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
+            await self._sink(index, body)
 
-            async def chained() -> AsyncIterator[bytes]:
-                if first is not None:
-                    yield first
-                async for chunk in body:
-                    yield chunk
-
-            try:
-                await self._sink(index, chained())
-            finally:
-                await body.aclose()  # type: ignore[attr-defined]
-
-    async def _sink(self, index: int, body: AsyncIterator[bytes]) -> None:
-        part = self.parts[index]
-        chunks: list[bytes | memoryview] = []
-        pending = 0
-        first_byte_at = 0.0
+    async def _sink(self, index: int, body: Body) -> None:
+        """Pump ``body`` into part ``index`` on a worker thread; return when that thread has."""
+        future = asyncio.wrap_future(self.fetcher.origin.executor.submit(self._pump, index, body))
         try:
-            async for chunk in body:
-                if not first_byte_at:
-                    first_byte_at = time.perf_counter()
-                room = part[1] - (part[0] + part[2] + pending)
-                if len(chunk) > room:  # the part was shortened by a split: stop at its end
-                    chunk = memoryview(chunk)[:room]
-                chunks.append(chunk)
-                pending += len(chunk)
-                self.metrics.origin_bytes.inc(len(chunk))
-                if pending >= _WRITE_BUFFER or part[0] + part[2] + pending >= part[1]:
-                    await asyncio.to_thread(self.writer.writev_at, part[0] + part[2], chunks)
-                    part[2] += pending
-                    chunks, pending = [], 0
-                    self._advance()
-                    if index == 0 and not self.decided:
-                        self._maybe_split(first_byte_at)
-                if part[0] + part[2] >= part[1]:
-                    break
-            if chunks:
-                await asyncio.to_thread(self.writer.writev_at, part[0] + part[2], chunks)
-                part[2] += pending
-                self._advance()
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.stopping = True
+            body.abort()
+            with contextlib.suppress(BaseException):
+                await future
+            raise
         finally:
-            if index == 0:
-                with contextlib.suppress(BaseException):
-                    await body.aclose()  # type: ignore[attr-defined]
+            self._advance()
+        part = self.parts[index]
         if part[0] + part[2] != part[1]:
             raise OriginBadResponse(
                 f"{self.fill.bucket}/{self.fill.key}: part ended at {part[0] + part[2]} of {part[1]}"
             )
+
+    def _pump(self, index: int, body: Body) -> None:
+        """Worker thread: the body's bytes into the temp file, until the part's end."""
+        part = self.parts[index]
+        buffer = memoryview(bytearray(_WRITE_BUFFER))
+        began = time.perf_counter()  # the headers are in: the first byte is about to arrive
+        try:
+            while not self.stopping:
+                position = part[0] + part[2]
+                room = part[1] - position  # part 0's end moves closer if this thread splits the fill
+                if room <= 0:
+                    break
+                want = min(room, _WRITE_BUFFER)
+                count = 0
+                while count < want:  # a body cut short raises here, before its partial buffer lands
+                    got = body.readinto(buffer[count:want])
+                    if not got:
+                        break
+                    count += got
+                if not count:
+                    break
+                self.writer.writev_at(position, [buffer[:count]])
+                part[2] += count
+                self.metrics.origin_bytes.inc(count)
+                if not self._advance_pending:
+                    self._advance_pending = True
+                    self.loop.call_soon_threadsafe(self._advance)
+                if index == 0 and not self.decided:
+                    self._maybe_split(began)
+        finally:
+            body.close()
+        if self.stopping and part[0] + part[2] < part[1]:
+            raise OriginUnavailable(f"{self.fill.bucket}/{self.fill.key}: fill stopped")
+
+    def _maybe_split(self, first_byte_at: float) -> None:
+        """Worker thread of part 0: decide once, after the probe, whether to split the fill."""
+        part0 = self.parts[0]
+        probe = min(4 * 1024 * 1024, self.settings.part_size)
+        if part0[2] < probe:
+            return
+        self.decided = True
+        rate = part0[2] / max(time.perf_counter() - first_byte_at, 1e-6)
+        part_size = self.settings.part_size
+        boundary = part0[2] + part_size
+        if (
+            self.settings.parts_per_object <= 1
+            or rate >= self.settings.split_below_bytes_per_s
+            or self.info.size - boundary < part_size
+        ):
+            return
+        part0[1] = boundary  # this thread stops there; the loop starts the rest
+        self.loop.call_soon_threadsafe(self._split, boundary)
 
 
 class Fetcher:
@@ -359,10 +384,10 @@ class Fetcher:
             fill._notify()
             fill._maybe_close()
 
-    async def _open_first(self, fill: Fill) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
+    async def _open_first(self, fill: Fill) -> tuple[ObjectInfo, Body]:
         async with self.limiter.slot(fill.priority):
             began = time.perf_counter()
-            result = await self.origin.read_head(fill.bucket, fill.key, None)
+            result = await self.origin.call(self.origin.open_first, fill.bucket, fill.key)
             self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
             return result
 
@@ -381,14 +406,17 @@ class Fetcher:
                 writer = None
         if writer is None:
             # No room (hold policy full, all in use, disk full): callers stream from the origin.
-            with contextlib.suppress(BaseException):
-                await first_body.aclose()  # type: ignore[attr-defined]
+            self.origin.release(first_body)
             fill.cacheable = False
             fill.info = info
             fill._notify()
             return
         fill.writer = writer
-        fill._read_fd = os.open(writer.path, os.O_RDONLY)
+        try:
+            fill._read_fd = os.open(writer.path, os.O_RDONLY)
+        except BaseException:
+            self.origin.release(first_body)
+            raise
         fill.info = info
         fill._notify()
         await _PartedFill(self, fill, writer, info).run(first_body)

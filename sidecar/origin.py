@@ -1,8 +1,14 @@
-"""Origins: the object stores behind the cache, behind one small async interface.
+"""Origins: the object stores behind the cache, behind one small interface.
 
 ``FileOrigin`` serves ``file:///root`` (the embedded default: the first path component under the
 root is the bucket); ``sidecar.s3origin.S3Origin`` serves any S3 endpoint. Both raise only
 :mod:`sidecar.errors` types; retries live in the fetcher, which knows how far a fill got.
+
+Object bytes are read by blocking calls on the origin's own threads (:meth:`Origin.open` returns
+a :class:`Body` that ``readinto``-s the caller's buffer): a fill then moves each megabyte from the
+socket to the cache file with two system calls and no Python object per chunk, and the event loop
+stays free to send bytes to trainers (``sidecar/httppool.py`` has the measurement). Metadata
+calls (``head``, listings) are coroutines that use the same threads.
 """
 
 from __future__ import annotations
@@ -10,12 +16,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import base64
+import contextlib
 import os
 import stat as stat_mod
-from collections.abc import AsyncIterator, Mapping
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from email.utils import formatdate
 from pathlib import Path
+from typing import Any, TypeVar
 from xml.sax.saxutils import escape
 
 import xxhash
@@ -23,9 +33,11 @@ import xxhash
 from sidecar.errors import AccessDenied, BadRequest, BucketNotFound, InvalidRange, ObjectNotFound
 from sidecar.names import validate_bucket, validate_key, validate_prefix
 
-__all__ = ["ObjectInfo", "Origin", "FileOrigin", "list_xml"]
+__all__ = ["Body", "ObjectInfo", "Origin", "FileOrigin", "list_xml"]
 
 READ_CHUNK = 1024 * 1024
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,37 +47,117 @@ class ObjectInfo:
     last_modified: str | None = None  # RFC 7231 date, as S3 sends it
 
 
+class Body(abc.ABC):
+    """An open object body, read on a worker thread straight into the caller's buffer."""
+
+    @abc.abstractmethod
+    def readinto(self, buf: memoryview) -> int:
+        """Fill ``buf`` as far as the body goes; 0 at its end. Raises ``OriginBadResponse`` when
+        the body breaks off or stalls (the caller checks the total against what it asked)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release it (a kept-alive connection goes back to its pool when the body was read to
+        its end). Idempotent."""
+
+    def abort(self) -> None:
+        """Make a ``readinto`` blocked on another thread return; may be called from any thread."""
+
+
+class EmptyBody(Body):
+    def readinto(self, buf: memoryview) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 class Origin(abc.ABC):
     """An object store. ``namespace`` identifies it inside cache entry ids."""
 
     namespace: str
     description: str
+    threads: int = 32
+    """Worker threads for blocking origin calls (one per body being read at a time)."""
 
-    async def start(self) -> None:  # pragma: no cover - default no-op
-        """Open connection pools and resolve credentials."""
+    _executor: ThreadPoolExecutor | None = None
 
-    async def close(self) -> None:  # pragma: no cover - default no-op
-        """Release connection pools."""
+    async def start(self) -> None:
+        """Start the worker threads; subclasses also open connection pools, resolve credentials."""
+        self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="origin")
+
+    async def close(self) -> None:
+        """Stop the worker threads; subclasses also release connection pools."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        assert self._executor is not None, "Origin.start() was not awaited"
+        return self._executor
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the origin's threads. A :class:`Body` that arrives after the caller
+        was cancelled is closed, so no connection or file descriptor leaks."""
+        future = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_close_late_body)
+            raise
+
+    def release(self, body: Body) -> None:
+        """Close ``body`` without blocking the caller (closing a socket or file is a system call)."""
+        try:
+            self.executor.submit(body.close)
+        except RuntimeError:  # shutting down: no threads left to do it for us
+            body.close()
 
     @abc.abstractmethod
     async def head(self, bucket: str, key: str) -> ObjectInfo:
         """Size and ETag of an object."""
 
     @abc.abstractmethod
-    def read(
-        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
-    ) -> AsyncIterator[bytes]:
-        """Bytes ``[start, end)`` (``end=None``: to the end). Raises if the object is no longer
-        the version ``etag``. Does not retry."""
+    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+        """Blocking: bytes ``[start, end)`` (``end=None``: to the end) as a body. Raises if the
+        object is no longer the version ``etag``. Does not retry."""
 
     @abc.abstractmethod
-    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
-        """One request that returns the object's info and its first ``length`` bytes (``None``:
-        all of it), so a fill needs no separate HEAD round trip."""
+    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+        """Blocking: one request that returns the object's info and a body of all its bytes, so
+        a fill needs no separate HEAD round trip."""
 
     @abc.abstractmethod
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
         """A ListObjectsV2 XML document, as S3 would answer it."""
+
+    async def read(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """Bytes ``[start, end)`` as chunks of up to 1 MiB, for streaming without caching."""
+        body = await self.call(self.open, bucket, key, start, end, etag)
+        try:
+            left = None if end is None else end - start
+            while left is None or left > 0:
+                buf = bytearray(READ_CHUNK if left is None else min(READ_CHUNK, left))
+                count = await self.call(body.readinto, memoryview(buf))
+                if not count:
+                    break
+                if left is not None:
+                    left -= count
+                yield buf if count == len(buf) else bytes(memoryview(buf)[:count])
+        finally:
+            self.release(body)
+
+
+def _close_late_body(future: "asyncio.Future[Any]") -> None:
+    if future.cancelled() or future.exception() is not None:
+        return
+    result = future.result()
+    for item in result if isinstance(result, tuple) else (result,):
+        if isinstance(item, Body):
+            with contextlib.suppress(Exception):
+                item.close()
 
 
 def _http_date(ts: float) -> str:
@@ -127,8 +219,9 @@ class FileOrigin(Origin):
         self.description = f"file://{self.root}"
 
     async def start(self) -> None:
+        await super().start()
         # Resolving symlinks touches the file system: off the loop.
-        self.root = await asyncio.to_thread(Path(self.root).resolve)
+        self.root = await self.call(Path(self.root).resolve)
         self.namespace = f"file://{self.root}"
         self.description = f"file://{self.root}"
 
@@ -166,7 +259,7 @@ class FileOrigin(Origin):
         return ObjectInfo(size=st.st_size, etag=self._etag(st), last_modified=_http_date(st.st_mtime))
 
     async def head(self, bucket: str, key: str) -> ObjectInfo:
-        _, st = await asyncio.to_thread(self._checked, bucket, key)
+        _, st = await self.call(self._checked, bucket, key)
         return self._info(st)
 
     def _open(self, bucket: str, key: str, etag: str | None) -> tuple[int, os.stat_result]:
@@ -178,36 +271,20 @@ class FileOrigin(Origin):
             raise ObjectNotFound(f"{bucket}/{key} changed while it was being read")
         return fd, st
 
-    async def _chunks(self, fd: int, start: int, end: int) -> AsyncIterator[bytes]:
-        try:
-            offset = start
-            while offset < end:
-                chunk = await asyncio.to_thread(os.pread, fd, min(READ_CHUNK, end - offset), offset)
-                if not chunk:
-                    break
-                offset += len(chunk)
-                yield chunk
-        finally:
-            os.close(fd)
-
-    async def read(
-        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
-    ) -> AsyncIterator[bytes]:
-        fd, st = await asyncio.to_thread(self._open, bucket, key, etag)
+    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+        fd, st = self._open(bucket, key, etag)
         stop = st.st_size if end is None else min(end, st.st_size)
         if start > st.st_size or (start == st.st_size and st.st_size > 0):
             os.close(fd)
             raise InvalidRange(f"range start {start} beyond object size {st.st_size}", st.st_size)
-        async for chunk in self._chunks(fd, start, stop):
-            yield chunk
+        return _FileBody(fd, start, stop)
 
-    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
-        fd, st = await asyncio.to_thread(self._open, bucket, key, None)
-        end = st.st_size if length is None else min(length, st.st_size)
-        return self._info(st), self._chunks(fd, 0, end)
+    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+        fd, st = self._open(bucket, key, None)
+        return self._info(st), _FileBody(fd, 0, st.st_size)
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
-        return await asyncio.to_thread(self._list, bucket, dict(params))
+        return await self.call(self._list, bucket, dict(params))
 
     def _list(self, bucket: str, params: dict[str, str]) -> bytes:
         validate_bucket(bucket)
@@ -269,3 +346,28 @@ class FileOrigin(Origin):
             bucket, prefix, contents, commons, max_keys, truncated, next_token, delimiter, token,
             params.get("start-after"),
         )
+
+
+class _FileBody(Body):
+    def __init__(self, fd: int, start: int, end: int) -> None:
+        self._fd = fd
+        self._offset = start
+        self._end = end
+        self._lock = threading.Lock()
+
+    def readinto(self, buf: memoryview) -> int:
+        with self._lock:
+            if self._fd < 0 or self._offset >= self._end:
+                return 0
+            count = os.preadv(self._fd, [buf[: self._end - self._offset]], self._offset)
+            self._offset += count
+            return count
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def abort(self) -> None:
+        self._end = self._offset  # file reads do not block for long: stop at the next one

@@ -1,23 +1,24 @@
-"""S3 origin: boto3 for credentials, endpoint resolution and SigV4 signing; aiohttp for the bytes.
+"""S3 origin: boto3 for credentials, endpoint resolution and SigV4 signing; a pooled blocking
+HTTP client (``sidecar/httppool.py``) on the origin's threads for the requests themselves.
 
-Why not boto3 on an executor for the bytes too: each in-flight boto3 GET holds a thread and copies
-every chunk through botocore's response wrappers, so parallel ranged GETs of a big shard cost a
-thread each and the GIL contention shows on a 2-core node; aiohttp streams on the event loop with
-a pooled connector. boto3 still does what it is good at: the standard credential chain (env,
-profile, IRSA web identity, instance metadata), ``AWS_ENDPOINT_URL`` and signing, so any S3 server
-(AWS, MinIO, Ceph RGW, moto) works. ``bench/daemon_bench.py`` measures the cold path against plain
-boto3 on the same origin.
+How the daemon talks to S3 was chosen by measurement (``bench/daemon_bench.py``, cold reads of
+moto on loopback): boto3 ``get_object`` on an executor copies every chunk through botocore's and
+urllib3's response wrappers; aiohttp streaming on the event loop was 15% faster than that but
+still spent 0.9 CPU-s/GB turning socket reads into ``bytes`` on the loop that also serves
+trainers; presigned requests read with ``readinto`` into a reused 1 MiB buffer on a worker thread
+cost 0.45 CPU-s/GB and leave the loop alone. boto3 still does what it is good at: the standard
+credential chain (env, profile, IRSA web identity, instance metadata), ``AWS_ENDPOINT_URL`` and
+signing, so any S3 server (AWS, MinIO, Ceph RGW, moto) works. ``--s3-client boto3`` keeps plain
+boto3 calls selectable, for the benchmark and as a fallback.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import aiohttp
 
 from sidecar.errors import (
     AccessDenied,
@@ -30,12 +31,14 @@ from sidecar.errors import (
     OriginThrottled,
     OriginUnavailable,
 )
+from sidecar.httppool import HTTPPool, Response
 from sidecar.names import validate_bucket, validate_key
-from sidecar.origin import ObjectInfo, Origin
+from sidecar.origin import Body, EmptyBody, ObjectInfo, Origin
 
 __all__ = ["S3Origin", "Boto3S3Origin", "S3Settings"]
 
-_CHUNK = 1024 * 1024
+_ERROR_BODY_LIMIT = 64 * 1024
+_LISTING_LIMIT = 64 * 1024 * 1024  # 1,000 keys of 1 KiB each are ~1.3 MB of XML
 _CODE_RE = re.compile(rb"<Code>([^<]{1,64})</Code>")
 _RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
@@ -49,7 +52,7 @@ class S3Settings:
     """Signing region; ``None`` lets boto3 resolve it."""
 
     max_connections: int = 64
-    """Pooled connections to the origin."""
+    """Pooled connections to the origin (and worker threads that read them)."""
 
     connect_timeout_s: float = 5.0
     """Seconds to establish a connection before the attempt counts as failed."""
@@ -60,30 +63,30 @@ class S3Settings:
     addressing_style: str = "auto"
     """``path`` or ``virtual`` bucket addressing; ``auto`` picks path style for custom endpoints."""
 
-    client: str = "aiohttp"
-    """``aiohttp``: boto3 signs, aiohttp moves the bytes (default). ``boto3``: boto3 calls on an
-    executor, kept for comparison in the benchmark."""
+    client: str = "http"
+    """``http``: boto3 signs, a pooled HTTP client reads bodies on worker threads (default).
+    ``boto3``: plain boto3 calls on the worker threads, kept for comparison in the benchmark."""
 
 
 class S3Origin(Origin):
     def __init__(self, settings: S3Settings) -> None:
         self.settings = settings
+        self.threads = settings.max_connections
         self._client: Any = None
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: HTTPPool | None = None
         self.namespace = "s3"
         self.description = "s3"
 
     async def start(self) -> None:
-        self._client = await asyncio.to_thread(self._make_client)
+        await super().start()
+        self._client = await self.call(self._make_client)
         endpoint = self._client.meta.endpoint_url
         self.namespace = f"s3:{endpoint}"
         self.description = f"s3 ({endpoint})"
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.settings.max_connections, ttl_dns_cache=60),
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.settings.connect_timeout_s, sock_read=self.settings.read_timeout_s
-            ),
-            auto_decompress=False,
+        self._pool = HTTPPool(
+            max_idle_per_host=self.settings.max_connections,
+            connect_timeout_s=self.settings.connect_timeout_s,
+            read_timeout_s=self.settings.read_timeout_s,
         )
 
     def _make_client(self) -> Any:
@@ -111,36 +114,27 @@ class S3Origin(Origin):
         return client
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            await self.call(self._pool.close)
+            self._pool = None
+        await super().close()
 
-    async def _url(self, op: str, params: dict[str, Any]) -> str:
-        # Presigning is CPU-only once credentials are resolved, but a refreshable credential
-        # provider may do network I/O on refresh: keep it off the loop.
-        return await asyncio.to_thread(
-            self._client.generate_presigned_url, op, Params=params, ExpiresIn=900, HttpMethod=None
-        )
+    # -- blocking requests, on the origin's threads -------------------------------------------
 
-    async def _request(
+    def _request(
         self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None = None
-    ) -> aiohttp.ClientResponse:
-        assert self._session is not None, "S3Origin.start() was not awaited"
-        url = await self._url(op, params)
-        try:
-            resp = await self._session.request(method, url, headers=headers or {})
-        except asyncio.TimeoutError as exc:
-            raise OriginUnavailable(f"S3 {op} timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise OriginUnavailable(f"S3 {op} failed: {exc}") from exc
+    ) -> Response:
+        assert self._pool is not None, "S3Origin.start() was not awaited"
+        # Presigning is CPU-only once credentials are resolved; a refreshable credential provider
+        # may do network I/O on refresh, which is fine here: this runs on a worker thread.
+        url = self._client.generate_presigned_url(op, Params=params, ExpiresIn=900, HttpMethod=method)
+        resp = self._pool.request(method, url, headers)
         if resp.status >= 300:
             body = b""
             if method != "HEAD":
-                try:
-                    body = await resp.content.read(64 * 1024)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
-            resp.release()
+                with contextlib.suppress(OriginBadResponse):
+                    body = resp.read(_ERROR_BODY_LIMIT)
+            resp.close()
             raise self._error(resp.status, body, params)
         return resp
 
@@ -166,8 +160,11 @@ class S3Origin(Origin):
         return OriginUnavailable(f"{what}: origin answered {status} {code}")
 
     async def head(self, bucket: str, key: str) -> ObjectInfo:
+        return await self.call(self._head, bucket, key)
+
+    def _head(self, bucket: str, key: str) -> ObjectInfo:
         params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
-        resp = await self._request("HEAD", "head_object", params)
+        resp = self._request("HEAD", "head_object", params)
         try:
             return ObjectInfo(
                 size=int(resp.headers.get("Content-Length", "0")),
@@ -175,68 +172,50 @@ class S3Origin(Origin):
                 last_modified=resp.headers.get("Last-Modified"),
             )
         finally:
-            resp.release()
+            resp.close()
 
-    async def _stream(self, resp: aiohttp.ClientResponse, expected: int, what: str) -> AsyncIterator[bytes]:
-        received = 0
-        try:
-            while True:
-                try:
-                    chunk = await resp.content.read(_CHUNK)
-                except asyncio.TimeoutError as exc:
-                    raise OriginBadResponse(f"{what}: origin stalled after {received} of {expected} bytes") from exc
-                except aiohttp.ClientError as exc:
-                    raise OriginBadResponse(f"{what}: body cut after {received} of {expected} bytes: {exc}") from exc
-                if not chunk:
-                    break
-                received += len(chunk)
-                yield chunk
-            if received != expected:
-                raise OriginBadResponse(f"{what}: body truncated at {received} of {expected} bytes")
-        finally:
-            resp.release()
-
-    async def read(
-        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
-    ) -> AsyncIterator[bytes]:
+    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
         params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
         headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
         if etag:
             headers["If-Match"] = etag
-        resp = await self._request("GET", "get_object", params, headers)
-        expected = int(resp.headers.get("Content-Length", "-1"))
+        resp = self._request("GET", "get_object", params, headers)
+        expected = _content_length(resp)
         if end is not None and resp.status == 206 and expected != end - start:
             match = _RANGE_RE.match(resp.headers.get("Content-Range", ""))
             # A short final range is fine (end beyond the object); anything else is not.
             if not match or int(match.group(2)) + 1 != int(match.group(3) if match.group(3) != "*" else -1):
-                resp.release()
+                resp.close()
                 raise OriginBadResponse(f"{bucket}/{key}: origin sent {expected} bytes for a range of {end - start}")
-        async for chunk in self._stream(resp, expected, f"{bucket}/{key}"):
-            yield chunk
+        return _HTTPBody(resp, expected, f"{bucket}/{key}")
 
-    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
+    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
         params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
         try:
-            resp = await self._request("GET", "get_object", params, {"Range": _first_range(length)})
+            # A Range (even bytes=0-) makes S3 answer 206 with Content-Range: the object's size.
+            resp = self._request("GET", "get_object", params, {"Range": "bytes=0-"})
         except InvalidRange:
             # An empty object has no byte 0: S3 answers 416 to any range on it.
-            info = await self.head(bucket, key)
+            info = self._head(bucket, key)
             if info.size != 0:
                 raise
-            return info, _empty()
-        expected = int(resp.headers.get("Content-Length", "-1"))
+            return info, EmptyBody()
+        expected = _content_length(resp)
         if resp.status == 206:
             match = _RANGE_RE.match(resp.headers.get("Content-Range", ""))
             if not match or match.group(3) == "*":
-                resp.release()
+                resp.close()
                 raise OriginBadResponse(f"{bucket}/{key}: origin sent no usable Content-Range")
             size = int(match.group(3))
         else:  # 200: the origin ignored the range and sends the whole object
             size = expected
         info = ObjectInfo(size=size, etag=resp.headers.get("ETag", ""), last_modified=resp.headers.get("Last-Modified"))
-        return info, self._stream(resp, expected, f"{bucket}/{key}")
+        return info, _HTTPBody(resp, expected, f"{bucket}/{key}")
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
+        return await self.call(self._list, bucket, dict(params))
+
+    def _list(self, bucket: str, params: dict[str, str]) -> bytes:
         mapping = {
             "prefix": "Prefix",
             "delimiter": "Delimiter",
@@ -258,36 +237,94 @@ class S3Origin(Origin):
                     call["FetchOwner"] = value.lower() == "true"
                 else:
                     call[mapping[name]] = value
-        resp = await self._request("GET", "list_objects_v2", call)
+        resp = self._request("GET", "list_objects_v2", call)
         try:
-            return await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            data = resp.read(_LISTING_LIMIT + 1)
+        except OriginBadResponse as exc:
             raise OriginBadResponse(f"listing {bucket}: {exc}") from exc
         finally:
-            resp.release()
+            resp.close()
+        if len(data) > _LISTING_LIMIT:
+            raise OriginBadResponse(f"listing {bucket}: answer larger than {_LISTING_LIMIT} bytes")
+        return data
 
 
-def _first_range(length: int | None) -> str:
-    # A Range (even bytes=0-) makes S3 answer 206 with Content-Range: the object's size.
-    return "bytes=0-" if length is None else f"bytes=0-{max(length, 1) - 1}"
+def _content_length(resp: Response) -> int:
+    try:
+        return int(resp.headers.get("Content-Length", "-1"))
+    except ValueError:
+        return -1
 
 
-async def _empty() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover
+class _HTTPBody(Body):
+    """A GetObject body; a body that ends before its Content-Length is an error here, once."""
+
+    def __init__(self, resp: Response, expected: int, what: str) -> None:
+        self._resp = resp
+        self._expected = expected
+        self._what = what
+        self._received = 0
+
+    def readinto(self, buf: memoryview) -> int:
+        try:
+            count = self._resp.readinto(buf)
+        except OriginBadResponse as exc:
+            raise OriginBadResponse(f"{self._what}: {exc} after {self._received} of {self._expected} bytes") from exc
+        self._received += count
+        if not count and len(buf) and 0 <= self._expected != self._received:
+            raise OriginBadResponse(f"{self._what}: body truncated at {self._received} of {self._expected} bytes")
+        return count
+
+    def close(self) -> None:
+        self._resp.close()
+
+    def abort(self) -> None:
+        self._resp.abort()
+
+
+class _Boto3Body(Body):
+    def __init__(self, body: Any, expected: int, what: str) -> None:
+        self._body = body
+        self._expected = expected
+        self._what = what
+        self._received = 0
+
+    def readinto(self, buf: memoryview) -> int:
+        try:
+            data = self._body.read(len(buf))
+        except Exception as exc:  # botocore, urllib3 and socket errors alike
+            raise OriginBadResponse(
+                f"{self._what}: body cut after {self._received} of {self._expected} bytes: {exc}"
+            ) from exc
+        count = len(data)
+        buf[:count] = data
+        self._received += count
+        if not count and len(buf) and self._received != self._expected:
+            raise OriginBadResponse(f"{self._what}: body truncated at {self._received} of {self._expected} bytes")
+        return count
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._body.close()
+
+    def abort(self) -> None:
+        shutdown = getattr(getattr(self._body, "_raw_stream", None), "shutdown", None)  # urllib3 >= 2.3
+        if shutdown is not None:
+            with contextlib.suppress(Exception):
+                shutdown()
 
 
 class Boto3S3Origin(S3Origin):
-    """The alternative the design asked to measure: every request a boto3 call on an executor
-    thread, bodies read chunk by chunk on the executor. Kept selectable (``--s3-client boto3``)
-    so ``bench/daemon_bench.py`` can compare it with the aiohttp path on the same origin."""
+    """The alternative the design asked to measure: every request a plain boto3 call on the
+    origin's threads (``--s3-client boto3``), so ``bench/daemon_bench.py`` can compare it with
+    the default on the same origin. Listings still pass through as XML over the HTTP pool."""
 
     async def start(self) -> None:
         from botocore.config import Config
 
-        await super().start()  # listings still pass through as XML over the aiohttp session
+        await super().start()
         # One pooled connection per concurrent request; boto3's default of 10 would queue parts.
-        self._client = await asyncio.to_thread(
+        self._client = await self.call(
             _rebuild, self._client,
             Config(max_pool_connections=self.settings.max_connections, retries={"total_max_attempts": 1}),  # we retry
         )
@@ -307,54 +344,33 @@ class Boto3S3Origin(S3Origin):
         except BotoCoreError as exc:
             raise OriginUnavailable(f"S3 {op} failed: {exc}") from exc
 
-    async def head(self, bucket: str, key: str) -> ObjectInfo:
-        resp = await asyncio.to_thread(self._call, "head_object", Bucket=validate_bucket(bucket), Key=validate_key(key))
+    def _head(self, bucket: str, key: str) -> ObjectInfo:
+        resp = self._call("head_object", Bucket=validate_bucket(bucket), Key=validate_key(key))
         return ObjectInfo(size=int(resp["ContentLength"]), etag=resp.get("ETag", ""),
                           last_modified=resp["ResponseMetadata"]["HTTPHeaders"].get("last-modified"))
 
-    async def _body(self, body: Any, expected: int, what: str) -> AsyncIterator[bytes]:
-        received = 0
-        try:
-            while True:
-                try:
-                    chunk = await asyncio.to_thread(body.read, _CHUNK)
-                except Exception as exc:  # botocore, urllib3 and socket errors alike
-                    raise OriginBadResponse(f"{what}: body cut after {received} of {expected} bytes: {exc}") from exc
-                if not chunk:
-                    break
-                received += len(chunk)
-                yield chunk
-            if received != expected:
-                raise OriginBadResponse(f"{what}: body truncated at {received} of {expected} bytes")
-        finally:
-            await asyncio.to_thread(body.close)
-
-    async def read(
-        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
-    ) -> AsyncIterator[bytes]:
+    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
         params: dict[str, Any] = {"Bucket": validate_bucket(bucket), "Key": validate_key(key),
                                   "Range": f"bytes={start}-{'' if end is None else end - 1}"}
         if etag:
             params["IfMatch"] = etag
-        resp = await asyncio.to_thread(self._call, "get_object", **params)
-        async for chunk in self._body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}"):
-            yield chunk
+        resp = self._call("get_object", **params)
+        return _Boto3Body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
 
-    async def read_head(self, bucket: str, key: str, length: int | None) -> tuple[ObjectInfo, AsyncIterator[bytes]]:
-        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "Range": _first_range(length)}
+    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "Range": "bytes=0-"}
         try:
-            resp = await asyncio.to_thread(self._call, "get_object", **params)
+            resp = self._call("get_object", **params)
         except InvalidRange:
-            info = await self.head(bucket, key)
+            info = self._head(bucket, key)
             if info.size != 0:
                 raise
-            return info, _empty()
-        content_range = resp.get("ContentRange", "")
-        match = _RANGE_RE.match(content_range)
+            return info, EmptyBody()
+        match = _RANGE_RE.match(resp.get("ContentRange", ""))
         size = int(match.group(3)) if match and match.group(3) != "*" else int(resp["ContentLength"])
         info = ObjectInfo(size=size, etag=resp.get("ETag", ""),
                           last_modified=resp["ResponseMetadata"]["HTTPHeaders"].get("last-modified"))
-        return info, self._body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
+        return info, _Boto3Body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
 
 
 def _rebuild(client: Any, config: Any) -> Any:

@@ -46,8 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_flag(parser, "--s3-endpoint", default=None,
              help="S3 endpoint URL (default: boto3's resolution, including AWS_ENDPOINT_URL)")
     add_flag(parser, "--s3-region", default=None, help="S3 signing region (default: boto3's resolution)")
-    add_flag(parser, "--s3-client", default="aiohttp", choices=["aiohttp", "boto3"],
-             help="how bytes move from S3: aiohttp streams (default) or boto3 calls on threads")
+    add_flag(parser, "--s3-client", default="http", choices=["http", "boto3"],
+             help="how the daemon talks to S3: presigned requests on a pooled HTTP client (default) "
+                  "or plain boto3 calls; both on worker threads")
     add_flag(parser, "--upstream", default=None, help="node daemon address for --mode sidecar")
     add_flag(parser, "--part-size", default="8MiB", help="bytes per ranged GET to the origin")
     add_flag(parser, "--parts-per-object", default="8", help="ranged GETs in flight per object")

@@ -94,7 +94,7 @@ def proxy(s3_server: Any) -> Iterator[FaultProxy]:
     fault_proxy.close()
 
 
-@pytest.fixture(params=["aiohttp", "boto3"])
+@pytest.fixture(params=["http", "boto3"])
 def s3_daemon(
     request: pytest.FixtureRequest, tmp_path: Path, proxy: FaultProxy, start_daemon: Callable[..., DaemonThread]
 ) -> DaemonThread:
