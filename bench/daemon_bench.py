@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import io
 import json
@@ -72,6 +73,7 @@ from bench.common import (
     wait_until,
     write_results,
 )
+from bench.latency_proxy import LatencyProxy
 
 BUCKET = "bench"
 READ_CHUNK = 1024 * 1024
@@ -392,11 +394,17 @@ def rotate(items: tuple[str, ...], by: int) -> tuple[str, ...]:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, workdir: Path, moto: MotoServer) -> None:
+    def __init__(self, args: argparse.Namespace, workdir: Path, moto: MotoServer, origin_endpoint: str,
+                 origin_pids: dict[str, int]) -> None:
         self.args = args
         self.workdir = workdir
         self.moto = moto
-        self.origin_client = moto.client()
+        self.upload_client = moto.client()
+        # Cold reads (plain boto3 and the daemon alike) go to the origin as configured: moto itself,
+        # or moto behind the latency proxy (--origin-delay-ms / --origin-stream-mbps).
+        self.origin_endpoint = origin_endpoint
+        self.origin_client = s3_client(origin_endpoint)
+        self.origin_pids = origin_pids
         self.dropped: list[bool] = []
 
     def say(self, text: str) -> None:
@@ -408,7 +416,7 @@ class Bench:
 
     def daemon(self, layout: Layout, name: str, extra: list[str] | None = None) -> Daemon:
         cache_size = max(4 << 30, 2 * layout.total)
-        return Daemon(self.workdir, name, self.moto.endpoint, cache_size, extra or [])
+        return Daemon(self.workdir, name, self.origin_endpoint, cache_size, extra or [])
 
     def run_layout(self, layout: Layout) -> LayoutResult:
         result = LayoutResult(layout)
@@ -421,8 +429,9 @@ class Bench:
                     if daemon is not None:
                         warm_daemon = daemon
                 assert warm_daemon is not None
-                self.say(f"[{layout.label}] repeat {rep + 1}/{self.args.repeats}: warm")
-                self.warm(result, layout, warm_daemon, rep)
+                if not self.args.cold_only:
+                    self.say(f"[{layout.label}] repeat {rep + 1}/{self.args.repeats}: warm")
+                    self.warm(result, layout, warm_daemon, rep)
             finally:
                 if warm_daemon is not None:
                     warm_daemon.stop()
@@ -431,7 +440,7 @@ class Bench:
     def cold(self, result: LayoutResult, layout: Layout, method: str, rep: int) -> Daemon | None:
         """One cold measurement; returns the default daemon (kept, now warm) after ``daemon_cold``."""
         keys = layout.keys
-        origin = {"origin": self.moto.pid}
+        origin = dict(self.origin_pids)
         if method == "origin_get_object":
             self.cold_start()
             result.add(timed(method, layout.total, lambda: read_boto3(self.origin_client, keys, None), origin))
@@ -630,8 +639,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-drop-caches", action="store_true", help="never drop the page cache")
     parser.add_argument("--workdir", type=Path, default=None, help="where caches and logs go (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (daemon and moto logs)")
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "daemon.json", help="JSON result file")
+    parser.add_argument("--origin-delay-ms", type=float, default=0.0,
+                        help="put moto behind bench.latency_proxy with this delay per request (a remote store)")
+    parser.add_argument("--origin-stream-mbps", type=float, default=None,
+                        help="and cap each origin connection at this many MB/s (AWS: 85-90 MB/s per request)")
+    parser.add_argument("--cold-only", action="store_true", help="measure the cold methods only")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON result file (default bench/results/daemon.json; daemon-remote.json for a remote origin)")
     args = parser.parse_args(argv)
+    if args.output is None:
+        remote = args.origin_delay_ms > 0 or args.origin_stream_mbps
+        args.output = RESULTS_DIR / ("daemon-remote.json" if remote else "daemon.json")
     args.size = parse_size(args.size or ("256MiB" if args.quick else "1GiB"))
     args.shard_sizes = [parse_size(s) for s in (args.shard_sizes or ("32MiB,128MiB" if args.quick else "64MiB,512MiB"))
                         .split(",")]
@@ -651,13 +669,21 @@ def main(argv: list[str] | None = None) -> int:
     summaries: dict[str, dict[str, Any]] = {}
     bench: Bench | None = None
     try:
-        with MotoServer(workdir) as moto:
-            bench = Bench(args, workdir, moto)
-            bench.origin_client.create_bucket(Bucket=BUCKET)
+        with MotoServer(workdir) as moto, contextlib.ExitStack() as stack:
+            remote = args.origin_delay_ms > 0 or args.origin_stream_mbps
+            proxy = (LatencyProxy(moto.endpoint, args.origin_delay_ms, args.origin_stream_mbps, workdir / "proxy.log")
+                     if remote else contextlib.nullcontext())
+            stack.enter_context(proxy)
+            origin_pids = {"origin": moto.pid}
+            if isinstance(proxy, LatencyProxy):
+                origin_pids["proxy"] = proxy.proc.pid  # type: ignore[union-attr]
+            bench = Bench(args, workdir, moto, proxy.endpoint if isinstance(proxy, LatencyProxy) else moto.endpoint,
+                          origin_pids)
+            bench.upload_client.create_bucket(Bucket=BUCKET)
             layouts = []
             for shard_bytes in args.shard_sizes:
                 t0 = time.perf_counter()
-                layout = upload(bench.origin_client, args.size, shard_bytes, args.seed)
+                layout = upload(bench.upload_client, args.size, shard_bytes, args.seed)
                 bench.say(f"uploaded {len(layout.keys)} shards of ~{fmt_size(shard_bytes)} "
                           f"({fmt_size(layout.total)}, {layout.samples} samples) in {time.perf_counter() - t0:.1f}s")
                 layouts.append(layout)
@@ -678,7 +704,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": facts,
         "config": {"dataset_bytes": args.size, "shard_sizes": args.shard_sizes, "repeats": args.repeats,
                    "quick": args.quick, "seed": args.seed, "read_chunk_bytes": READ_CHUNK,
-                   "origin": "moto server (own process, objects in RAM)", "daemon": "python -m sidecar.cli serve",
+                   "origin": "moto server (own process, objects in RAM)" + (
+                       f" behind bench.latency_proxy: {args.origin_delay_ms:g} ms per request"
+                       + (f", {args.origin_stream_mbps:g} MB/s per connection" if args.origin_stream_mbps else "")
+                       if args.origin_delay_ms > 0 or args.origin_stream_mbps else ""),
+                   "origin_delay_ms": args.origin_delay_ms, "origin_stream_mbps": args.origin_stream_mbps,
+                   "cold_only": args.cold_only,
+                   "daemon": "python -m sidecar.cli serve",
                    "page_cache": page_cache, "moto_peak_rss_mb": round(moto_rss.hwm_kib / 1024, 1),
                    "mb": "10^6 bytes", "statistic": "median of repeats; ratios of medians"},
         "layouts": summaries,

@@ -14,8 +14,12 @@ if [ ! -x /usr/bin/etcd ]; then
     fi
 fi
 
-# torch pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels).
-python3 -m pip install -q --disable-pip-version-check torch==2.13.0
-python3 -m pip install -q --disable-pip-version-check -e '.[test,tf]'
+# torch pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels); the bench
+# extra brings the peers the benchmark suite's smoke test runs (s3fs, webdataset,
+# mosaicml-streaming, s3torchconnector); constraints.txt keeps their versions resolvable.
+python3 -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
+python3 -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,tf,bench]'
 
+# The peers were just installed: the benchmark smoke test must run, not skip.
+export SHARDCACHE_BENCH_PEERS=required
 exec python3 -m pytest "$@"

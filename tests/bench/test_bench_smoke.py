@@ -4,7 +4,9 @@ Speed is measured, never asserted: these checks are about completeness and accou
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +15,18 @@ import pytest
 
 from bench.common import REPO
 
-pytest.importorskip("s3fs")
-pytest.importorskip("webdataset")
-pytest.importorskip("s3torchconnector")
-pytest.importorskip("matplotlib")
+PEERS = ("s3fs", "webdataset", "streaming", "s3torchconnector", "matplotlib")
+MISSING = [name for name in PEERS if importlib.util.find_spec(name) is None]
+# scripts/test.sh installs the peers (the bench extra) and says so: there a missing peer fails the
+# test; a developer's partial environment skips it.
+if MISSING and os.environ.get("SHARDCACHE_BENCH_PEERS") != "required":
+    pytest.skip(f"benchmark peers not installed: {', '.join(MISSING)} "
+                "(pip install -c constraints.txt -e '.[bench]')", allow_module_level=True)
 
 
 @pytest.mark.timeout(240)
 def test_smoke_suite_runs_every_reader_end_to_end(tmp_path: Path) -> None:
+    assert not MISSING, f"benchmark peers not installed: {MISSING}"
     results = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--size", "48MiB", "--shard-size", "8MiB", "--stall-seconds", "1",
