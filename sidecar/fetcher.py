@@ -43,7 +43,10 @@ class FetchSettings:
     """Bytes per ranged GET once a fill is split."""
 
     parts_per_object: int = 8
-    """Ranged GETs in flight for one object once a fill is split."""
+    """Ranged GETs in flight for one object once a fill is split. A split only tops the daemon's
+    origin streams up to this many: while other fills already keep that many connections busy
+    (prefetches of the next shards), a slow stream stays one stream, since more requests would
+    not add bandwidth the other fills are not already using."""
 
     split_below_bytes_per_s: float = 200e6
     """Split a fill into parallel ranged GETs only when its first stream delivers less than this
@@ -218,8 +221,8 @@ class _PartedFill:
             self.fill.contiguous = contiguous
             self.fill._notify()
 
-    def _split(self, boundary: int) -> None:
-        """On the loop: fetch ``[boundary, size)`` in parts on more connections."""
+    def _split(self, boundary: int, extra: int) -> None:
+        """On the loop: fetch ``[boundary, size)`` in parts on up to ``extra`` more connections."""
         if self.stopping:
             return
         part_size = self.settings.part_size
@@ -233,7 +236,7 @@ class _PartedFill:
                 index = self.queue.get_nowait()
                 await retrying(self.settings, self.metrics, f"{what}#{index}", self._attempt, index)
 
-        count = min(self.settings.parts_per_object - 1, len(self.parts) - 1)
+        count = min(extra, len(self.parts) - 1)
         self.workers = [asyncio.create_task(worker(), name=f"part-worker:{what}") for _ in range(count)]
 
     async def _attempt(self, index: int) -> None:
@@ -249,6 +252,7 @@ class _PartedFill:
     async def _sink(self, index: int, body: Body) -> None:
         """Pump ``body`` into part ``index`` on a worker thread; return when that thread has."""
         future = asyncio.wrap_future(self.fetcher.origin.executor.submit(self._pump, index, body))
+        self.fetcher.streams += 1
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -258,6 +262,7 @@ class _PartedFill:
                 await future
             raise
         finally:
+            self.fetcher.streams -= 1
             self._advance()
         part = self.parts[index]
         if part[0] + part[2] != part[1]:
@@ -308,14 +313,11 @@ class _PartedFill:
         rate = part0[2] / max(time.perf_counter() - first_byte_at, 1e-6)
         part_size = self.settings.part_size
         boundary = part0[2] + part_size
-        if (
-            self.settings.parts_per_object <= 1
-            or rate >= self.settings.split_below_bytes_per_s
-            or self.info.size - boundary < part_size
-        ):
+        extra = min(self.settings.parts_per_object - 1, self.settings.parts_per_object - self.fetcher.streams)
+        if extra <= 0 or rate >= self.settings.split_below_bytes_per_s or self.info.size - boundary < part_size:
             return
         part0[1] = boundary  # this thread stops there; the loop starts the rest
-        self.loop.call_soon_threadsafe(self._split, boundary)
+        self.loop.call_soon_threadsafe(self._split, boundary, extra)
 
 
 class Fetcher:
@@ -328,6 +330,7 @@ class Fetcher:
         self.metrics = metrics
         self.limiter = PriorityLimiter(settings.origin_concurrency, settings.demand_reserved)
         self.inflight: dict[tuple[str, str], Fill] = {}
+        self.streams = 0  # origin bodies being pumped into the cache right now (changed on the loop)
 
     def demand_in_flight(self) -> bool:
         """Whether a trainer is waiting on a fill right now (a demand read, or a prefetch it joined)."""

@@ -149,6 +149,7 @@ class Response:
         self.headers = resp.headers
         self._closed = False
         self._aborted = False
+        self._broken = False  # an error or a premature end: the connection is in an unknown state
 
     @property
     def length(self) -> int | None:
@@ -156,12 +157,15 @@ class Response:
         return self._resp.length
 
     def readinto(self, buf: memoryview) -> int:
-        """Fill ``buf`` (up to the end of the body); 0 at the end."""
+        """Fill ``buf`` (up to the end of the body); 0 at the end, or where the body broke off
+        (http.client's ``readinto`` does not raise for a short body: callers compare totals)."""
         try:
             return self._resp.readinto(buf)
         except (TimeoutError, socket.timeout) as exc:
+            self._broken = True
             raise OriginBadResponse(f"origin stalled: no byte for {self._pool.read_timeout_s:g} s") from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
+            self._broken = True
             # ValueError: http.client reading a response whose connection another thread aborted.
             if self._aborted:
                 return 0
@@ -172,8 +176,10 @@ class Response:
         try:
             return self._resp.read(limit)
         except (TimeoutError, socket.timeout) as exc:
+            self._broken = True
             raise OriginBadResponse(f"origin stalled: no byte for {self._pool.read_timeout_s:g} s") from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
+            self._broken = True
             raise OriginBadResponse(f"body broken off: {exc!r}") from exc
 
     def close(self) -> None:
@@ -183,7 +189,10 @@ class Response:
         resp = self._resp
         if resp.length == 0 and not resp.chunked and not resp.isclosed():
             resp.read()  # nothing left (HEAD, 204, a body read to its end): no I/O
-        if resp.isclosed() and not resp.will_close and not self._aborted:
+        # Reusable only after a body read to its announced end: a sized body that stopped short
+        # leaves ``length`` above zero (http.client closes the response without an error then).
+        complete = resp.isclosed() and not resp.length
+        if complete and not resp.will_close and not self._aborted and not self._broken:
             self._pool._give_back(self._key, self._conn)
         else:
             resp.close()
