@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, parse_size
+from bench.common import RESULTS_DIR, STORES, parse_size
 from bench.suite import PEERS, SHARDCACHE_RUNS, SuiteConfig, publish, run_suite
 
 RUN_NAMES = ("raw", *PEERS, *SHARDCACHE_RUNS, "half_cache_lru", "half_cache_hold")
@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--delay-ms", type=float, default=20.0, help="per-request delay of the store (default 20)")
     parser.add_argument("--stream-mbps", type=float, default=None,
                         help="per-connection rate cap of the store in MB/s (default: none, loopback speed)")
+    parser.add_argument("--store", choices=STORES, default="moto",
+                        help="S3 server behind the proxy: moto (RAM) or s3rver (files; needs node and npm)")
     parser.add_argument("--trainer-rate", type=float, default=1000.0,
                         help="samples/s the simulated trainer consumes (default 1000)")
     parser.add_argument("--stall-seconds", type=float, default=None,
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cfg = SuiteConfig(
-        size=size, shard_bytes=shard, delay_ms=args.delay_ms, stream_mbps=args.stream_mbps,
+        size=size, shard_bytes=shard, delay_ms=args.delay_ms, stream_mbps=args.stream_mbps, store=args.store,
         trainer_rate=args.trainer_rate,
         stall_cap_s=args.stall_seconds if args.stall_seconds is not None else (2.0 if args.smoke else 10.0),
         seed=args.seed, smoke=args.smoke, readers=tuple(args.readers.split(",")) if args.readers else None,

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +40,10 @@ __all__ = [
     "pack_shards",
     "write_dataset_dir",
     "MotoServer",
+    "S3rverServer",
+    "STORES",
+    "STORE_DESCRIPTIONS",
+    "store_server",
     "RssSampler",
     "s3_client",
     "free_port",
@@ -60,9 +65,10 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 
 # moto accepts any credentials; fixed ones keep a developer's real AWS account out of every run.
+# moto takes any key; s3rver knows only its built-in S3RVER/S3RVER pair.
 TEST_CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_ACCESS_KEY_ID": "S3RVER",
+    "AWS_SECRET_ACCESS_KEY": "S3RVER",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 
@@ -246,6 +252,83 @@ class MotoServer:
 
     def client(self, max_pool: int = 16) -> Any:
         return s3_client(self.endpoint, max_pool)
+
+
+class S3rverServer:
+    """s3rver (Node.js, npm ``s3rver``) in its own process: a second, independent S3 server for
+    the benchmarks, objects in files under the work dir.
+
+    Why a second store: moto answers a ranged GET by copying the whole object in Python first
+    (``moto/s3/responses.py``, ``_handle_range_header``), so every part of a parallel ranged
+    download costs it a full object: ``download_fileobj`` and the daemon's split fills measure
+    moto, not the transfer. s3rver streams a range from its file, as S3, MinIO and Ceph do.
+    It is installed on first use with npm into ``~/.cache/shardcache-bench`` (the machine needs
+    ``node`` and ``npm``); signatures are accepted when well-formed, so the benchmark's test
+    credentials work unchanged."""
+
+    VERSION = "3.7.1"
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / "s3rver.log"
+        self.data = workdir / "s3rver-data"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def executable(cls) -> Path:
+        prefix = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardcache-bench" / f"s3rver-{cls.VERSION}"
+        binary = prefix / "node_modules" / ".bin" / "s3rver"
+        if not binary.exists():
+            if not shutil.which("npm") or not shutil.which("node"):
+                raise RuntimeError("--store s3rver needs node and npm (apt-get install -y nodejs npm)")
+            prefix.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                            f"s3rver@{cls.VERSION}"], check=True, timeout=600)
+        return binary
+
+    def __enter__(self) -> "S3rverServer":
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.proc = spawn([str(self.executable()), "--directory", str(self.data), "--address", "127.0.0.1",
+                           "--port", str(self.port), "--silent", "--allow-mismatched-signatures"], self.log)
+
+        def listening() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+
+        wait_until(listening, timeout=60, what="the s3rver server")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def client(self, max_pool: int = 16) -> Any:
+        return s3_client(self.endpoint, max_pool)
+
+
+STORES = ("moto", "s3rver")
+
+
+def store_server(kind: str, workdir: Path) -> "MotoServer | S3rverServer":
+    """The S3 server a benchmark reads from: ``moto`` (objects in RAM) or ``s3rver`` (in files)."""
+    if kind == "moto":
+        return MotoServer(workdir)
+    if kind == "s3rver":
+        return S3rverServer(workdir)
+    raise ValueError(f"unknown store {kind!r}; known: {', '.join(STORES)}")
+
+
+STORE_DESCRIPTIONS = {
+    "moto": "moto server (own process, objects in RAM)",
+    "s3rver": f"s3rver {S3rverServer.VERSION} (Node.js, own process, objects in files)",
+}
 
 
 def s3_client(endpoint: str, max_pool: int = 16) -> Any:

@@ -55,7 +55,10 @@ import xxhash
 
 from bench.common import (
     RESULTS_DIR,
+    STORE_DESCRIPTIONS,
+    STORES,
     MotoServer,
+    S3rverServer,
     RssSampler,
     SendfileServer,
     cpu_seconds,
@@ -69,6 +72,7 @@ from bench.common import (
     parse_size,
     s3_client,
     spawn,
+    store_server,
     stop_process,
     wait_until,
     write_results,
@@ -394,7 +398,7 @@ def rotate(items: tuple[str, ...], by: int) -> tuple[str, ...]:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, workdir: Path, moto: MotoServer, origin_endpoint: str,
+    def __init__(self, args: argparse.Namespace, workdir: Path, moto: MotoServer | S3rverServer, origin_endpoint: str,
                  origin_pids: dict[str, int]) -> None:
         self.args = args
         self.workdir = workdir
@@ -643,13 +647,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="put moto behind bench.latency_proxy with this delay per request (a remote store)")
     parser.add_argument("--origin-stream-mbps", type=float, default=None,
                         help="and cap each origin connection at this many MB/s (AWS: 85-90 MB/s per request)")
+    parser.add_argument("--store", choices=STORES, default="moto",
+                        help="the S3 server: moto (objects in RAM) or s3rver (objects in files; needs node and npm)")
     parser.add_argument("--cold-only", action="store_true", help="measure the cold methods only")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON result file (default bench/results/daemon.json; daemon-remote.json for a remote origin)")
     args = parser.parse_args(argv)
     if args.output is None:
         remote = args.origin_delay_ms > 0 or args.origin_stream_mbps
-        args.output = RESULTS_DIR / ("daemon-remote.json" if remote else "daemon.json")
+        name = "daemon" + ("" if args.store == "moto" else f"-{args.store}") + ("-remote" if remote else "")
+        args.output = RESULTS_DIR / f"{name}.json"
     args.size = parse_size(args.size or ("256MiB" if args.quick else "1GiB"))
     args.shard_sizes = [parse_size(s) for s in (args.shard_sizes or ("32MiB,128MiB" if args.quick else "64MiB,512MiB"))
                         .split(",")]
@@ -669,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries: dict[str, dict[str, Any]] = {}
     bench: Bench | None = None
     try:
-        with MotoServer(workdir) as moto, contextlib.ExitStack() as stack:
+        with store_server(args.store, workdir) as moto, contextlib.ExitStack() as stack:
             remote = args.origin_delay_ms > 0 or args.origin_stream_mbps
             proxy = (LatencyProxy(moto.endpoint, args.origin_delay_ms, args.origin_stream_mbps, workdir / "proxy.log")
                      if remote else contextlib.nullcontext())
@@ -704,14 +711,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": facts,
         "config": {"dataset_bytes": args.size, "shard_sizes": args.shard_sizes, "repeats": args.repeats,
                    "quick": args.quick, "seed": args.seed, "read_chunk_bytes": READ_CHUNK,
-                   "origin": "moto server (own process, objects in RAM)" + (
+                   "origin": STORE_DESCRIPTIONS[args.store] + (
                        f" behind bench.latency_proxy: {args.origin_delay_ms:g} ms per request"
                        + (f", {args.origin_stream_mbps:g} MB/s per connection" if args.origin_stream_mbps else "")
                        if args.origin_delay_ms > 0 or args.origin_stream_mbps else ""),
                    "origin_delay_ms": args.origin_delay_ms, "origin_stream_mbps": args.origin_stream_mbps,
                    "cold_only": args.cold_only,
                    "daemon": "python -m sidecar.cli serve",
-                   "page_cache": page_cache, "moto_peak_rss_mb": round(moto_rss.hwm_kib / 1024, 1),
+                   "page_cache": page_cache, "store": args.store, "store_peak_rss_mb": round(moto_rss.hwm_kib / 1024, 1),
                    "mb": "10^6 bytes", "statistic": "median of repeats; ratios of medians"},
         "layouts": summaries,
         "all_targets_met": all_met,

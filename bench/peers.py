@@ -33,13 +33,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.common import TEST_CREDENTIALS
 from bench.peers_common import Meter, import_streaming, merge_epochs, proc_status_kib, tar_samples
 
 __all__ = ["READERS", "make_reader", "run_spec", "main"]
 
 READERS = ("raw", "boto3", "s3fs", "webdataset", "streaming", "s3torchconnector", "loader")
 
-_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+_CREDS = TEST_CREDENTIALS
 
 
 def _raw(spec: dict[str, Any]) -> Any:

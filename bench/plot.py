@@ -50,7 +50,7 @@ def markdown_table(result: dict[str, Any], chart: str | None) -> str:
         f"suite ran {result['elapsed_s'] / 60:.1f} min.",
         "",
         f"Dataset: {ds['shards']} WebDataset shards, {ds['bytes'] / 2**30:.2f} GiB, {ds['samples']} samples "
-        f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), on a moto S3 server behind a proxy adding "
+        f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), on {'an s3rver' if cfg.get('store') == 's3rver' else 'a moto'} S3 server behind a proxy adding "
         f"{cfg['delay_ms']:g} ms per request" + (f" and {cfg['stream_mbps']:g} MB/s per connection" if cfg.get("stream_mbps") else "")
         + f". Simulated trainer: {cfg['trainer_rate']:g} samples/s.",
         "",

@@ -37,7 +37,9 @@ from typing import Any
 
 from bench.common import (
     RESULTS_DIR,
+    STORE_DESCRIPTIONS,
     MotoServer,
+    S3rverServer,
     drop_caches,
     fmt_size,
     free_port,
@@ -47,6 +49,7 @@ from bench.common import (
     pack_shards,
     spawn,
     stop_process,
+    store_server,
     wait_until,
     write_results,
 )
@@ -87,6 +90,9 @@ class SuiteConfig:
     """Per-request delay the proxy adds between every remote reader and the store."""
     stream_mbps: float | None = None
     """Per-connection answer rate cap of the proxy (MB/s); None: loopback speed."""
+    store: str = "moto"
+    """The S3 server behind the proxy: ``moto`` (objects in RAM) or ``s3rver`` (objects in files,
+    ranges streamed from them; see ``bench.common.S3rverServer``)."""
     trainer_rate: float = 1000.0
     """Samples/s the simulated trainer consumes (ResNet-50 on one modern GPU: ~1,000-3,000)."""
     stall_cap_s: float = 10.0
@@ -128,7 +134,7 @@ def _say(text: str) -> None:
 # -- set-up -----------------------------------------------------------------------------------
 
 
-def build_dataset(cfg: SuiteConfig, moto: MotoServer, workdir: Path) -> Dataset:
+def build_dataset(cfg: SuiteConfig, moto: MotoServer | S3rverServer, workdir: Path) -> Dataset:
     client = moto.client()
     client.create_bucket(Bucket=BUCKET)
     local = workdir / "local" / BUCKET / PREFIX.rstrip("/")
@@ -178,7 +184,7 @@ class Master:
 
 
 class Runner:
-    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, moto: MotoServer, proxy: LatencyProxy) -> None:
+    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, moto: MotoServer | S3rverServer, proxy: LatencyProxy) -> None:
         self.cfg = cfg
         self.workdir = workdir
         self.dataset = dataset
@@ -419,7 +425,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
     facts = machine_facts(PACKAGES)
     _say(f"work dir {workdir}; {facts['cpu_count']} CPUs, {fmt_size(facts['mem_total_bytes'] or 0)} RAM")
     try:
-        with MotoServer(workdir) as moto:
+        with store_server(cfg.store, workdir) as moto:
             dataset = build_dataset(cfg, moto, workdir)
             with LatencyProxy(moto.endpoint, cfg.delay_ms, cfg.stream_mbps, workdir / "proxy.log") as proxy:
                 runner = Runner(cfg, workdir, dataset, moto, proxy)
@@ -447,8 +453,8 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
                        if k not in ("workdir", "results_dir", "keep")},
             "dataset": {"shards": len(dataset.keys), "bytes": dataset.bytes, "samples": dataset.samples,
                         "mean_sample_bytes": round(dataset.bytes / max(1, dataset.samples)), "mds": dataset.mds,
-                        "origin": "moto server (own process, objects in RAM) behind bench.latency_proxy",
-                        "moto_peak_rss_mb": round(moto_peak, 1)},
+                        "origin": f"{STORE_DESCRIPTIONS[cfg.store]} behind bench.latency_proxy",
+                        "store_peak_rss_mb": round(moto_peak, 1)},
             "units": {"mb_s": "10^6 bytes of tar shards per second (streaming reads the same samples as MDS)",
                       "cpu_s_per_gb": "reader processes + daemon CPU seconds per 10^9 bytes (origin and proxy excluded)",
                       "stall_fraction": "time the simulated trainer waited for data / time it ran"},
@@ -468,6 +474,12 @@ def publish(result: dict[str, Any], cfg: SuiteConfig) -> dict[str, Path]:
     from bench.plot import markdown_table, plot
 
     tag = "suite-smoke" if cfg.smoke else "suite"
+    # A non-default store or a bandwidth cap is another scenario: its latest table and chart are
+    # kept beside the default one (suite-s3rver-90mbps.md), not over it.
+    if cfg.store != "moto":
+        tag += f"-{cfg.store}"
+    if cfg.stream_mbps:
+        tag += f"-{cfg.stream_mbps:g}mbps"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     paths = {"json": write_results(cfg.results_dir / f"{tag}-{stamp}.json", result)}
     write_results(cfg.results_dir / f"{tag}.json", result)

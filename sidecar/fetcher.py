@@ -160,7 +160,7 @@ class _PartedFill:
     """The bytes of one fill: one stream from the first byte, split into parallel ranged GETs
     only when that stream turns out slow.
 
-    The first request asks for the whole object. Once ``probe_bytes`` have arrived its rate is
+    The first request asks for the whole object. Once its first MiB has arrived its rate is
     known: an origin that streams faster than ``split_below_bytes_per_s`` (MinIO or Ceph in the
     same rack, moto) keeps the single stream, which costs one request per object; a slow one (S3
     over a WAN, a throttled gateway) is split: the first stream stops at the next part boundary
@@ -306,7 +306,10 @@ class _PartedFill:
     def _maybe_split(self, first_byte_at: float) -> None:
         """Worker thread of part 0: decide once, after the probe, whether to split the fill."""
         part0 = self.parts[0]
-        probe = min(4 * 1024 * 1024, self.settings.part_size)
+        # One buffer's worth: at 90 MB/s (one S3 connection) a 4 MiB probe cost 45 ms per object
+        # before the other parts could start; over a WAN, TCP slow start also shows in the first
+        # MiB, and more connections are then exactly what helps.
+        probe = min(_WRITE_BUFFER, self.settings.part_size)
         if part0[2] < probe:
             return
         self.decided = True
