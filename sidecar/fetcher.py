@@ -160,7 +160,7 @@ class _PartedFill:
     """The bytes of one fill: one stream from the first byte, split into parallel ranged GETs
     only when that stream turns out slow.
 
-    The first request asks for the whole object. Once its first MiB has arrived its rate is
+    The first request asks for the whole object. Once its first MiBs have arrived its rate is
     known: an origin that streams faster than ``split_below_bytes_per_s`` (MinIO or Ceph in the
     same rack, moto) keeps the single stream, which costs one request per object; a slow one (S3
     over a WAN, a throttled gateway) is split: the first stream stops at the next part boundary
@@ -304,20 +304,28 @@ class _PartedFill:
             raise OriginUnavailable(f"{self.fill.bucket}/{self.fill.key}: fill stopped")
 
     def _maybe_split(self, first_byte_at: float) -> None:
-        """Worker thread of part 0: decide once, after the probe, whether to split the fill."""
+        """Worker thread of part 0: decide once, early, whether to split the fill.
+
+        After the first MiB a stream below half the threshold splits at once (at 90 MB/s, one S3
+        connection, waiting for 4 MiB cost 45 ms per object before the other parts could start;
+        over a WAN, TCP slow start shows in the first MiB too, and more connections are then what
+        helps). Anything closer to the threshold is judged over 4 MiB: one scheduling hiccup of a
+        few ms must not split a fast local stream, which costs an extra request per part (and, on
+        moto, a copy of the whole object per part)."""
         part0 = self.parts[0]
-        # One buffer's worth: at 90 MB/s (one S3 connection) a 4 MiB probe cost 45 ms per object
-        # before the other parts could start; over a WAN, TCP slow start also shows in the first
-        # MiB, and more connections are then exactly what helps.
-        probe = min(_WRITE_BUFFER, self.settings.part_size)
-        if part0[2] < probe:
+        got = part0[2]
+        if got < min(_WRITE_BUFFER, self.settings.part_size):
             return
+        rate = got / max(time.perf_counter() - first_byte_at, 1e-6)
+        threshold = self.settings.split_below_bytes_per_s
+        final = got >= min(4 * _WRITE_BUFFER, self.settings.part_size)
+        if not final and rate >= threshold / 2:
+            return  # undecided: look again at 4 MiB
         self.decided = True
-        rate = part0[2] / max(time.perf_counter() - first_byte_at, 1e-6)
         part_size = self.settings.part_size
-        boundary = part0[2] + part_size
+        boundary = got + part_size
         extra = min(self.settings.parts_per_object - 1, self.settings.parts_per_object - self.fetcher.streams)
-        if extra <= 0 or rate >= self.settings.split_below_bytes_per_s or self.info.size - boundary < part_size:
+        if extra <= 0 or rate >= threshold or self.info.size - boundary < part_size:
             return
         part0[1] = boundary  # this thread stops there; the loop starts the rest
         self.loop.call_soon_threadsafe(self._split, boundary, extra)
