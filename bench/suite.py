@@ -73,6 +73,11 @@ SHARDCACHE_RUNS: dict[str, dict[str, Any]] = {
     "shardcache_master_4p": {"reader": "loader", "procs": 4, "short_circuit": True, "master": True},
 }
 HEADLINE = "shardcache_loader"
+# The warm figures of the two rows behind the "0.9x raw" target are the median of this many warm
+# epochs: a page-cache pass over 2 GiB lasts 0.3-0.9 s, and one such pass measured 3.2 GB/s in one
+# run and 5.8 GB/s in the next on this machine.
+WARM_PASSES = 3
+REPEATED_WARM = ("raw", HEADLINE)
 
 PACKAGES = ("aiohttp", "boto3", "botocore", "moto", "xxhash", "s3fs", "fsspec", "webdataset", "mosaicml-streaming",
             "s3torchconnector", "s3torchconnectorclient", "torch", "matplotlib", "numpy")
@@ -245,7 +250,7 @@ class Runner:
         if not self.wanted("raw"):
             return
         dropped = drop_caches()
-        spec = self.base_spec("raw") | {"epochs": [{}, {}]}
+        spec = self.base_spec("raw") | {"epochs": [{}] + [{}] * WARM_PASSES}
         result = self.execute("raw", spec)
         result["page_cache_dropped"] = dropped
         self.record("raw", result)
@@ -276,7 +281,8 @@ class Runner:
             master = Master(self.workdir, name) if how.get("master") else None
             try:
                 if kind == "throughput":
-                    epochs: list[dict[str, Any]] = [{}, {}] + ([self.paced()] if stall else [])
+                    warm = WARM_PASSES if name in REPEATED_WARM else 1
+                    epochs: list[dict[str, Any]] = [{}] + [{}] * warm + ([self.paced()] if stall else [])
                 else:
                     epochs = [self.paced()]
                 spec = self.base_spec(how["reader"]) | {
@@ -350,10 +356,13 @@ def summarize(runner: Runner) -> dict[str, Any]:
         else:
             eps = [_epoch_figures(ep, ds) for ep in thr["epochs"]]
             row["cold"] = eps[0]
+            warm = WARM_PASSES if name in REPEATED_WARM and len(eps) > WARM_PASSES else 1
             if len(eps) > 1:
-                row["warm"] = eps[1]
-            if len(eps) > 2:
-                row["warm_paced"] = eps[2]
+                passes = sorted(eps[1:1 + warm], key=lambda ep: ep["mb_s"] or 0)
+                row["warm"] = passes[len(passes) // 2] | ({"warm_passes_mb_s": [ep["mb_s"] for ep in eps[1:1 + warm]]}
+                                                         if warm > 1 else {})
+            if len(eps) > 1 + warm:
+                row["warm_paced"] = eps[1 + warm]
             row["reader_peak_rss_mb"] = round(thr["reader_peak_rss_kib"] / 1024, 1)
             hwm = list(thr.get("server_hwm_kib", {}).values())
             row["daemon_peak_rss_mb"] = round(max(hwm) / 1024, 1) if hwm else None
