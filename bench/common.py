@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 __all__ = [
     "REPO",
@@ -39,8 +39,11 @@ __all__ = [
     "make_samples",
     "pack_shards",
     "write_dataset_dir",
+    "ServerProcess",
+    "S3Server",
     "MotoServer",
     "S3rverServer",
+    "port_open",
     "STORES",
     "STORE_DESCRIPTIONS",
     "store_server",
@@ -220,24 +223,36 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
         proc.wait(timeout=timeout)
 
 
-class MotoServer:
-    """A moto S3 server in its own process, holding every object in memory.
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on loopback ``port`` (raises when nothing does)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
 
-    moto spools objects above ~5 MiB to temp files by default; ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``
-    keeps them in RAM, so the origin is not the disk the cache also sits on."""
 
-    def __init__(self, workdir: Path, in_memory: bool = True) -> None:
+class ServerProcess:
+    """A server in its own process on a free loopback port: ``__enter__`` starts it (with
+    :func:`spawn`) and waits until :meth:`ready`, ``__exit__`` stops it and its children."""
+
+    name = "server"
+
+    def __init__(self, log: Path) -> None:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / "moto.log"
-        self.in_memory = in_memory
+        self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> "MotoServer":
-        env = {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)} if self.in_memory else {}
-        self.proc = spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                          self.log, env)
-        wait_until(lambda: http_ok(self.endpoint + "/moto-api/"), timeout=60, what="the moto server")
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str] | None:
+        return None
+
+    def ready(self) -> bool:
+        return port_open(self.port)
+
+    def __enter__(self) -> Self:
+        self.proc = spawn(self.command(), self.log, self.env())
+        wait_until(self.ready, timeout=60, what=f"the {self.name}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -250,11 +265,37 @@ class MotoServer:
         assert self.proc is not None
         return self.proc.pid
 
+
+class S3Server(ServerProcess):
+    """An S3 endpoint for the benchmarks."""
+
     def client(self, max_pool: int = 16) -> Any:
         return s3_client(self.endpoint, max_pool)
 
 
-class S3rverServer:
+class MotoServer(S3Server):
+    """A moto S3 server in its own process, holding every object in memory.
+
+    moto spools objects above ~5 MiB to temp files by default; ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``
+    keeps them in RAM, so the origin is not the disk the cache also sits on."""
+
+    name = "moto server"
+
+    def __init__(self, workdir: Path, in_memory: bool = True) -> None:
+        super().__init__(workdir / "moto.log")
+        self.in_memory = in_memory
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+
+    def env(self) -> dict[str, str] | None:
+        return {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)} if self.in_memory else None
+
+    def ready(self) -> bool:
+        return http_ok(self.endpoint + "/moto-api/")
+
+
+class S3rverServer(S3Server):
     """s3rver (Node.js, npm ``s3rver``) in its own process: a second, independent S3 server for
     the benchmarks, objects in files under the work dir.
 
@@ -264,16 +305,14 @@ class S3rverServer:
     moto, not the transfer. s3rver streams a range from its file, as S3, MinIO and Ceph do.
     It is installed on first use with npm into ``~/.cache/shardcache-bench`` (the machine needs
     ``node`` and ``npm``); signatures are accepted when well-formed, so the benchmark's test
-    credentials work unchanged."""
+    credentials (s3rver's own key pair) work unchanged."""
 
+    name = "s3rver server"
     VERSION = "3.7.1"
 
     def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / "s3rver.log"
+        super().__init__(workdir / "s3rver.log")
         self.data = workdir / "s3rver-data"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def executable(cls) -> Path:
@@ -287,36 +326,16 @@ class S3rverServer:
                             f"s3rver@{cls.VERSION}"], check=True, timeout=600)
         return binary
 
-    def __enter__(self) -> "S3rverServer":
+    def command(self) -> list[str]:
         self.data.mkdir(parents=True, exist_ok=True)
-        self.proc = spawn([str(self.executable()), "--directory", str(self.data), "--address", "127.0.0.1",
-                           "--port", str(self.port), "--silent", "--allow-mismatched-signatures"], self.log)
-
-        def listening() -> bool:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return True
-
-        wait_until(listening, timeout=60, what="the s3rver server")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def client(self, max_pool: int = 16) -> Any:
-        return s3_client(self.endpoint, max_pool)
+        return [str(self.executable()), "--directory", str(self.data), "--address", "127.0.0.1",
+                "--port", str(self.port), "--silent", "--allow-mismatched-signatures"]
 
 
 STORES = ("moto", "s3rver")
 
 
-def store_server(kind: str, workdir: Path) -> "MotoServer | S3rverServer":
+def store_server(kind: str, workdir: Path) -> S3Server:
     """The S3 server a benchmark reads from: ``moto`` (objects in RAM) or ``s3rver`` (in files)."""
     if kind == "moto":
         return MotoServer(workdir)

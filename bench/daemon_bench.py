@@ -57,8 +57,8 @@ from bench.common import (
     RESULTS_DIR,
     STORE_DESCRIPTIONS,
     STORES,
-    MotoServer,
-    S3rverServer,
+    S3Server,
+    ServerProcess,
     RssSampler,
     SendfileServer,
     cpu_seconds,
@@ -398,14 +398,13 @@ def rotate(items: tuple[str, ...], by: int) -> tuple[str, ...]:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, workdir: Path, moto: MotoServer | S3rverServer, origin_endpoint: str,
+    def __init__(self, args: argparse.Namespace, workdir: Path, store: S3Server, origin_endpoint: str,
                  origin_pids: dict[str, int]) -> None:
         self.args = args
         self.workdir = workdir
-        self.moto = moto
-        self.upload_client = moto.client()
-        # Cold reads (plain boto3 and the daemon alike) go to the origin as configured: moto itself,
-        # or moto behind the latency proxy (--origin-delay-ms / --origin-stream-mbps).
+        self.upload_client = store.client()
+        # Cold reads (plain boto3 and the daemon alike) go to the origin as configured: the store
+        # itself, or the store behind the latency proxy (--origin-delay-ms / --origin-stream-mbps).
         self.origin_endpoint = origin_endpoint
         self.origin_client = s3_client(origin_endpoint)
         self.origin_pids = origin_pids
@@ -676,16 +675,14 @@ def main(argv: list[str] | None = None) -> int:
     summaries: dict[str, dict[str, Any]] = {}
     bench: Bench | None = None
     try:
-        with store_server(args.store, workdir) as moto, contextlib.ExitStack() as stack:
-            remote = args.origin_delay_ms > 0 or args.origin_stream_mbps
-            proxy = (LatencyProxy(moto.endpoint, args.origin_delay_ms, args.origin_stream_mbps, workdir / "proxy.log")
-                     if remote else contextlib.nullcontext())
-            stack.enter_context(proxy)
-            origin_pids = {"origin": moto.pid}
-            if isinstance(proxy, LatencyProxy):
-                origin_pids["proxy"] = proxy.proc.pid  # type: ignore[union-attr]
-            bench = Bench(args, workdir, moto, proxy.endpoint if isinstance(proxy, LatencyProxy) else moto.endpoint,
-                          origin_pids)
+        with store_server(args.store, workdir) as store, contextlib.ExitStack() as stack:
+            origin: ServerProcess = store
+            origin_pids = {"origin": store.pid}
+            if args.origin_delay_ms > 0 or args.origin_stream_mbps:
+                origin = stack.enter_context(LatencyProxy(store.endpoint, args.origin_delay_ms, args.origin_stream_mbps,
+                                                          workdir / "proxy.log"))
+                origin_pids["proxy"] = origin.pid
+            bench = Bench(args, workdir, store, origin.endpoint, origin_pids)
             bench.upload_client.create_bucket(Bucket=BUCKET)
             layouts = []
             for shard_bytes in args.shard_sizes:
@@ -694,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench.say(f"uploaded {len(layout.keys)} shards of ~{fmt_size(shard_bytes)} "
                           f"({fmt_size(layout.total)}, {layout.samples} samples) in {time.perf_counter() - t0:.1f}s")
                 layouts.append(layout)
-            with RssSampler(moto.pid) as moto_rss:
+            with RssSampler(store.pid) as store_rss:
                 for layout in layouts:
                     summaries[layout.label] = summarize(bench.run_layout(layout))
     finally:
@@ -718,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
                    "origin_delay_ms": args.origin_delay_ms, "origin_stream_mbps": args.origin_stream_mbps,
                    "cold_only": args.cold_only,
                    "daemon": "python -m sidecar.cli serve",
-                   "page_cache": page_cache, "store": args.store, "store_peak_rss_mb": round(moto_rss.hwm_kib / 1024, 1),
+                   "page_cache": page_cache, "store": args.store, "store_peak_rss_mb": round(store_rss.hwm_kib / 1024, 1),
                    "mb": "10^6 bytes", "statistic": "median of repeats; ratios of medians"},
         "layouts": summaries,
         "all_targets_met": all_met,

@@ -29,6 +29,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from bench.common import ServerProcess
+
 __all__ = ["LatencyProxy", "SharedRate", "serve", "main"]
 
 _CHUNK = 256 * 1024
@@ -159,51 +161,27 @@ async def serve(port: int, upstream: tuple[str, int], delay_s: float, bytes_per_
         await server.serve_forever()
 
 
-class LatencyProxy:
+class LatencyProxy(ServerProcess):
     """:func:`serve` in its own process (a ``bench.common.spawn`` child), in front of ``upstream``."""
+
+    name = "latency proxy"
 
     def __init__(self, upstream: str, delay_ms: float, stream_mbps: float | None, log: Path,
                  total_mbps: float | None = None) -> None:
-        from bench.common import free_port
-
+        super().__init__(log)
         self.upstream = upstream.removeprefix("http://").rstrip("/")
         self.delay_ms = delay_ms
         self.stream_mbps = stream_mbps
         self.total_mbps = total_mbps
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc = None
 
-    def __enter__(self) -> "LatencyProxy":
-        from bench.common import spawn, wait_until
-
+    def command(self) -> list[str]:
         args = [sys.executable, "-m", "bench.latency_proxy", "--port", str(self.port), "--upstream", self.upstream,
                 "--delay-ms", str(self.delay_ms)]
         if self.stream_mbps:
             args += ["--stream-mbps", str(self.stream_mbps)]
         if self.total_mbps:
             args += ["--total-mbps", str(self.total_mbps)]
-        self.proc = spawn(args, self.log)
-
-        def listening() -> bool:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return True
-
-        wait_until(listening, timeout=30, what="the latency proxy")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from bench.common import stop_process
-
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        return args
 
 
 def main(argv: list[str] | None = None) -> int:

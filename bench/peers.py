@@ -40,9 +40,6 @@ __all__ = ["READERS", "make_reader", "run_spec", "main"]
 
 READERS = ("raw", "boto3", "s3fs", "webdataset", "streaming", "s3torchconnector", "loader")
 
-_CREDS = TEST_CREDENTIALS
-
-
 def _raw(spec: dict[str, Any]) -> Any:
     paths = [os.path.join(spec["local_dir"], key) for key in spec["keys"]]
     counts = spec["samples_per_key"]
@@ -81,7 +78,7 @@ def _boto3(spec: dict[str, Any]) -> Any:
 def _s3fs(spec: dict[str, Any]) -> Any:
     import s3fs
 
-    fs = s3fs.S3FileSystem(key=_CREDS["AWS_ACCESS_KEY_ID"], secret=_CREDS["AWS_SECRET_ACCESS_KEY"],
+    fs = s3fs.S3FileSystem(key=TEST_CREDENTIALS["AWS_ACCESS_KEY_ID"], secret=TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
                            endpoint_url=spec["endpoint"], client_kwargs={"region_name": "us-east-1"})
     bucket, prefix = spec["bucket"], spec["prefix"]
 
@@ -184,7 +181,7 @@ def _raw_view(samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def _worker(spec: dict[str, Any], rank: int, world: int, barrier: Any) -> dict[str, Any]:
-    for name, value in _CREDS.items():
+    for name, value in TEST_CREDENTIALS.items():
         os.environ.setdefault(name, value)
     epoch_of = make_reader(spec, rank, world)
     meter = Meter(spec.get("server_pids", []), spec.get("daemon"), spec.get("with_stats", False))

@@ -38,8 +38,7 @@ from typing import Any
 from bench.common import (
     RESULTS_DIR,
     STORE_DESCRIPTIONS,
-    MotoServer,
-    S3rverServer,
+    S3Server,
     drop_caches,
     fmt_size,
     free_port,
@@ -139,8 +138,8 @@ def _say(text: str) -> None:
 # -- set-up -----------------------------------------------------------------------------------
 
 
-def build_dataset(cfg: SuiteConfig, moto: MotoServer | S3rverServer, workdir: Path) -> Dataset:
-    client = moto.client()
+def build_dataset(cfg: SuiteConfig, store: S3Server, workdir: Path) -> Dataset:
+    client = store.client()
     client.create_bucket(Bucket=BUCKET)
     local = workdir / "local" / BUCKET / PREFIX.rstrip("/")
     local.mkdir(parents=True, exist_ok=True)
@@ -161,7 +160,7 @@ def build_dataset(cfg: SuiteConfig, moto: MotoServer | S3rverServer, workdir: Pa
     # The manifest (sizes, xxh3-128, sample counts) lets ShardLoader verify what it reads.
     log = workdir / "index.log"
     proc = spawn([sys.executable, "-m", "sidecar.cli", "index", f"s3://{BUCKET}/{PREFIX}", "--s3-endpoint",
-                  moto.endpoint, "--quiet", "--json"], log)
+                  store.endpoint, "--quiet", "--json"], log)
     if proc.wait(timeout=600) != 0:
         raise RuntimeError(f"shardcache index failed: {log.read_text()[-2000:]}")
     return dataset
@@ -189,11 +188,10 @@ class Master:
 
 
 class Runner:
-    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, moto: MotoServer | S3rverServer, proxy: LatencyProxy) -> None:
+    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, store: S3Server, proxy: LatencyProxy) -> None:
         self.cfg = cfg
         self.workdir = workdir
         self.dataset = dataset
-        self.moto = moto
         self.proxy = proxy
         self.runs: dict[str, dict[str, Any]] = {}
         self.count = 0
@@ -434,10 +432,10 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
     facts = machine_facts(PACKAGES)
     _say(f"work dir {workdir}; {facts['cpu_count']} CPUs, {fmt_size(facts['mem_total_bytes'] or 0)} RAM")
     try:
-        with store_server(cfg.store, workdir) as moto:
-            dataset = build_dataset(cfg, moto, workdir)
-            with LatencyProxy(moto.endpoint, cfg.delay_ms, cfg.stream_mbps, workdir / "proxy.log") as proxy:
-                runner = Runner(cfg, workdir, dataset, moto, proxy)
+        with store_server(cfg.store, workdir) as store:
+            dataset = build_dataset(cfg, store, workdir)
+            with LatencyProxy(store.endpoint, cfg.delay_ms, cfg.stream_mbps, workdir / "proxy.log") as proxy:
+                runner = Runner(cfg, workdir, dataset, store, proxy)
                 _say("raw local read (the limit)")
                 runner.raw()
                 for name in PEERS:
@@ -451,7 +449,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
                     runner.hit_rate(eviction)
                 from bench.common import _status_kib  # noqa: PLC2701 - same package, the kernel's own peak
 
-                moto_peak = (_status_kib(moto.pid, "VmHWM") or 0) / 1024
+                store_peak = (_status_kib(store.pid, "VmHWM") or 0) / 1024
         rows = summarize(runner)
         facts["loadavg_end"] = __import__("os").getloadavg()
         result = {
@@ -463,7 +461,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
             "dataset": {"shards": len(dataset.keys), "bytes": dataset.bytes, "samples": dataset.samples,
                         "mean_sample_bytes": round(dataset.bytes / max(1, dataset.samples)), "mds": dataset.mds,
                         "origin": f"{STORE_DESCRIPTIONS[cfg.store]} behind bench.latency_proxy",
-                        "store_peak_rss_mb": round(moto_peak, 1)},
+                        "store_peak_rss_mb": round(store_peak, 1)},
             "units": {"mb_s": "10^6 bytes of tar shards per second (streaming reads the same samples as MDS)",
                       "cpu_s_per_gb": "reader processes + daemon CPU seconds per 10^9 bytes (origin and proxy excluded)",
                       "stall_fraction": "time the simulated trainer waited for data / time it ran"},

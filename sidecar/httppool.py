@@ -23,7 +23,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from urllib.parse import urlsplit
 
 from sidecar.errors import OriginBadResponse, OriginUnavailable
@@ -159,28 +159,30 @@ class Response:
     def readinto(self, buf: memoryview) -> int:
         """Fill ``buf`` (up to the end of the body); 0 at the end, or where the body broke off
         (http.client's ``readinto`` does not raise for a short body: callers compare totals)."""
-        try:
+        with self._reading():
             return self._resp.readinto(buf)
-        except (TimeoutError, socket.timeout) as exc:
-            self._broken = True
-            raise OriginBadResponse(f"origin stalled: no byte for {self._pool.read_timeout_s:g} s") from exc
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            self._broken = True
-            # ValueError: http.client reading a response whose connection another thread aborted.
-            if self._aborted:
-                return 0
-            raise OriginBadResponse(f"body broken off: {exc!r}") from exc
+        return 0  # the connection was aborted by another thread: no more bytes
 
     def read(self, limit: int) -> bytes:
         """At most ``limit`` bytes of the body (error documents, listings)."""
-        try:
+        with self._reading():
             return self._resp.read(limit)
+        return b""
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Map a failed read to ``OriginBadResponse`` and mark the connection as not reusable; a
+        read that failed because :meth:`abort` shut the socket ends quietly instead."""
+        try:
+            yield
         except (TimeoutError, socket.timeout) as exc:
             self._broken = True
             raise OriginBadResponse(f"origin stalled: no byte for {self._pool.read_timeout_s:g} s") from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
+            # ValueError: http.client reading a response whose connection another thread aborted.
             self._broken = True
-            raise OriginBadResponse(f"body broken off: {exc!r}") from exc
+            if not self._aborted:
+                raise OriginBadResponse(f"body broken off: {exc!r}") from exc
 
     def close(self) -> None:
         if self._closed:

@@ -256,24 +256,36 @@ def _content_length(resp: Response) -> int:
         return -1
 
 
-class _HTTPBody(Body):
-    """A GetObject body; a body that ends before its Content-Length is an error here, once."""
+class _SizedBody(Body):
+    """A GetObject body of a known length: a body that ends short is an error here, once, with
+    how far it got."""
 
-    def __init__(self, resp: Response, expected: int, what: str) -> None:
-        self._resp = resp
+    def __init__(self, expected: int, what: str) -> None:
         self._expected = expected
         self._what = what
         self._received = 0
 
+    def _read(self, buf: memoryview) -> int:
+        raise NotImplementedError
+
     def readinto(self, buf: memoryview) -> int:
         try:
-            count = self._resp.readinto(buf)
+            count = self._read(buf)
         except OriginBadResponse as exc:
             raise OriginBadResponse(f"{self._what}: {exc} after {self._received} of {self._expected} bytes") from exc
         self._received += count
         if not count and len(buf) and 0 <= self._expected != self._received:
             raise OriginBadResponse(f"{self._what}: body truncated at {self._received} of {self._expected} bytes")
         return count
+
+
+class _HTTPBody(_SizedBody):
+    def __init__(self, resp: Response, expected: int, what: str) -> None:
+        super().__init__(expected, what)
+        self._resp = resp
+
+    def _read(self, buf: memoryview) -> int:
+        return self._resp.readinto(buf)
 
     def close(self) -> None:
         self._resp.close()
@@ -282,26 +294,18 @@ class _HTTPBody(Body):
         self._resp.abort()
 
 
-class _Boto3Body(Body):
+class _Boto3Body(_SizedBody):
     def __init__(self, body: Any, expected: int, what: str) -> None:
+        super().__init__(expected, what)
         self._body = body
-        self._expected = expected
-        self._what = what
-        self._received = 0
 
-    def readinto(self, buf: memoryview) -> int:
+    def _read(self, buf: memoryview) -> int:
         try:
             data = self._body.read(len(buf))
         except Exception as exc:  # botocore, urllib3 and socket errors alike
-            raise OriginBadResponse(
-                f"{self._what}: body cut after {self._received} of {self._expected} bytes: {exc}"
-            ) from exc
-        count = len(data)
-        buf[:count] = data
-        self._received += count
-        if not count and len(buf) and self._received != self._expected:
-            raise OriginBadResponse(f"{self._what}: body truncated at {self._received} of {self._expected} bytes")
-        return count
+            raise OriginBadResponse(f"body cut: {exc}") from exc
+        buf[: len(data)] = data
+        return len(data)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -103,14 +103,20 @@ class FaultProxy:
                 self.timeline.append((time.monotonic(), request_line))
                 is_object_get = method == "GET" and path.count("/") >= 2 and "list-type" not in target
                 faultable = is_object_get or not self.faults.only_get
+                # A request's faults are drawn when it arrives: a handler still sleeping out a stall
+                # must not take faults armed afterwards for later requests.
+                stall = faultable and self._take("stall")
+                reset = faultable and self._take("reset")
+                slowdown = faultable and not reset and self._take("slowdown")
+                truncate = faultable and not reset and not slowdown and self._take("truncate")
                 if self.faults.delay_s:
                     await asyncio.sleep(self.faults.delay_s)
-                if faultable and self._take("stall"):
+                if stall:
                     await asyncio.sleep(self.faults.stall_s)
-                if faultable and self._take("reset"):
+                if reset:
                     writer.transport.abort()
                     return
-                if faultable and self._take("slowdown"):
+                if slowdown:
                     payload = (
                         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
                         b"<Message>Please reduce your request rate.</Message></Error>"
@@ -124,7 +130,7 @@ class FaultProxy:
                     continue
                 response = await self._forward(head, body)
                 header_end = response.index(b"\r\n\r\n") + 4
-                if faultable and self._take("truncate"):
+                if truncate:
                     writer.write(response[: header_end + self.faults.truncate_at])
                     await writer.drain()
                     writer.transport.abort()
