@@ -55,12 +55,12 @@ import xxhash
 
 from bench.common import (
     RESULTS_DIR,
-    STORE_DESCRIPTIONS,
     STORES,
-    S3Server,
-    ServerProcess,
+    STORE_DESCRIPTIONS,
     RssSampler,
+    S3Server,
     SendfileServer,
+    ServerProcess,
     cpu_seconds,
     drop_caches,
     fmt_size,
@@ -70,10 +70,11 @@ from bench.common import (
     make_samples,
     pack_shards,
     parse_size,
+    read_buffer,
     s3_client,
     spawn,
-    store_server,
     stop_process,
+    store_server,
     wait_until,
     write_results,
 )
@@ -203,7 +204,7 @@ def read_file(path: str, buffer: memoryview) -> int:
 
 
 def read_raw(paths: list[str]) -> int:
-    buffer = memoryview(bytearray(READ_CHUNK))
+    buffer = read_buffer(READ_CHUNK)
     return sum(read_file(path, buffer) for path in paths)
 
 
@@ -218,7 +219,7 @@ def short_circuit_ask(conn: http.client.HTTPConnection, key: str) -> str:
 
 
 def read_short_circuit(port: int, keys: tuple[str, ...]) -> int:
-    buffer = memoryview(bytearray(READ_CHUNK))
+    buffer = read_buffer(READ_CHUNK)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         return sum(read_file(short_circuit_ask(conn, key), buffer) for key in keys)
@@ -298,7 +299,7 @@ def read_aiohttp(url: str, keys: tuple[str, ...]) -> int:
 
 def read_socket(port: int, keys: tuple[str, ...], bucket: str = BUCKET) -> int:
     """HTTP/1.1 keep-alive GETs on one socket, bodies received with ``recv_into`` a 1 MiB buffer."""
-    buffer = memoryview(bytearray(READ_CHUNK))
+    buffer = read_buffer(READ_CHUNK)
     total = 0
     path = f"/{bucket}/" if bucket else "/"
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:

@@ -1,5 +1,11 @@
 """Streaming WebDataset reader: tar bytes in, sample dicts out, one member in memory at a time.
 
+Two ways in, one parser: a stream (``read(n)``: sockets, HTTP bodies) is pulled a chunk at a time;
+a regular local file (the ``file://`` source, the daemon's short-circuit cache files) or a
+``bytes``/``mmap`` buffer is mapped and each member is sliced straight out of the page cache —
+one copy per byte instead of two (``read`` into a chunk, then the member out of the chunk), and
+no read call per chunk. Both paths give the same samples and the same errors.
+
 Why not :mod:`tarfile`: in stream mode it reports a corrupt or truncated header after the first
 member as a normal end of archive, so a cut-off shard would silently yield fewer samples. This
 reader is strict instead: header checksums are verified, data must be complete, the archive must
@@ -15,15 +21,23 @@ and ``__meta__`` entries are skipped; a field repeated within a sample is an err
 
 from __future__ import annotations
 
+import contextlib
+import io
+import mmap
+import os
 import re
+import stat
+import zlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 from loader.errors import CorruptShard
 
-__all__ = ["RawReader", "iter_members", "iter_samples", "split_name"]
+__all__ = ["RawReader", "TarSource", "iter_members", "iter_samples", "split_name"]
 
 BLOCK = 512
+_ZERO_BLOCK = bytes(BLOCK)
+_UNMAP_EVERY = 8 << 20
 _MAX_META_BYTES = 1 << 20  # a PAX or GNU long-name record larger than this is not a name
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)
 _META_RE = re.compile(r"__[^/]*__($|/)")
@@ -38,15 +52,25 @@ class RawReader(Protocol):
     def read(self, n: int = -1, /) -> bytes: ...
 
 
+TarSource = Union[RawReader, bytes, mmap.mmap]
+"""What the readers take: a stream, or the whole shard as ``bytes`` or an ``mmap``."""
+
+
 class _Hasher(Protocol):
-    def update(self, data: bytes, /) -> None: ...
+    def update(self, data: bytes | memoryview, /) -> None: ...
 
     def hexdigest(self) -> str: ...
 
 
 def split_name(name: str) -> tuple[str, str] | None:
     """``"dir/000123.seg.PNG"`` → ``("dir/000123", "seg.png")``; None when it has no extension."""
-    match = _KEY_RE.match(name)
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot > slash:
+        # The common case, split with string methods (once per member, so it counts): the key
+        # runs to the first dot of the base name, as the regex's greedy reading has it.
+        return name[:dot], name[dot + 1 :].lower()
+    match = _KEY_RE.match(name)  # no dot, or a base name starting with one: the regex decides
     if not match:
         return None
     return match.group(1), match.group(2).lower()
@@ -73,7 +97,9 @@ class _Stream:
                 self._hasher.update(data)
         return data
 
-    def read_exact(self, n: int, what: str) -> bytes:
+    def read_exact(self, n: int, what: str, name: str | None = None) -> bytes:
+        """``n`` bytes; a shard ending sooner is reported as truncated inside ``what`` (followed by
+        the member ``name``: formatted only then, since this runs for every member)."""
         avail = len(self._buf) - self._off
         if avail >= n:
             out = self._buf[self._off : self._off + n]
@@ -88,7 +114,7 @@ class _Stream:
             data = self._pull(self._chunk if need < self._chunk else need)
             if not data:
                 raise CorruptShard(
-                    f"truncated: the shard ends inside {what} ({n - need} of {n} bytes present)",
+                    f"truncated: the shard ends inside {_what(what, name)} ({n - need} of {n} bytes present)",
                     url=self._url,
                     position=self.position + (n - need),
                 )
@@ -102,7 +128,14 @@ class _Stream:
         self.position += n
         return b"".join(parts)
 
-    def skip(self, n: int, what: str) -> None:
+    def read_member(self, size: int, padded: int, name: str) -> bytes:
+        """A member's ``size`` data bytes; its padding up to ``padded`` is consumed too."""
+        data = self.read_exact(size, "member", name)
+        if padded > size:
+            self.skip(padded - size, "the padding of member", name)
+        return data
+
+    def skip(self, n: int, what: str, name: str | None = None) -> None:
         avail = len(self._buf) - self._off
         if avail >= n:
             self._off += n
@@ -114,7 +147,9 @@ class _Stream:
             data = self._pull(self._chunk)
             if not data:
                 raise CorruptShard(
-                    f"truncated: the shard ends inside {what}", url=self._url, position=self.position + (n - need)
+                    f"truncated: the shard ends inside {_what(what, name)}",
+                    url=self._url,
+                    position=self.position + (n - need),
                 )
             if len(data) > need:
                 self._buf, self._off = data, need
@@ -143,6 +178,127 @@ class _Stream:
             total += len(data)
         self.position += total
         return total
+
+
+class _Mapped:
+    """:class:`_Stream`'s interface over a whole shard in memory (a mapped file or bytes): each
+    member is one slice of the buffer, hashed from the buffer without a copy."""
+
+    def __init__(self, buf: bytes | mmap.mmap, start: int, url: str, hasher: _Hasher | None) -> None:
+        self._buf = buf
+        self._base = start
+        self._end = len(buf)
+        self._url = url
+        self._hasher = hasher
+        self._view = memoryview(buf) if hasher is not None else None
+        self._hashed = start  # buffer offset up to which bytes went into the hasher
+        # A mapped file's pages count in the reader's RSS once touched: unmap what was read every
+        # _UNMAP_EVERY bytes (the page cache keeps them), so a 1 GiB shard costs no 1 GiB of RSS.
+        self._unmap = isinstance(buf, mmap.mmap) and hasattr(buf, "madvise")
+        self._unmapped = start - start % mmap.PAGESIZE
+        self.position = 0
+        self.pulled = 0
+
+    def _hash_to(self, offset: int) -> None:
+        # Everything up to the end of the member about to be copied, in one call: the copy then
+        # reads bytes the hash has just brought into the CPU cache.
+        if self._view is not None and offset > self._hashed:
+            self._hasher.update(self._view[self._hashed : offset])  # type: ignore[union-attr]
+            self._hashed = offset
+
+    def read_exact(self, n: int, what: str, name: str | None = None) -> bytes:
+        at = self._base + self.position
+        if at + n > self._end:
+            present = self._end - at
+            raise CorruptShard(
+                f"truncated: the shard ends inside {_what(what, name)} ({present} of {n} bytes present)",
+                url=self._url,
+                position=self.position + present,
+            )
+        self.position += n
+        return self._buf[at : at + n]
+
+    def read_member(self, size: int, padded: int, name: str) -> bytes:
+        at = self._base + self.position
+        if at + padded > self._end:
+            self.read_exact(size, "member", name)  # raises if the data itself is cut
+            self.skip(padded - size, "the padding of member", name)  # raises
+        if self._view is not None:
+            self._hash_to(at + padded)  # before the copy: the copy then reads cached bytes
+        self.position += padded
+        if self._unmap and at - self._unmapped >= _UNMAP_EVERY:
+            self._release(at)
+        return self._buf[at : at + size]
+
+    def _release(self, offset: int) -> None:
+        end = offset - offset % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):
+            self._buf.madvise(mmap.MADV_DONTNEED, self._unmapped, end - self._unmapped)  # type: ignore[union-attr]
+        self._unmapped = end
+
+    def skip(self, n: int, what: str, name: str | None = None) -> None:
+        at = self._base + self.position
+        if at + n > self._end:
+            raise CorruptShard(
+                f"truncated: the shard ends inside {_what(what, name)}",
+                url=self._url,
+                position=self.position + self._end - at,
+            )
+        self.position += n
+
+    def read_header(self) -> bytes | None:
+        at = self._base + self.position
+        end = at + BLOCK
+        if end > self._end:
+            if at == self._end:
+                return None
+            return self.read_exact(BLOCK, "a tar header")  # raises: truncated
+        self.position += BLOCK  # hashed with the member it heads (read_member) or by drain()
+        return self._buf[at:end]
+
+    def drain(self, limit: int) -> int:
+        """Consume the rest of the buffer; hashed only when it is not longer than ``limit`` (a
+        longer one fails the size check anyway, as a stream stops reading it there)."""
+        at = self._base + self.position
+        rest = self._end - at
+        if rest <= limit:
+            self._hash_to(self._end)
+        self.position += rest
+        self.pulled = self._end - self._base
+        return rest
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+
+
+def _what(what: str, name: str | None) -> str:
+    return what if name is None else f"{what} {name!r}"
+
+
+def _map(raw: TarSource) -> tuple[bytes | mmap.mmap, int, bool] | None:
+    """``(buffer, start offset, whether we mapped it)`` for a buffer or a regular local file read
+    from its current position; None for anything else (it is streamed)."""
+    if isinstance(raw, (bytes, mmap.mmap)):
+        return raw, 0, False
+    fileno = getattr(raw, "fileno", None)
+    tell = getattr(raw, "tell", None)
+    if fileno is None or tell is None:
+        return None
+    try:
+        fd = fileno()
+        info = os.fstat(fd)
+        start = tell()
+        if not stat.S_ISREG(info.st_mode) or info.st_size <= start:
+            return None  # a pipe, or nothing left to map (the stream path reports the truncation)
+        # Read-only and shared: pages come straight from the page cache. Shards are immutable (the
+        # daemon publishes by rename and evicts by unlink, both safe under a mapping).
+        mapped = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return None
+    with contextlib.suppress(AttributeError, OSError):
+        mapped.madvise(mmap.MADV_SEQUENTIAL)  # cold pages: read ahead aggressively
+    return mapped, start, True
 
 
 def _nul_str(field: bytes) -> str:
@@ -192,7 +348,7 @@ def _parse_pax(data: bytes, url: str, pos: int) -> dict[str, str]:
 
 
 def iter_members(
-    raw: RawReader,
+    raw: TarSource,
     *,
     url: str = "",
     chunk: int = 1 << 20,
@@ -207,13 +363,40 @@ def iter_members(
     the data is skipped and ``None`` is yielded in its place (so resuming at a sample offset does
     not hold skipped samples in memory). After the end-of-archive block, when ``expected_size`` or
     ``expected_xxh3_128`` is given, the rest of the object is read and checked.
+
+    ``raw`` is a stream (``read(n)``), or ``bytes``/``mmap``; a regular file object (``fileno``)
+    is mapped and read from its current position (its own position does not move).
     """
     hasher: _Hasher | None = None
     if expected_xxh3_128 is not None:
         import xxhash
 
         hasher = xxhash.xxh3_128()
-    stream = _Stream(raw, url, chunk, hasher)
+    mapping = _map(raw)
+    if mapping is None:
+        yield from _members(_Stream(raw, url, chunk, hasher), url, max_member_bytes, expected_size, hasher,
+                            expected_xxh3_128, want)
+        return
+    buf, start, owned = mapping
+    mapped = _Mapped(buf, start, url, hasher)
+    try:
+        yield from _members(mapped, url, max_member_bytes, expected_size, hasher, expected_xxh3_128, want)
+    finally:
+        mapped.close()
+        if owned:
+            with contextlib.suppress(BufferError):  # a caller still holds a view: the GC unmaps it
+                buf.close()  # type: ignore[union-attr]
+
+
+def _members(
+    stream: _Stream | _Mapped,
+    url: str,
+    max_member_bytes: int,
+    expected_size: int | None,
+    hasher: _Hasher | None,
+    expected_xxh3_128: str | None,
+    want: Callable[[str], bool] | None,
+) -> Iterator[tuple[str, bytes | None]]:
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
@@ -221,7 +404,7 @@ def iter_members(
         header = stream.read_header()
         if header is None:
             break
-        if header == bytes(BLOCK):
+        if header == _ZERO_BLOCK:
             break  # end of archive (a second zero block and record padding may follow)
         _check_checksum(header, url, start)
         typeflag = header[156:157]
@@ -243,11 +426,16 @@ def iter_members(
             elif typeflag == b"x":
                 pax = _parse_pax(data, url, start)
             continue  # 'g' (global) and 'K' (long link target) carry nothing a sample needs
-        name = _member_name(header, long_name, pax)
-        long_name, pax = None, {}
+        if pax or long_name is not None:
+            name = _member_name(header, long_name, pax)
+            long_name, pax = None, {}
+        else:  # inline for the common plain ustar member
+            name = header[:100].split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+            if header[345] and header[257:263] == b"ustar\x00":  # POSIX ustar: a prefix extends the name
+                name = _nul_str(header[345:500]) + "/" + name
         if typeflag not in _REGULAR:
             # Directories, links, devices: no sample data. Some types (e.g. sparse) may carry data.
-            stream.skip(padded, f"member {name!r}")
+            stream.skip(padded, "member", name)
             continue
         if size > max_member_bytes:
             raise CorruptShard(
@@ -256,13 +444,10 @@ def iter_members(
                 position=start,
             )
         if want is not None and not want(name):
-            stream.skip(padded, f"member {name!r}")
+            stream.skip(padded, "member", name)
             yield name, None
             continue
-        data = stream.read_exact(size, f"member {name!r}")
-        if padded > size:
-            stream.skip(padded - size, f"the padding of member {name!r}")
-        yield name, data
+        yield name, stream.read_member(size, padded, name)
     if header is None:
         raise CorruptShard(
             "truncated: the shard ends without the tar end-of-archive block", url=url, position=stream.position
@@ -289,7 +474,12 @@ def _check_checksum(header: bytes, url: str, pos: int) -> None:
         stored = int(stored_field.replace(b"\x00", b" ").strip() or b"-1", 8)
     except ValueError:
         stored = -1
-    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    # The byte sum by Adler-32, whose low half is 1 + the byte sum mod 65521 — exact for 256-byte
+    # halves (at most 65,280): 0.3 us per header where sum() over 512 ints took 2.5 us.
+    unsigned = (
+        (zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2
+        - sum(stored_field) + 8 * 32
+    )
     if stored == unsigned:
         return
     # Some old writers summed signed chars. Only computed when the common form fails: done for
@@ -314,7 +504,7 @@ def _member_name(header: bytes, long_name: str | None, pax: dict[str, str]) -> s
 
 
 def iter_samples(
-    raw: RawReader,
+    raw: TarSource,
     *,
     url: str = "",
     start: int = 0,
@@ -332,13 +522,14 @@ def iter_samples(
         raise ValueError("start must be >= 0")
     index = -1  # index of the sample the current member belongs to
     current_key: str | None = None
+    field = ""  # the field of the member want() accepted last, i.e. of the member yielded next
     sample: dict[str, Any] | None = None
 
     def want(name: str) -> bool:
-        nonlocal index, current_key
+        nonlocal index, current_key, field
         # Called once per regular member before its data is read: track sample boundaries here
         # so skipped samples never have their data read into memory.
-        if _META_RE.match(name):
+        if name.startswith("__") and _META_RE.match(name):
             return False
         parts = split_name(name)
         if parts is None:
@@ -346,6 +537,7 @@ def iter_samples(
         if parts[0] != current_key:
             current_key = parts[0]
             index += 1
+        field = parts[1]
         return index >= start
 
     for name, data in iter_members(
@@ -359,7 +551,7 @@ def iter_samples(
     ):
         if data is None:
             continue
-        key, field = split_name(name)  # type: ignore[misc]  # want() accepted it, so it splits
+        key = current_key  # want() has just split this member's name
         if sample is None or sample["__key__"] != key:
             if sample is not None:
                 yield sample

@@ -60,8 +60,24 @@ class Trickle:
         return self._pos
 
 
+def _outcome(source: Any, **kwargs: Any) -> tuple[str, Any]:
+    try:
+        return "samples", list(iter_samples(source, url="mem://x.tar", **kwargs))
+    except CorruptShard as exc:
+        return "error", (str(exc), exc.position)
+
+
 def read_all(data: bytes, **kwargs: Any) -> list[dict[str, Any]]:
-    return list(iter_samples(io.BytesIO(data), url="mem://x.tar", **kwargs))
+    """The samples of ``data``, read both ways the reader has: streamed (as from a socket) and
+    sliced out of a buffer (as from a mapped file). Both must give the same samples, or the same
+    error at the same position."""
+    streamed = _outcome(io.BytesIO(data), **kwargs)
+    mapped = _outcome(data, **kwargs)
+    assert streamed == mapped
+    kind, value = streamed
+    if kind == "error":
+        raise CorruptShard(value[0], position=value[1])
+    return value
 
 
 TRICKY = [
@@ -259,7 +275,7 @@ def test_mutations_never_escape_as_other_errors(data: st.DataObject) -> None:
             blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=600))
     mutated = bytes(blob)
     try:
-        list(iter_samples(io.BytesIO(mutated), expected_size=len(base), expected_xxh3_128=digest))
+        read_all(mutated, expected_size=len(base), expected_xxh3_128=digest)
     except CorruptShard:
         return
     assert mutated == base, "a changed shard was read without an error"
@@ -271,3 +287,39 @@ def test_split_name_matches_webdataset() -> None:
     for name in ["a.jpg", "dir/0001.seg.png", "d.v2/x/0001.JPG", "noext", ".hidden", "a/.b", "a/b.", "x.y/z"]:
         base, ext = base_plus_ext(name)
         assert split_name(name) == (None if base is None else (base, ext.lower()))
+
+
+def test_local_files_are_mapped_from_their_position(tmp_path: Any) -> None:
+    """A regular file is read through a mapping, from the file object's current position, with
+    the same samples and errors as a stream; files with nothing left are reported as streams are."""
+    data = webdataset_tar(TRICKY)
+    digest = xxhash.xxh3_128_hexdigest(data)
+    path = tmp_path / "shard.tar"
+    path.write_bytes(b"junk" * 300 + data)
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(1200)
+        got = list(iter_samples(handle, url="mem://x.tar", expected_size=len(data), expected_xxh3_128=digest))
+    assert got == read_all(data)
+    flipped = bytearray(data)
+    flipped[data.index(b"z" * 5000) + 7] ^= 1
+    path.write_bytes(bytes(flipped))
+    with open(path, "rb", buffering=0) as handle, pytest.raises(CorruptShard, match="checksum mismatch"):
+        list(iter_samples(handle, expected_size=len(data), expected_xxh3_128=digest))
+    path.write_bytes(data[:5000])
+    with open(path, "rb", buffering=0) as handle, pytest.raises(CorruptShard, match="truncated"):
+        list(iter_samples(handle))
+    path.write_bytes(b"")
+    with open(path, "rb", buffering=0) as handle, pytest.raises(CorruptShard, match="truncated"):
+        list(iter_samples(handle))
+
+
+def test_large_mapped_file_is_read_whole(tmp_path: Any) -> None:
+    """A shard bigger than the unmapping stride: every byte still read, hashed and verified."""
+    rng = random.Random(5)
+    members = [(f"{i:04d}.bin", rng.randbytes(rng.randint(300_000, 700_000))) for i in range(40)]
+    data = tarfile_tar(members, fmt=tarfile.USTAR_FORMAT)
+    path = tmp_path / "big.tar"
+    path.write_bytes(data)
+    with open(path, "rb", buffering=0) as handle:
+        got = list(iter_samples(handle, expected_size=len(data), expected_xxh3_128=xxhash.xxh3_128_hexdigest(data)))
+    assert [(s["__key__"], s["bin"]) for s in got] == [(name[:-4], payload) for name, payload in members]
