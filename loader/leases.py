@@ -197,7 +197,12 @@ class LeaseStream:
         while not self._should_stop():
             want = 1 + self._ahead - len(self.queue)
             if want > 0 and not exhausted:
-                answer = self._client.lease(self._job, self._trainer, self._node, count=want, epoch=self._epoch)
+                # Long-poll only with nothing left to read, and never as one of several DataLoader
+                # workers (a worker blocked in a request holds up its siblings' samples).
+                wait_s = self._wait_max if not self.queue and self._yield_to_siblings is None else 0.0
+                answer = self._client.lease(
+                    self._job, self._trainer, self._node, count=want, epoch=self._epoch, wait_s=wait_s
+                )
                 status = answer.get("status")
                 if status == "ok" and answer.get("leases"):
                     waited_since = None
@@ -221,6 +226,8 @@ class LeaseStream:
                         if waited_since is None:
                             waited_since = time.monotonic()
                             log.info("job %s: waiting for other trainers to finish their shards", self._job)
+                        if answer.get("waited_s") is not None:
+                            continue  # the master already waited for a change: ask again now
                         retry = answer.get("retry_after_s")
                         delay = float(retry) if isinstance(retry, (int, float)) and retry > 0 else 0.5
                         time.sleep(min(delay, self._wait_max))

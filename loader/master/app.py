@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError
-from loader.master.leases import MAX_COUNT, Complete, Fail, Lease, Renew, validate_job_name, validate_lease_id
+from loader.master.leases import MAX_COUNT, MAX_LEASE_WAIT_S, Complete, Fail, Lease, Renew, validate_job_name, validate_lease_id
 from loader.master.service import MasterService
 from loader.master.settings import MasterSettings, parse_listen
 
@@ -139,17 +139,31 @@ async def lease(request: web.Request) -> web.Response:
     service = _service(request)
     job = _job(request)
     body = await _body(request, service.settings.max_small_body_bytes)
-    _only(body, {"trainer", "node", "count", "epoch", "request_id"})
+    _only(body, {"trainer", "node", "count", "epoch", "request_id", "wait_s"})
     count = body.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
         raise BadRequest(f"'count' must be an integer in [1, {MAX_COUNT}], got {str(count)[:40]!r}")
+    wait_s = body.get("wait_s", 0)
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_LEASE_WAIT_S:
+        raise BadRequest(f"'wait_s' must be a number of seconds in [0, {MAX_LEASE_WAIT_S:g}], got {str(wait_s)[:40]!r}")
     event = Lease(
         job, body.get("trainer"), body.get("node"), count, body.get("epoch"),  # type: ignore[arg-type]
         service.new_lease_ids(count), body.get("request_id"),
     )
     result = await service.submit(event)
+    answer = result.answer
+    if wait_s and answer.get("status") == "wait":
+        # Long poll: hold the request until the job changes (the last leases of the epoch
+        # complete, one fails back) or until the master's retry hint (the next lease expiry)
+        # is due, then answer afresh. The trainer learns at once, where it slept a fixed
+        # interval before asking again.
+        hint = answer.get("retry_after_s")
+        started = time.monotonic()
+        await service.wait_for_change(job, min(float(wait_s), float(hint) if hint else float(wait_s)))
+        answer = dict((await service.submit(event)).answer)
+        answer["waited_s"] = round(time.monotonic() - started, 3)
     service.note(job, event.trainer, event.node)
-    return _json(result.answer)
+    return _json(answer)
 
 
 async def _lease_call(request: web.Request, action: str, fields: set[str], make: Callable[[str, str, dict[str, Any]], Any]) -> web.Response:

@@ -111,6 +111,7 @@ class MasterClient:
         connection errors and 503 answers before raising :class:`MasterUnavailable`."""
         self._urls = _split_urls(master)
         self._timeout = float(timeout_s)
+        self._long_poll = True
         self._deadline = float(retry_deadline_s)
         self._backoff_initial = float(backoff_initial_s)
         self._backoff_max = float(backoff_max_s)
@@ -134,11 +135,25 @@ class MasterClient:
     def status(self, job: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{_q(job)}")
 
-    def lease(self, job: str, trainer: str, node: str, count: int = 1, epoch: int | None = None) -> dict[str, Any]:
+    def lease(
+        self, job: str, trainer: str, node: str, count: int = 1, epoch: int | None = None, wait_s: float = 0.0
+    ) -> dict[str, Any]:
+        """Ask for up to ``count`` leases. ``wait_s`` > 0: when none is free, the master holds the
+        request until the job changes or its retry hint is due (at most ``wait_s``, kept below
+        this client's HTTP timeout), and the answer carries ``waited_s``."""
         body: dict[str, Any] = {"trainer": trainer, "node": node, "count": count, "request_id": uuid.uuid4().hex}
         if epoch is not None:
             body["epoch"] = epoch
-        return self._call("POST", f"/v1/jobs/{_q(job)}/leases", body)
+        if wait_s > 0 and self._long_poll:
+            body["wait_s"] = round(min(wait_s, self._timeout / 2), 3)
+        try:
+            return self._call("POST", f"/v1/jobs/{_q(job)}/leases", body)
+        except BadRequest as exc:
+            if "wait_s" not in body or "wait_s" not in exc.message:
+                raise
+            self._long_poll = False  # a master from before long polls: ask as it knows how
+            del body["wait_s"]
+            return self._call("POST", f"/v1/jobs/{_q(job)}/leases", body)
 
     def renew(self, job: str, lease: str, trainer: str, offset: int) -> float:
         answer = self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/renew", {"trainer": trainer, "offset": offset})

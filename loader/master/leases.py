@@ -54,11 +54,13 @@ __all__ = [
     "event_to_json",
     "event_from_json",
     "MAX_COUNT",
+    "MAX_LEASE_WAIT_S",
     "validate_lease_id",
     "validate_job_name",
 ]
 
 MAX_COUNT = 1024
+MAX_LEASE_WAIT_S = 30.0  # longest long poll a lease request may ask for (`wait_s`)
 """Most shards one lease request may ask for."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -82,6 +82,9 @@ class MasterService:
         self._election: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._term: asyncio.Task[None] | None = None
+        # job -> an event set (and dropped) at the job's next change: what long-polling lease
+        # requests wait on instead of the client sleeping a fixed retry interval.
+        self._changes: dict[str, asyncio.Event] = {}
         self.metrics.watch_jobs(self._job_statuses)
 
     # -- lifecycle --
@@ -264,7 +267,22 @@ class MasterService:
             # If this handler is cancelled the write still happens (the journal owns the batch);
             # only this wait ends.
             await self._journal.append((self._seq, record))
+            changed = self._changes.pop(_event_job(event), None)
+            if changed is not None:
+                changed.set()
         return result
+
+    async def wait_for_change(self, job: str, timeout_s: float) -> bool:
+        """Wait until an event changes ``job`` (a lease completed, failed, granted...) or
+        ``timeout_s`` passes; True when it changed."""
+        changed = self._changes.get(job)
+        if changed is None:
+            changed = self._changes[job] = asyncio.Event()
+        try:
+            await asyncio.wait_for(changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def note(self, job: str, trainer: str | None, node: str | None, progress: int = 0) -> None:
         """Trainer presence and throughput for the status (in memory only)."""
@@ -333,3 +351,6 @@ class MasterService:
         except MasterError:
             return []
 
+
+def _event_job(event: Event) -> str:
+    return event.spec.name if isinstance(event, CreateJob) else getattr(event, "job", "")

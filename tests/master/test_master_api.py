@@ -8,6 +8,7 @@ import http.client as httpclient
 import json
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -111,6 +112,27 @@ def test_wait_while_others_hold_the_last_leases_then_epoch_done(inproc_master: M
     assert answer["status"] == "epoch_done" and answer["epoch"] == 1
 
 
+def test_a_long_poll_answers_when_the_last_lease_completes(inproc_master: MasterThread) -> None:
+    """``wait_s``: with nothing to hand out the master holds the request, and the completion of the
+    last lease of the epoch answers it (not the end of ``wait_s``, nor the next retry hint)."""
+    job = new_job(inproc_master, 1, epochs=2, lease_ttl_s=60)
+    url = f"{inproc_master.url}/v1/jobs/{job}"
+    held = lease_one(inproc_master, job, "t1")
+    _, quick = http("POST", url + "/leases", {"trainer": "t2", "node": "n2", "count": 1, "epoch": 0, "wait_s": 0.2})
+    assert quick["status"] == "wait" and quick["waited_s"] >= 0.15  # held up to the wait, nothing changed
+    polled: list[dict[str, Any]] = []
+    poller = threading.Thread(target=lambda: polled.append(
+        http("POST", url + "/leases", {"trainer": "t2", "node": "n2", "count": 1, "epoch": 0, "wait_s": 30})[1]))
+    poller.start()
+    # The master's hint caps a poll at 1 s here (the next expiry is 60 s away): complete while the
+    # poll is parked. Without the wake-up it would end at 1 s with "wait" again.
+    time.sleep(0.3)
+    assert http("POST", f"{url}/leases/{held['lease']}/complete", {"trainer": "t1"})[0] == 200
+    poller.join(10)
+    assert polled and polled[0]["status"] == "epoch_done" and polled[0]["epoch"] == 1, polled
+    assert 0.2 <= polled[0]["waited_s"] < 0.95, polled
+
+
 def test_lease_request_id_makes_retries_safe(inproc_master: MasterThread) -> None:
     job = new_job(inproc_master, 4)
     body = {"trainer": "t1", "node": "n1", "count": 2, "request_id": "abc-1"}
@@ -159,6 +181,10 @@ def test_unix_socket_listener(inproc_master: MasterThread) -> None:
         ("/leases", json.dumps({"trainer": "t9", "node": "n", "count": "2"}).encode(), 400, "BadRequest"),
         ("/leases", json.dumps({"trainer": "t9", "node": "n", "count": True}).encode(), 400, "BadRequest"),
         ("/leases", json.dumps({"trainer": "t9", "node": "n", "count": 1, "epoch": -3}).encode(), 400, "BadRequest"),
+        ("/leases", json.dumps({"trainer": "t9", "node": "n", "count": 1, "wait_s": -1}).encode(), 400, "BadRequest"),
+        ("/leases", json.dumps({"trainer": "t9", "node": "n", "count": 1, "wait_s": 1e9}).encode(), 400, "BadRequest"),
+        ("/leases", json.dumps({"trainer": "t9", "node": "n", "count": 1, "wait_s": "5"}).encode(), 400, "BadRequest"),
+        ("/leases", json.dumps({"trainer": "t9", "node": "n", "count": 1, "wait_s": True}).encode(), 400, "BadRequest"),
         ("/leases", json.dumps({"trainer": "", "node": "n", "count": 1}).encode(), 400, "BadRequest"),
         ("/leases", json.dumps({"trainer": 5, "node": "n", "count": 1}).encode(), 400, "BadRequest"),
         ("/leases", json.dumps({"trainer": "t\x00", "node": "n", "count": 1}).encode(), 400, "BadRequest"),
