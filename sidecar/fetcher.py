@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import random
 import time
@@ -273,7 +274,11 @@ class _PartedFill:
     def _pump(self, index: int, body: Body) -> None:
         """Worker thread: the body's bytes into the temp file, until the part's end."""
         part = self.parts[index]
-        buffer = memoryview(bytearray(_WRITE_BUFFER))
+        # Page-aligned (an anonymous mapping), not a bytearray: glibc puts a 1 MiB bytearray 16
+        # bytes past a page boundary, and the kernel's copies into and out of such a buffer hit
+        # the CPU's 4K-aliasing stall. Measured here: recv_into 1.3 vs 6.4 GB/s, pwrite 9.8 vs
+        # 14.8 GB/s; it is most of the daemon's CPU per filled GB.
+        buffer = memoryview(mmap.mmap(-1, _WRITE_BUFFER))
         began = time.perf_counter()  # the headers are in: the first byte is about to arrive
         try:
             while not self.stopping:
