@@ -141,18 +141,43 @@ class Renewer:
         log.debug("renewed lease %s shard %s epoch %d offset %d", held.lease, held.key, held.epoch, position)
         return True
 
-    def stop(self, final_renew: bool) -> None:
-        """Stop the thread; with ``final_renew`` report the offsets reached once more first, so
-        whoever is re-issued these leases after they expire resumes exactly where we stopped."""
+    def stop(self, final_renew: bool, release: bool = False) -> None:
+        """Stop the thread. ``release``: give every held lease back at the offset reached, so
+        another trainer continues it right away; ``final_renew`` (also the fallback when the
+        master cannot release): report the offsets once more, so whoever is re-issued these
+        leases after they expire resumes exactly where we stopped."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if release:
+            with self._lock:
+                snapshot = [h for h in self._held if not h.done and not h.lost]
+            kept = [h for h in snapshot if not self._release(h)]
+            if not kept:
+                return
+            with self._lock:
+                self._held = kept
+            final_renew = True
         if final_renew:
             try:
                 self.renew_all()
             except Exception:
                 log.debug("final lease renewal failed", exc_info=True)
+
+    def _release(self, held: Held) -> bool:
+        try:
+            self._client.release(self._job, held.lease, self._trainer, held.position)
+        except (LeaseLost, NotLeaseHolder, NoSuchJob):
+            held.lost = True  # gone already: nothing to give back
+        except MasterError as exc:  # unreachable, or a master without release: let the TTL do it
+            log.info("could not release the lease on %s (%s); it expires after its TTL", held.key, exc)
+            return False
+        else:
+            log.info("released the lease on %s (epoch %d) at sample %d", held.key, held.epoch, held.position)
+        held.done = True
+        self.discard(held)
+        return True
 
 
 class LeaseStream:

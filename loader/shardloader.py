@@ -507,7 +507,9 @@ class ShardLoader:
                     return
             clean = True
         finally:
-            renewer.stop(final_renew=not clean)
+            # Not a clean end (the trainer stopped iterating, or an error): what it holds goes
+            # back to the master now, at the sample reached, instead of after the lease TTL.
+            renewer.stop(final_renew=not clean, release=not clean)
         if stream.finished:
             self._finished = True
         if epoch is not None:

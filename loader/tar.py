@@ -29,7 +29,7 @@ import re
 import stat
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 from loader.errors import CorruptShard
 
@@ -52,7 +52,7 @@ class RawReader(Protocol):
     def read(self, n: int = -1, /) -> bytes: ...
 
 
-TarSource = Union[RawReader, bytes, mmap.mmap]
+TarSource = RawReader | bytes | mmap.mmap
 """What the readers take: a stream, or the whole shard as ``bytes`` or an ``mmap``."""
 
 

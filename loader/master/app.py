@@ -22,7 +22,17 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError
-from loader.master.leases import MAX_COUNT, MAX_LEASE_WAIT_S, Complete, Fail, Lease, Renew, validate_job_name, validate_lease_id
+from loader.master.leases import (
+    MAX_COUNT,
+    MAX_LEASE_WAIT_S,
+    Complete,
+    Fail,
+    Lease,
+    Release,
+    Renew,
+    validate_job_name,
+    validate_lease_id,
+)
 from loader.master.service import MasterService
 from loader.master.settings import MasterSettings, parse_listen
 
@@ -202,6 +212,13 @@ async def fail(request: web.Request) -> web.Response:
     )
 
 
+async def release(request: web.Request) -> web.Response:
+    return await _lease_call(
+        request, "release", {"trainer", "offset"},
+        lambda j, lease, b: Release(j, lease, _get(b, "trainer"), _get(b, "offset")),
+    )
+
+
 async def leader(request: web.Request) -> web.Response:
     service = _service(request)
     return _json({"leader": service.leader_url(), "role": service.role, "self": service.identity["url"]})
@@ -244,6 +261,7 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/renew", renew)
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/complete", complete)
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/fail", fail)
+    app.router.add_post("/v1/jobs/{job}/leases/{lease}/release", release)
     app.router.add_get("/v1/leader", leader)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -166,6 +166,13 @@ class MasterClient:
         answer = self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/fail", {"trainer": trainer, "error": str(error)})
         return str(answer["shard_state"])
 
+    def release(self, job: str, lease: str, trainer: str, offset: int) -> str:
+        """Give a lease back before its end (the trainer is leaving): the shard is handed out again
+        at once, from ``offset``. Returns the shard's state (``todo``)."""
+        path = f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/release"
+        answer = self._call("POST", path, {"trainer": trainer, "offset": offset})
+        return str(answer["shard_state"])
+
     def close(self) -> None:
         """Close this thread's connections (other threads' close when they exit)."""
         conns: dict[str, http.client.HTTPConnection] = getattr(self._local, "conns", {})

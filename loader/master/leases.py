@@ -46,6 +46,7 @@ __all__ = [
     "Renew",
     "Complete",
     "Fail",
+    "Release",
     "Resume",
     "Event",
     "Result",
@@ -258,12 +259,23 @@ class Fail:
 
 
 @dataclass(frozen=True)
+class Release:
+    """A trainer gives a lease back before its end (it is leaving): the shard is handed out again
+    at once, from ``offset``, instead of after the lease's TTL. Not a failure."""
+
+    job: str
+    lease: str
+    trainer: str
+    offset: int
+
+
+@dataclass(frozen=True)
 class Resume:
     """A master took over the state (start, restart, election): every live lease gets a full TTL
     from now, since its holder could not renew while no master was serving."""
 
 
-Event = CreateJob | Lease | Renew | Complete | Fail | Resume
+Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume
 
 
 def event_to_json(event: Event) -> dict[str, Any]:
@@ -280,6 +292,8 @@ def event_to_json(event: Event) -> dict[str, Any]:
         return {"t": "complete", "job": event.job, "lease": event.lease, "trainer": event.trainer}
     if isinstance(event, Fail):
         return {"t": "fail", "job": event.job, "lease": event.lease, "trainer": event.trainer, "error": event.error}
+    if isinstance(event, Release):
+        return {"t": "release", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset}
     if isinstance(event, Resume):
         return {"t": "resume"}
     raise TypeError(f"not an event: {event!r}")
@@ -311,6 +325,8 @@ def event_from_json(raw: dict[str, Any]) -> Event:
         return Complete(raw["job"], raw["lease"], raw["trainer"])
     if kind == "fail":
         return Fail(raw["job"], raw["lease"], raw["trainer"], raw["error"])
+    if kind == "release":
+        return Release(raw["job"], raw["lease"], raw["trainer"], raw["offset"])
     if kind == "resume":
         return Resume()
     raise ValueError(f"unknown event type {kind!r}")
@@ -367,14 +383,16 @@ class JobState:
     done: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
     closed: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """lease id -> (trainer, outcome "done"/"todo"/"failed") for leases closed this epoch."""
+    """lease id -> (trainer, outcome "done"/"todo"/"failed"/"released") for leases closed this epoch."""
     closed_prev: dict[str, tuple[str, str]] = field(default_factory=dict)
     """The same for the previous epoch (a repeated completion may arrive after the epoch advanced)."""
     last_request: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     """trainer -> (request id, lease ids granted): a retried lease request gets the same leases."""
     prev_failed: list[dict[str, Any]] = field(default_factory=list)
     totals: dict[str, int] = field(
-        default_factory=lambda: {"leased": 0, "reissued": 0, "completed": 0, "expired": 0, "failures": 0, "epochs": 0}
+        default_factory=lambda: {
+            "leased": 0, "reissued": 0, "completed": 0, "expired": 0, "released": 0, "failures": 0, "epochs": 0,
+        }
     )
     _heap: list[tuple[float, str]] = field(default_factory=list, repr=False)
     _order: EpochOrder | None = field(default=None, repr=False)
@@ -564,6 +582,8 @@ class MasterState:
                 result = self._complete(job, event, now)
             elif isinstance(event, Fail):
                 result = self._fail(job, event, now)
+            elif isinstance(event, Release):
+                result = self._release(job, event, now)
             else:
                 raise TypeError(f"not an event: {event!r}")
         result.now = now
@@ -753,6 +773,27 @@ class MasterState:
         job.closed[rec.id] = (ev.trainer, outcome)
         job.maybe_advance()
         return Result({"shard_state": outcome, "already": False}, mutated=True)
+
+    def _release(self, job: JobState, ev: Release, now: float) -> Result:
+        validate_lease_id(ev.lease)
+        _ident(ev.trainer, "trainer")
+        _int(ev.offset, "offset")
+        if ev.lease not in job.leases and self._closed_outcome(job, ev.lease, ev.trainer) == "released":
+            return Result({"shard_state": "todo", "already": True}, mutated=False)
+        rec = self._holder(job, ev.lease, ev.trainer, now)
+        samples = job.spec.shards[rec.shard].samples
+        if samples is not None and ev.offset > samples:
+            raise BadRequest(f"offset {ev.offset} is past the end of shard {rec.shard} ({samples} samples)")
+        # -- mutation --
+        job.expire(now)
+        del job.leases[rec.id]
+        prog = job.progress[rec.shard]
+        gained = max(0, ev.offset - prog.offset)
+        prog.offset = max(prog.offset, ev.offset)
+        job.requeue.append(rec.shard)
+        job.closed[rec.id] = (ev.trainer, "released")
+        job.totals["released"] += 1
+        return Result({"shard_state": "todo", "offset": prog.offset, "already": False}, mutated=True, progress=gained)
 
     # -- read-only views --
 

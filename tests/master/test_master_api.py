@@ -133,6 +133,34 @@ def test_a_long_poll_answers_when_the_last_lease_completes(inproc_master: Master
     assert 0.2 <= polled[0]["waited_s"] < 0.95, polled
 
 
+def test_release_hands_the_shard_out_again_at_once(inproc_master: MasterThread) -> None:
+    """A lease given back is re-issued right away (not after its 60 s TTL) at the offset reached;
+    the old lease is dead for its holder, and a repeated release is answered, not counted twice."""
+    job = new_job(inproc_master, 1, epochs=1, lease_ttl_s=60)
+    url = f"{inproc_master.url}/v1/jobs/{job}"
+    held = lease_one(inproc_master, job, "t1")
+    assert http("POST", f"{url}/leases/{held['lease']}/renew", {"trainer": "t1", "offset": 4})[0] == 200
+    release = f"{url}/leases/{held['lease']}/release"
+    assert http("POST", release, {"trainer": "t2", "offset": 6})[1]["error"] == "NotLeaseHolder"
+    assert http("POST", release, {"trainer": "t1", "offset": 99})[1]["error"] == "BadRequest"  # past samples
+    status, answer = http("POST", release, {"trainer": "t1", "offset": 6})
+    assert status == 200 and answer == {"shard_state": "todo", "offset": 6, "already": False}
+    status, answer = http("POST", release, {"trainer": "t1", "offset": 6})
+    assert status == 200 and answer == {"shard_state": "todo", "already": True}
+    again = lease_one(inproc_master, job, "t2")
+    assert again["shard"] == held["shard"] and again["offset"] == 6
+    assert http("POST", f"{url}/leases/{held['lease']}/complete", {"trainer": "t1"})[1]["error"] == "LeaseLost"
+    assert http("POST", f"{url}/leases/{again['lease']}/complete", {"trainer": "t2"})[0] == 200
+    totals = http("GET", url)[1]["totals"]
+    assert totals["released"] == 1 and totals["reissued"] == 1 and totals["completed"] == 1
+    other = new_job(inproc_master, 2)
+    with MasterClient(inproc_master.url) as client:
+        lease = client.lease(other, "t3", "n3")["leases"][0]
+        assert client.release(other, lease["lease"], "t3", 0) == "todo"
+        with pytest.raises(LeaseLost):
+            client.renew(other, lease["lease"], "t3", 1)
+
+
 def test_lease_request_id_makes_retries_safe(inproc_master: MasterThread) -> None:
     job = new_job(inproc_master, 4)
     body = {"trainer": "t1", "node": "n1", "count": 2, "request_id": "abc-1"}
@@ -195,6 +223,11 @@ def test_unix_socket_listener(inproc_master: MasterThread) -> None:
         ("/leases/AAAAAAAAAAAAAAAA/complete", b'{"trainer": "t1"}', 409, "LeaseLost"),
         ("/leases/AAAAAAAAAAAAAAAA/renew", b'{"trainer": "t1", "offset": 1}', 409, "LeaseLost"),
         ("/leases/AAAAAAAAAAAAAAAA/fail", b'{"trainer": "t1", "error": "x"}', 409, "LeaseLost"),
+        ("/leases/AAAAAAAAAAAAAAAA/release", b'{"trainer": "t1", "offset": 1}', 409, "LeaseLost"),
+        ("/leases/AAAAAAAAAAAAAAAA/release", b'{"trainer": "t1", "offset": -1}', 400, "BadRequest"),
+        ("/leases/AAAAAAAAAAAAAAAA/release", b'{"trainer": "t1", "offset": "3"}', 400, "BadRequest"),
+        ("/leases/AAAAAAAAAAAAAAAA/release", b'{"trainer": "t1", "offset": 1, "why": "x"}', 400, "BadRequest"),
+        ("/leases/AAAAAAAAAAAAAAAA/release", b'{"offset": 1}', 400, "BadRequest"),
         ("/leases/AAAAAAAAAAAAAAAA/complete", b"{bad", 400, "BadRequest"),
         ("/leases/AAAAAAAAAAAAAAAA/cancel", b"{}", 404, "NotFound"),
     ],

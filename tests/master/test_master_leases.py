@@ -1,5 +1,6 @@
 """The lease state machine against an independent model, driven by hypothesis with an injected
-clock: random sequences of lease / renew / complete / fail / time passing / master restarts.
+clock: random sequences of lease / renew / complete / fail / release / time passing / master
+restarts.
 
 The model is a second, naive implementation of the rules in docs/master-api.md; every answer
 of the real machine is checked against it, so exactly-once is checked at every step: a
@@ -30,6 +31,7 @@ from loader.master.leases import (
     JobSpec,
     Lease,
     MasterState,
+    Release,
     Renew,
     Resume,
     ShardSpec,
@@ -137,6 +139,31 @@ class LeaseMachine(RuleBasedStateMachine):
         holder = self.live[lease][0] if lease in self.live else self.closed[lease][0] if lease in self.closed else "t0"
         return data.draw(st.sampled_from([holder, holder, *TRAINERS]), label="trainer")
 
+    def holds(self, lease: str, trainer: str, err: MasterError | None) -> bool:
+        """For a lease the model has live: a trainer that does not hold it, or holds it expired,
+        must have been refused (the check is made here); True when ``trainer`` validly holds it."""
+        if self.live[lease][0] != trainer:
+            assert isinstance(err, NotLeaseHolder) or (not self.valid(lease) and isinstance(err, LeaseLost)), err
+            return False
+        if not self.valid(lease):
+            assert isinstance(err, LeaseLost), err
+            return False
+        return True
+
+    def closed_outcome(self, lease: str, trainer: str, err: MasterError | None, outcomes: tuple[str, ...]) -> str | None:
+        """For a lease the model does not have live: the machine must refuse another trainer and an
+        unknown or differently closed lease; the closed outcome when it is one of ``outcomes``
+        (a repeated call, answered with ``already``)."""
+        closed = self.visible_closed(lease)
+        if closed is not None and closed[0] != trainer:
+            assert isinstance(err, NotLeaseHolder), err
+        elif closed is not None and closed[1] in outcomes:
+            assert err is None
+            return closed[1]
+        else:
+            assert isinstance(err, LeaseLost), err
+        return None
+
     # -- rules --
 
     @rule(dt=st.sampled_from([0.0, 0.5, 3.0, 9.9, 10.0, 25.0]))
@@ -209,41 +236,14 @@ class LeaseMachine(RuleBasedStateMachine):
         self.last_request[trainer] = (request_id, ids)
         return ids
 
-    @rule(data=st.data(), offset=st.integers(min_value=-1, max_value=25))
-    def renew(self, data: st.DataObject, offset: int) -> None:
-        lease = self.pick_lease(data)
-        trainer = self.pick_trainer(data, lease)
-        answer, err, _ = self.apply(Renew(JOB, lease, trainer, offset))
-        if offset < 0:
-            assert isinstance(err, BadRequest)
-            return
-        if lease in self.live and self.live[lease][0] != trainer:
-            assert isinstance(err, NotLeaseHolder) or (not self.valid(lease) and isinstance(err, LeaseLost)), err
-            return
-        if not self.valid(lease):
-            assert isinstance(err, LeaseLost), err
-            return
-        shard = self.live[lease][1]
-        if self.samples is not None and offset > self.samples:
-            assert isinstance(err, BadRequest)
-            return
-        assert err is None and answer is not None
-        self.offsets[shard] = max(self.offsets.get(shard, 0), offset)
-        assert answer["offset"] == self.offsets[shard]
-        self.live[lease][2] = self.now + self.ttl
-
     @rule(data=st.data())
     def complete(self, data: st.DataObject) -> None:
         lease = self.pick_lease(data)
         trainer = self.pick_trainer(data, lease)
         answer, err, _ = self.apply(Complete(JOB, lease, trainer))
         if lease in self.live:
-            holder, shard, _ = self.live[lease]
-            if holder != trainer:
-                assert isinstance(err, NotLeaseHolder) or (not self.valid(lease) and isinstance(err, LeaseLost)), err
-            elif not self.valid(lease):
-                assert isinstance(err, LeaseLost), err
-            else:
+            if self.holds(lease, trainer, err):
+                shard = self.live[lease][1]
                 assert err is None and answer is not None and answer["already"] is False
                 assert answer["epoch"] == self.epoch
                 assert shard not in self.done
@@ -252,14 +252,8 @@ class LeaseMachine(RuleBasedStateMachine):
                 del self.live[lease]
                 self.closed[lease] = (trainer, "done", self.epoch)
                 self.maybe_advance()
-            return
-        closed = self.visible_closed(lease)
-        if closed is not None and closed[0] != trainer:
-            assert isinstance(err, NotLeaseHolder), err
-        elif closed is not None and closed[1] == "done":
-            assert err is None and answer is not None and answer["already"] is True
-        else:
-            assert isinstance(err, LeaseLost), err
+        elif self.closed_outcome(lease, trainer, err, ("done",)):
+            assert answer is not None and answer["already"] is True
 
     @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
@@ -267,12 +261,8 @@ class LeaseMachine(RuleBasedStateMachine):
         trainer = self.pick_trainer(data, lease)
         answer, err, _ = self.apply(Fail(JOB, lease, trainer, "boom"))
         if lease in self.live:
-            holder, shard, _ = self.live[lease]
-            if holder != trainer:
-                assert isinstance(err, NotLeaseHolder) or (not self.valid(lease) and isinstance(err, LeaseLost)), err
-            elif not self.valid(lease):
-                assert isinstance(err, LeaseLost), err
-            else:
+            if self.holds(lease, trainer, err):
+                shard = self.live[lease][1]
                 assert err is None and answer is not None
                 self.failures[shard] += 1
                 outcome = "failed" if self.failures[shard] >= self.max_failures else "todo"
@@ -282,14 +272,41 @@ class LeaseMachine(RuleBasedStateMachine):
                 del self.live[lease]
                 self.closed[lease] = (trainer, outcome, self.epoch)
                 self.maybe_advance()
+        elif (closed := self.closed_outcome(lease, trainer, err, ("todo", "failed"))) is not None:
+            assert answer == {"shard_state": closed, "already": True}
+
+    @rule(data=st.data(), offset=st.integers(min_value=-1, max_value=25), give_back=st.booleans())
+    def report_offset(self, data: st.DataObject, offset: int, give_back: bool) -> None:
+        """``renew`` (keep the lease another TTL) or ``release`` (give it back: the shard is free
+        again at once), both with the offset reached."""
+        lease = self.pick_lease(data)
+        trainer = self.pick_trainer(data, lease)
+        event = Release(JOB, lease, trainer, offset) if give_back else Renew(JOB, lease, trainer, offset)
+        answer, err, _ = self.apply(event)
+        if offset < 0:
+            assert isinstance(err, BadRequest)
             return
-        closed = self.visible_closed(lease)
-        if closed is not None and closed[0] != trainer:
-            assert isinstance(err, NotLeaseHolder), err
-        elif closed is not None and closed[1] in ("todo", "failed"):
-            assert err is None and answer == {"shard_state": closed[1], "already": True}
+        if lease not in self.live:
+            if give_back and self.closed_outcome(lease, trainer, err, ("released",)):
+                assert answer == {"shard_state": "todo", "already": True}
+            elif not give_back:
+                assert isinstance(err, LeaseLost), err
+            return
+        if not self.holds(lease, trainer, err):
+            return
+        shard = self.live[lease][1]
+        if self.samples is not None and offset > self.samples:
+            assert isinstance(err, BadRequest)
+            return
+        assert err is None and answer is not None
+        self.offsets[shard] = max(self.offsets.get(shard, 0), offset)
+        if give_back:
+            assert answer == {"shard_state": "todo", "offset": self.offsets[shard], "already": False}
+            del self.live[lease]
+            self.closed[lease] = (trainer, "released", self.epoch)
         else:
-            assert isinstance(err, LeaseLost), err
+            assert answer["offset"] == self.offsets[shard]
+            self.live[lease][2] = self.now + self.ttl
 
     @rule()
     def master_restarts(self) -> None:
