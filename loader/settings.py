@@ -51,6 +51,13 @@ class LoaderSettings:
     read_chunk_bytes: int = 1 << 20
     """Bytes requested from the source per read call; the whole shard is never held in memory."""
 
+    map_files: bool = True
+    """Read shards that are local files (``file://`` datasets, short-circuit cache reads) through
+    a memory mapping: one copy per byte instead of two. A mapped file that shrinks under the
+    reader, or a disk or network file system (NFS, FUSE) failing a page in, kills the process
+    with SIGBUS instead of raising an error: turn it off for datasets on such mounts. Env
+    ``SHARDCACHE_MAP_FILES``."""
+
     max_member_bytes: int = 1 << 31
     """Largest tar member accepted (it is held in memory as one sample field); a header claiming
     more is treated as corruption rather than an allocation to attempt."""
@@ -107,12 +114,13 @@ class LoaderSettings:
         values["node"] = (
             env.get("SHARDCACHE_NODE", "").strip() or env.get("NODE_NAME", "").strip() or socket.gethostname()
         )
-        raw = env.get("SHARDCACHE_SHORT_CIRCUIT")
-        if raw is not None:
-            lowered = raw.strip().lower()
-            if lowered not in _TRUE | _FALSE:
-                raise ConfigError(f"SHARDCACHE_SHORT_CIRCUIT={raw!r}: use 1 or 0")
-            values["short_circuit"] = lowered in _TRUE
+        for name, field_name in (("SHARDCACHE_SHORT_CIRCUIT", "short_circuit"), ("SHARDCACHE_MAP_FILES", "map_files")):
+            raw = env.get(name)
+            if raw is not None:
+                lowered = raw.strip().lower()
+                if lowered not in _TRUE | _FALSE:
+                    raise ConfigError(f"{name}={raw!r}: use 1 or 0")
+                values[field_name] = lowered in _TRUE
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in overrides.items():
             if key not in names:

@@ -372,6 +372,7 @@ class ShardLoader:
                 max_member_bytes=settings.max_member_bytes,
                 expected_size=shard.size if settings.verify else None,
                 expected_xxh3_128=shard.xxh3_128 if settings.verify else None,
+                map_files=settings.map_files,
             ):
                 count += 1
                 yield sample

@@ -276,11 +276,13 @@ def _what(what: str, name: str | None) -> str:
     return what if name is None else f"{what} {name!r}"
 
 
-def _map(raw: TarSource) -> tuple[bytes | mmap.mmap, int, bool] | None:
-    """``(buffer, start offset, whether we mapped it)`` for a buffer or a regular local file read
-    from its current position; None for anything else (it is streamed)."""
+def _map(raw: TarSource, map_files: bool) -> tuple[bytes | mmap.mmap, int, bool] | None:
+    """``(buffer, start offset, whether we mapped it)`` for a buffer or (``map_files``) a regular
+    local file read from its current position; None for anything else (it is streamed)."""
     if isinstance(raw, (bytes, mmap.mmap)):
         return raw, 0, False
+    if not map_files:
+        return None
     fileno = getattr(raw, "fileno", None)
     tell = getattr(raw, "tell", None)
     if fileno is None or tell is None:
@@ -356,6 +358,7 @@ def iter_members(
     expected_size: int | None = None,
     expected_xxh3_128: str | None = None,
     want: Callable[[str], bool] | None = None,
+    map_files: bool = True,
 ) -> Iterator[tuple[str, bytes | None]]:
     """Yield ``(name, data)`` for every regular member, in archive order.
 
@@ -365,14 +368,15 @@ def iter_members(
     ``expected_xxh3_128`` is given, the rest of the object is read and checked.
 
     ``raw`` is a stream (``read(n)``), or ``bytes``/``mmap``; a regular file object (``fileno``)
-    is mapped and read from its current position (its own position does not move).
+    is mapped and read from its current position (its own position does not move), unless
+    ``map_files`` is false (see ``LoaderSettings.map_files``).
     """
     hasher: _Hasher | None = None
     if expected_xxh3_128 is not None:
         import xxhash
 
         hasher = xxhash.xxh3_128()
-    mapping = _map(raw)
+    mapping = _map(raw, map_files)
     if mapping is None:
         yield from _members(_Stream(raw, url, chunk, hasher), url, max_member_bytes, expected_size, hasher,
                             expected_xxh3_128, want)
@@ -512,6 +516,7 @@ def iter_samples(
     max_member_bytes: int = 1 << 31,
     expected_size: int | None = None,
     expected_xxh3_128: str | None = None,
+    map_files: bool = True,
 ) -> Iterator[dict[str, Any]]:
     """Yield WebDataset samples ``{"__key__": key, "__url__": url, field: bytes, ...}``.
 
@@ -548,6 +553,7 @@ def iter_samples(
         expected_size=expected_size,
         expected_xxh3_128=expected_xxh3_128,
         want=want,
+        map_files=map_files,
     ):
         if data is None:
             continue

@@ -8,6 +8,7 @@ import itertools
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -206,6 +207,32 @@ def test_hostile_manifests(tmp_path: Path, manifest: bytes, error: type, match: 
     (tmp_path / "d" / "manifest.json").write_bytes(manifest)
     with pytest.raises(error, match=match):
         list(ShardLoader(f"file://{tmp_path}/d/"))
+
+
+def test_local_shards_are_mapped_unless_turned_off(dataset: tuple[str, Written], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``map_files`` (``SHARDCACHE_MAP_FILES``): mapped or streamed, the same samples."""
+    import loader.tar
+    from loader import LoaderSettings
+
+    url, written = dataset
+    mapped: list[int] = []
+    real_map = loader.tar._map
+
+    def counting_map(*args: Any) -> Any:
+        found = real_map(*args)
+        if found is not None and found[2]:  # a file this reader mapped itself
+            mapped.append(1)
+        return found
+
+    monkeypatch.setattr(loader.tar, "_map", counting_map)
+    assert delivered(list(ShardLoader(url, shuffle=False))) == written.samples
+    assert len(mapped) == len(written.keys)
+    mapped.clear()
+    off = LoaderSettings.from_env({"SHARDCACHE_MAP_FILES": "0"})
+    assert delivered(list(ShardLoader(url, shuffle=False, settings=off))) == written.samples
+    assert not mapped
+    with pytest.raises(ConfigError, match="SHARDCACHE_MAP_FILES"):
+        LoaderSettings.from_env({"SHARDCACHE_MAP_FILES": "maybe"})
 
 
 def test_manifest_checks_catch_corruption(tmp_path: Path) -> None:
