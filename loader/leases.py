@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loader.errors import LoaderError
-from loader.master.errors import LeaseLost, MasterError, NoSuchJob, NotLeaseHolder
+from loader.master.errors import LeaseLost, MasterError, MasterUnavailable, NoSuchJob, NotLeaseHolder
 
 __all__ = ["Held", "Renewer", "LeaseStream"]
 
@@ -153,7 +153,13 @@ class Renewer:
         if release:
             with self._lock:
                 snapshot = [h for h in self._held if not h.done and not h.lost]
-            kept = [h for h in snapshot if not self._release(h)]
+            kept: list[Held] = []
+            for held in snapshot:
+                outcome = self._release(held)
+                if outcome == "unreachable":
+                    return  # nor would a renew get through (each call retries for master_deadline_s)
+                if outcome == "unsupported":
+                    kept.append(held)
             if not kept:
                 return
             with self._lock:
@@ -165,19 +171,25 @@ class Renewer:
             except Exception:
                 log.debug("final lease renewal failed", exc_info=True)
 
-    def _release(self, held: Held) -> bool:
+    def _release(self, held: Held) -> str:
+        """``released`` (or nothing left to give back), ``unreachable`` (no master answered: the
+        lease expires after its TTL, at the offset last renewed), or ``unsupported`` (a master from
+        before ``release``: the caller reports the offset by renewing)."""
         try:
             self._client.release(self._job, held.lease, self._trainer, held.position)
         except (LeaseLost, NotLeaseHolder, NoSuchJob):
             held.lost = True  # gone already: nothing to give back
-        except MasterError as exc:  # unreachable, or a master without release: let the TTL do it
-            log.info("could not release the lease on %s (%s); it expires after its TTL", held.key, exc)
-            return False
+        except MasterUnavailable as exc:
+            log.warning("could not release the lease on %s (%s); it expires after its TTL", held.key, exc)
+            return "unreachable"
+        except MasterError as exc:
+            log.info("the master cannot release the lease on %s (%s); reporting its offset instead", held.key, exc)
+            return "unsupported"
         else:
             log.info("released the lease on %s (epoch %d) at sample %d", held.key, held.epoch, held.position)
         held.done = True
         self.discard(held)
-        return True
+        return "released"
 
 
 class LeaseStream:

@@ -5,6 +5,7 @@ corrupt shards reported with ``fail``."""
 from __future__ import annotations
 
 import itertools
+import time
 import json
 import threading
 import urllib.request
@@ -16,7 +17,7 @@ import pytest
 from loader import CorruptShard, LoaderSettings, ShardLoader
 from loader.master.client import MasterClient
 from loader.master.errors import JobConflict
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 from tests.loader.shards import Written, delivered, write_manifest, write_shards
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"), pytest.mark.timeout(90)]
@@ -193,3 +194,51 @@ def test_master_client_is_shared_contract(master: str) -> None:
     assert client.renew("c", lease, "t", 1) > 0
     client.complete("c", lease, "t")
     assert client.lease("c", trainer="t", node="n", count=1)["status"] == "finished"
+
+
+def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: Path) -> None:
+    """How a trainer gives its leases back when it stops: released at the offset on a master that
+    knows ``release``; on one from before it (the route answers 404, as this client subclass does
+    in place of an old master) the offset is reported by a final renew and the lease expires; with
+    no master reachable it gives up at once instead of also trying to renew."""
+    from loader.leases import Held, Renewer
+    from loader.master.errors import BadRequest
+
+    class OldMaster(MasterClient):
+        def release(self, job: str, lease: str, trainer: str, offset: int) -> str:
+            raise BadRequest("HTTP 404: Not Found")
+
+    spec = {"name": "bye", "dataset": "s3://b/p/", "epochs": 1, "lease_ttl_s": 60,
+            "shards": [{"key": f"{i}.tar", "size": 1, "samples": 10} for i in range(3)]}
+    client = MasterClient(master)
+    client.create_job(spec)
+
+    def hold(trainer: str, position: int) -> Held:
+        item = client.lease("bye", trainer=trainer, node="n", count=1)["leases"][0]
+        return Held(item["lease"], item["shard"], item["key"], 0, 0, 60.0, position=position)
+
+    released = hold("a", 4)
+    renewer = Renewer(client, "bye", "a", 1 / 3)
+    renewer.add(released)
+    renewer.stop(final_renew=False, release=True)
+    assert released.done and status(master, "bye")["totals"]["released"] == 1
+    reissued = client.lease("bye", trainer="b", node="n", count=1)["leases"][0]
+    assert (reissued["shard"], reissued["offset"]) == (released.shard, 4)
+
+    kept = hold("c", 7)
+    renewer = Renewer(OldMaster(master), "bye", "c", 1 / 3)
+    renewer.add(kept)
+    renewer.stop(final_renew=False, release=True)
+    st = status(master, "bye")
+    assert st["totals"]["released"] == 1 and st["shards"]["leased"] == 2  # still held, offset reported
+    renew = urllib.request.Request(f"{master}/v1/jobs/bye/leases/{kept.lease}/renew", method="POST",
+                                   data=json.dumps({"trainer": "c", "offset": 0}).encode())
+    assert json.load(urllib.request.urlopen(renew, timeout=10))["offset"] == 7  # what the final renew reported
+
+    gone = MasterClient(f"http://127.0.0.1:{free_port()}", retry_deadline_s=0.5)
+    renewer = Renewer(gone, "bye", "c", 1 / 3)
+    renewer.add(Held(kept.lease, kept.shard, kept.key, 0, 0, 60.0, position=8))
+    renewer.add(Held("nosuchlease0000", 0, "x", 0, 0, 60.0))
+    began = time.monotonic()
+    renewer.stop(final_renew=False, release=True)
+    assert time.monotonic() - began < 5  # one unanswered call, not one per lease plus renewals
