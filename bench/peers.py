@@ -140,7 +140,8 @@ def _s3torchconnector(spec: dict[str, Any]) -> Any:
 def _loader(spec: dict[str, Any], rank: int, world: int) -> Any:
     from loader import LoaderSettings, ShardLoader
 
-    settings = LoaderSettings.from_env(endpoint=spec["daemon"], short_circuit=spec.get("short_circuit", True))
+    settings = LoaderSettings.from_env(endpoint=spec["daemon"], short_circuit=spec.get("short_circuit", True),
+                                       zero_copy=spec.get("zero_copy", False))
     url = f"s3://{spec['bucket']}/{spec['prefix']}"
     if spec.get("master"):
         shard_loader = ShardLoader(url, job=spec["job"], master=spec["master"], epochs=len(spec["epochs"]),

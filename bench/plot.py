@@ -20,6 +20,7 @@ LABELS = {
     "s3torchconnector": "s3torchconnector",
     "shardcache_s3api_boto3": "shardcache, boto3 via S3 API",
     "shardcache_loader": "shardcache ShardLoader (short-circuit)",
+    "shardcache_loader_zero_copy": "shardcache ShardLoader (short-circuit, zero-copy)",
     "shardcache_loader_s3api": "shardcache ShardLoader (S3 API)",
     "shardcache_loader_4p": "shardcache ShardLoader x4 procs",
     "shardcache_master_4p": "shardcache ShardLoader x4, master",

@@ -67,6 +67,7 @@ PEERS = ("boto3", "s3fs", "webdataset", "streaming", "s3torchconnector")
 SHARDCACHE_RUNS: dict[str, dict[str, Any]] = {
     "shardcache_s3api_boto3": {"reader": "boto3", "procs": 1, "via_daemon": True},
     "shardcache_loader": {"reader": "loader", "procs": 1, "short_circuit": True},
+    "shardcache_loader_zero_copy": {"reader": "loader", "procs": 1, "short_circuit": True, "zero_copy": True},
     "shardcache_loader_s3api": {"reader": "loader", "procs": 1, "short_circuit": False},
     "shardcache_loader_4p": {"reader": "loader", "procs": 4, "short_circuit": True},
     "shardcache_master_4p": {"reader": "loader", "procs": 4, "short_circuit": True, "master": True},
@@ -76,7 +77,7 @@ HEADLINE = "shardcache_loader"
 # epochs: a page-cache pass over 2 GiB lasts 0.3-0.9 s, and one such pass measured 3.2 GB/s in one
 # run and 5.8 GB/s in the next on this machine.
 WARM_PASSES = 3
-REPEATED_WARM = ("raw", HEADLINE)
+REPEATED_WARM = ("raw", HEADLINE, "shardcache_loader_zero_copy")
 
 PACKAGES = ("aiohttp", "boto3", "botocore", "moto", "xxhash", "s3fs", "fsspec", "webdataset", "mosaicml-streaming",
             "s3torchconnector", "s3torchconnectorclient", "torch", "matplotlib", "numpy")
@@ -285,6 +286,7 @@ class Runner:
                     epochs = [self.paced()]
                 spec = self.base_spec(how["reader"]) | {
                     "procs": how["procs"], "short_circuit": how.get("short_circuit", True), "daemon": daemon.url,
+                    "zero_copy": how.get("zero_copy", False),
                     "server_pids": [daemon.pid], "with_stats": True, "epochs": epochs,
                 }
                 if how.get("via_daemon"):

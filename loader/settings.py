@@ -58,6 +58,12 @@ class LoaderSettings:
     with SIGBUS instead of raising an error: turn it off for datasets on such mounts. Env
     ``SHARDCACHE_MAP_FILES``."""
 
+    zero_copy: bool = False
+    """Sample fields as ``memoryview`` instead of ``bytes``: views of the page cache for mapped
+    local shards, no copy at all (for consumers that take buffers: ``torch.frombuffer``,
+    ``numpy.frombuffer``, ``PIL.Image.open(io.BytesIO(view))``). A view keeps its shard's mapping
+    alive while it is held. ``bytes(view)`` where bytes are needed. Env ``SHARDCACHE_ZERO_COPY``."""
+
     max_member_bytes: int = 1 << 31
     """Largest tar member accepted (it is held in memory as one sample field); a header claiming
     more is treated as corruption rather than an allocation to attempt."""
@@ -114,7 +120,12 @@ class LoaderSettings:
         values["node"] = (
             env.get("SHARDCACHE_NODE", "").strip() or env.get("NODE_NAME", "").strip() or socket.gethostname()
         )
-        for name, field_name in (("SHARDCACHE_SHORT_CIRCUIT", "short_circuit"), ("SHARDCACHE_MAP_FILES", "map_files")):
+        flags = (
+            ("SHARDCACHE_SHORT_CIRCUIT", "short_circuit"),
+            ("SHARDCACHE_MAP_FILES", "map_files"),
+            ("SHARDCACHE_ZERO_COPY", "zero_copy"),
+        )
+        for name, field_name in flags:
             raw = env.get(name)
             if raw is not None:
                 lowered = raw.strip().lower()

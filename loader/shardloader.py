@@ -373,6 +373,7 @@ class ShardLoader:
                 expected_size=shard.size if settings.verify else None,
                 expected_xxh3_128=shard.xxh3_128 if settings.verify else None,
                 map_files=settings.map_files,
+                zero_copy=settings.zero_copy,
             ):
                 count += 1
                 yield sample

@@ -184,8 +184,13 @@ class _Mapped:
     """:class:`_Stream`'s interface over a whole shard in memory (a mapped file or bytes): each
     member is one slice of the buffer, hashed from the buffer without a copy."""
 
-    def __init__(self, buf: bytes | mmap.mmap, start: int, url: str, hasher: _Hasher | None) -> None:
+    def __init__(
+        self, buf: bytes | mmap.mmap, start: int, url: str, hasher: _Hasher | None, zero_copy: bool = False
+    ) -> None:
         self._buf = buf
+        # zero_copy: members are views of the buffer. Their own memoryview, never released here:
+        # a member a caller still holds keeps the mapping alive until it is dropped.
+        self._members: memoryview | bytes | mmap.mmap = memoryview(buf) if zero_copy else buf
         self._base = start
         self._end = len(buf)
         self._url = url
@@ -218,7 +223,7 @@ class _Mapped:
         self.position += n
         return self._buf[at : at + n]
 
-    def read_member(self, size: int, padded: int, name: str) -> bytes:
+    def read_member(self, size: int, padded: int, name: str) -> bytes | memoryview:
         at = self._base + self.position
         if at + padded > self._end:
             self.read_exact(size, "member", name)  # raises if the data itself is cut
@@ -227,8 +232,8 @@ class _Mapped:
             self._hash_to(at + padded)  # before the copy: the copy then reads cached bytes
         self.position += padded
         if self._unmap and at - self._unmapped >= _UNMAP_EVERY:
-            self._release(at)
-        return self._buf[at : at + size]
+            self._release(at)  # held zero-copy members stay valid: their pages fault back in
+        return self._members[at : at + size]
 
     def _release(self, offset: int) -> None:
         end = offset - offset % mmap.PAGESIZE
@@ -359,7 +364,8 @@ def iter_members(
     expected_xxh3_128: str | None = None,
     want: Callable[[str], bool] | None = None,
     map_files: bool = True,
-) -> Iterator[tuple[str, bytes | None]]:
+    zero_copy: bool = False,
+) -> Iterator[tuple[str, bytes | memoryview | None]]:
     """Yield ``(name, data)`` for every regular member, in archive order.
 
     ``want(name) -> bool`` (optional) decides whether a member's data is needed; when it says no
@@ -370,6 +376,9 @@ def iter_members(
     ``raw`` is a stream (``read(n)``), or ``bytes``/``mmap``; a regular file object (``fileno``)
     is mapped and read from its current position (its own position does not move), unless
     ``map_files`` is false (see ``LoaderSettings.map_files``).
+
+    ``zero_copy``: member data comes as a ``memoryview`` — of the mapping for a mapped file or a
+    buffer (no copy at all), of the member's own ``bytes`` for a stream.
     """
     hasher: _Hasher | None = None
     if expected_xxh3_128 is not None:
@@ -378,11 +387,16 @@ def iter_members(
         hasher = xxhash.xxh3_128()
     mapping = _map(raw, map_files)
     if mapping is None:
-        yield from _members(_Stream(raw, url, chunk, hasher), url, max_member_bytes, expected_size, hasher,
-                            expected_xxh3_128, want)
+        members = _members(_Stream(raw, url, chunk, hasher), url, max_member_bytes, expected_size, hasher,
+                           expected_xxh3_128, want)
+        if not zero_copy:
+            yield from members
+            return
+        for name, data in members:
+            yield name, (None if data is None else memoryview(data))
         return
     buf, start, owned = mapping
-    mapped = _Mapped(buf, start, url, hasher)
+    mapped = _Mapped(buf, start, url, hasher, zero_copy)
     try:
         yield from _members(mapped, url, max_member_bytes, expected_size, hasher, expected_xxh3_128, want)
     finally:
@@ -400,7 +414,7 @@ def _members(
     hasher: _Hasher | None,
     expected_xxh3_128: str | None,
     want: Callable[[str], bool] | None,
-) -> Iterator[tuple[str, bytes | None]]:
+) -> Iterator[tuple[str, bytes | memoryview | None]]:
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
@@ -517,8 +531,10 @@ def iter_samples(
     expected_size: int | None = None,
     expected_xxh3_128: str | None = None,
     map_files: bool = True,
+    zero_copy: bool = False,
 ) -> Iterator[dict[str, Any]]:
-    """Yield WebDataset samples ``{"__key__": key, "__url__": url, field: bytes, ...}``.
+    """Yield WebDataset samples ``{"__key__": key, "__url__": url, field: bytes, ...}``
+    (``memoryview`` fields with ``zero_copy``; see :func:`iter_members`).
 
     ``start`` skips that many samples first without keeping their data (resuming a lease at the
     offset the master recorded). Errors are :class:`~loader.errors.CorruptShard`.
@@ -554,6 +570,7 @@ def iter_samples(
         expected_xxh3_128=expected_xxh3_128,
         want=want,
         map_files=map_files,
+        zero_copy=zero_copy,
     ):
         if data is None:
             continue

@@ -49,13 +49,15 @@ def dataset(
 
         def pick(sample: dict[str, Any]) -> dict[str, Any]:
             try:
-                return {name: sample[name] for name in wanted}
+                picked = {name: sample[name] for name in wanted}
             except KeyError as exc:
                 raise ConfigError(
                     f"sample {sample.get('__key__')!r} of {sample.get('__url__')} has no field {exc.args[0]!r} "
                     f"(it has {sorted(k for k in sample if not k.startswith('__'))}); choose fields= that every "
                     "sample has"
                 ) from None
+            # tf.string takes bytes, not buffers: zero_copy views are copied here
+            return {name: bytes(v) if isinstance(v, memoryview) else v for name, v in picked.items()}
 
         transform = pick
     elif output_signature is None:

@@ -37,7 +37,8 @@ def test_smoke_suite_runs_every_reader_end_to_end(tmp_path: Path) -> None:
     result = json.loads((results / "suite-smoke.json").read_text())
     rows = result["rows"]
     expected = {"raw", "boto3", "s3fs", "webdataset", "streaming", "s3torchconnector", "shardcache_s3api_boto3",
-                "shardcache_loader", "shardcache_loader_s3api", "shardcache_loader_4p", "shardcache_master_4p",
+                "shardcache_loader", "shardcache_loader_zero_copy", "shardcache_loader_s3api", "shardcache_loader_4p",
+                "shardcache_master_4p",
                 "half_cache_lru", "half_cache_hold"}
     assert set(rows) == expected
     samples = result["dataset"]["samples"]

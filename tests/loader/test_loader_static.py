@@ -210,7 +210,8 @@ def test_hostile_manifests(tmp_path: Path, manifest: bytes, error: type, match: 
 
 
 def test_local_shards_are_mapped_unless_turned_off(dataset: tuple[str, Written], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``map_files`` (``SHARDCACHE_MAP_FILES``): mapped or streamed, the same samples."""
+    """``map_files`` (``SHARDCACHE_MAP_FILES``): mapped or streamed, the same samples; and with
+    ``SHARDCACHE_ZERO_COPY`` the same content as views."""
     import loader.tar
     from loader import LoaderSettings
 
@@ -233,6 +234,10 @@ def test_local_shards_are_mapped_unless_turned_off(dataset: tuple[str, Written],
     assert not mapped
     with pytest.raises(ConfigError, match="SHARDCACHE_MAP_FILES"):
         LoaderSettings.from_env({"SHARDCACHE_MAP_FILES": "maybe"})
+    # zero copy: views of the mapped shards, the same bytes (memoryview == bytes compares content)
+    views = list(ShardLoader(url, shuffle=False, settings=LoaderSettings.from_env({"SHARDCACHE_ZERO_COPY": "1"})))
+    assert all(isinstance(v, memoryview) for s in views for k, v in s.items() if not k.startswith("__"))
+    assert delivered(views) == written.samples
 
 
 def test_manifest_checks_catch_corruption(tmp_path: Path) -> None:

@@ -323,3 +323,25 @@ def test_large_mapped_file_is_read_whole(tmp_path: Any) -> None:
     with open(path, "rb", buffering=0) as handle:
         got = list(iter_samples(handle, expected_size=len(data), expected_xxh3_128=xxhash.xxh3_128_hexdigest(data)))
     assert [(s["__key__"], s["bin"]) for s in got] == [(name[:-4], payload) for name, payload in members]
+
+
+def test_zero_copy_members_are_views_with_the_same_bytes(tmp_path: Any) -> None:
+    """``zero_copy``: memoryviews (of the mapping for files and buffers, of each member's bytes for
+    streams) with the same content as the copying reader; they stay valid after the reader has
+    moved on, unmapped what it read and finished (the view keeps its mapping)."""
+    rng = random.Random(9)
+    members = [(f"{i:04d}.bin", rng.randbytes(rng.randint(300_000, 700_000))) for i in range(40)]
+    data = tarfile_tar(members, fmt=tarfile.USTAR_FORMAT)
+    digest = xxhash.xxh3_128_hexdigest(data)
+    path = tmp_path / "big.tar"
+    path.write_bytes(data)
+    expected = [(name[:-4], payload) for name, payload in members]
+    with open(path, "rb", buffering=0) as handle:
+        mapped = list(iter_samples(handle, expected_size=len(data), expected_xxh3_128=digest, zero_copy=True))
+    streamed = list(iter_samples(io.BytesIO(data), expected_xxh3_128=digest, zero_copy=True))
+    in_memory = list(iter_samples(data, zero_copy=True))
+    for got in (mapped, streamed, in_memory):
+        assert all(isinstance(s["bin"], memoryview) for s in got)
+        assert [(s["__key__"], bytes(s["bin"])) for s in got] == expected
+    with pytest.raises(CorruptShard, match="checksum mismatch"):
+        list(iter_samples(data[:-1] + b"\x01", expected_xxh3_128=digest, zero_copy=True))
