@@ -14,7 +14,6 @@ import datetime as _dt
 import importlib.metadata
 import io
 import json
-import mmap
 import os
 import platform
 import random
@@ -56,7 +55,6 @@ __all__ = [
     "spawn",
     "stop_process",
     "drop_caches",
-    "read_buffer",
     "machine_facts",
     "write_results",
     "parse_size",
@@ -427,17 +425,6 @@ class RssSampler:
 
     def current_kib(self) -> int:
         return _status_kib(self.pid, "VmRSS") or 0
-
-
-def read_buffer(size: int = 1 << 20) -> memoryview:
-    """A page-aligned buffer for ``readinto``/``recv_into`` loops.
-
-    Not ``bytearray(size)``: glibc serves a 1 MiB allocation with its own mapping and hands out
-    page + 16 bytes, and copying page-cache pages (page-aligned) to a destination 16 bytes past a
-    4 KiB boundary trips the CPU's 4K-aliasing stall on every load: ``readinto`` of a warm file ran
-    at 6-7 GB/s into such a buffer and at 13-16 GB/s into an aligned one on this machine. The
-    limit a benchmark reports must be the fast one."""
-    return memoryview(mmap.mmap(-1, size))
 
 
 def drop_caches() -> bool:

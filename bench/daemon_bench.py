@@ -54,6 +54,8 @@ from typing import Any
 import aiohttp
 import xxhash
 
+from cache import aligned_buffer
+
 from bench.common import (
     RESULTS_DIR,
     STORES,
@@ -71,7 +73,6 @@ from bench.common import (
     make_samples,
     pack_shards,
     parse_size,
-    read_buffer,
     s3_client,
     spawn,
     stop_process,
@@ -205,7 +206,7 @@ def read_file(path: str, buffer: memoryview) -> int:
 
 
 def read_raw(paths: list[str]) -> int:
-    buffer = read_buffer(READ_CHUNK)
+    buffer = aligned_buffer(READ_CHUNK)
     return sum(read_file(path, buffer) for path in paths)
 
 
@@ -220,7 +221,7 @@ def short_circuit_ask(conn: http.client.HTTPConnection, key: str) -> str:
 
 
 def read_short_circuit(port: int, keys: tuple[str, ...]) -> int:
-    buffer = read_buffer(READ_CHUNK)
+    buffer = aligned_buffer(READ_CHUNK)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         return sum(read_file(short_circuit_ask(conn, key), buffer) for key in keys)
@@ -300,7 +301,7 @@ def read_aiohttp(url: str, keys: tuple[str, ...]) -> int:
 
 def read_socket(port: int, keys: tuple[str, ...], bucket: str = BUCKET) -> int:
     """HTTP/1.1 keep-alive GETs on one socket, bodies received with ``recv_into`` a 1 MiB buffer."""
-    buffer = read_buffer(READ_CHUNK)
+    buffer = aligned_buffer(READ_CHUNK)
     total = 0
     path = f"/{bucket}/" if bucket else "/"
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:

@@ -33,7 +33,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import TEST_CREDENTIALS, read_buffer
+from cache import aligned_buffer
+
+from bench.common import TEST_CREDENTIALS
 from bench.peers_common import Meter, import_streaming, merge_epochs, proc_status_kib, tar_samples
 
 __all__ = ["READERS", "make_reader", "run_spec", "main"]
@@ -43,7 +45,7 @@ READERS = ("raw", "boto3", "s3fs", "webdataset", "streaming", "s3torchconnector"
 def _raw(spec: dict[str, Any]) -> Any:
     paths = [os.path.join(spec["local_dir"], key) for key in spec["keys"]]
     counts = spec["samples_per_key"]
-    buffer = read_buffer(1 << 20)
+    buffer = aligned_buffer(1 << 20)
 
     def epoch(_index: int) -> Iterator[dict[str, Any]]:
         # No parsing: one pseudo-sample per shard carrying the shard's byte count, so the meter's

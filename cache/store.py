@@ -29,6 +29,7 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -56,6 +57,17 @@ def entry_id(namespace: str, bucket: str, key: str, etag: str) -> str:
     """Stable id of one immutable object version; also its file name in the store."""
     ident = "\0".join((namespace, bucket, key, etag)).encode("utf-8", "surrogatepass")
     return xxhash.xxh3_128_hexdigest(ident)
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A page-aligned buffer for ``readinto``/``recv_into``/``pwrite`` loops.
+
+    Not ``bytearray(size)``: glibc serves a 1 MiB allocation with its own mapping and hands out
+    page + 16 bytes, and the kernel's copies between page-aligned page-cache pages (or socket
+    buffers) and a buffer 16 bytes past a 4 KiB boundary hit the CPU's 4K-aliasing stall. Measured
+    on the project's 2-core VM: ``recv_into`` 1.3 vs 6.4 GB/s, ``pwrite`` 9.8 vs 14.8 GB/s,
+    ``readinto`` of a warm file 6-7 vs 13-16 GB/s. An anonymous mapping starts on a page."""
+    return memoryview(mmap.mmap(-1, size))
 
 
 def hash_file(fd: int, size: int) -> str:

@@ -141,35 +141,28 @@ class Renewer:
         log.debug("renewed lease %s shard %s epoch %d offset %d", held.lease, held.key, held.epoch, position)
         return True
 
-    def stop(self, final_renew: bool, release: bool = False) -> None:
-        """Stop the thread. ``release``: give every held lease back at the offset reached, so
-        another trainer continues it right away; ``final_renew`` (also the fallback when the
-        master cannot release): report the offsets once more, so whoever is re-issued these
-        leases after they expire resumes exactly where we stopped."""
+    def stop(self, give_back: bool) -> None:
+        """Stop the thread. ``give_back`` (the reader stopped before its epoch ended): release every
+        held lease at the offset reached, so another trainer continues it right away; a master
+        without ``release`` gets the offsets by one last renew instead, so whoever is re-issued
+        these leases after they expire resumes exactly where we stopped."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if release:
-            with self._lock:
-                snapshot = [h for h in self._held if not h.done and not h.lost]
-            kept: list[Held] = []
-            for held in snapshot:
-                outcome = self._release(held)
-                if outcome == "unreachable":
-                    return  # nor would a renew get through (each call retries for master_deadline_s)
-                if outcome == "unsupported":
-                    kept.append(held)
-            if not kept:
-                return
-            with self._lock:
-                self._held = kept
-            final_renew = True
-        if final_renew:
-            try:
-                self.renew_all()
-            except Exception:
-                log.debug("final lease renewal failed", exc_info=True)
+        if not give_back:
+            return
+        with self._lock:
+            snapshot = [h for h in self._held if not h.done and not h.lost]
+        for held in snapshot:
+            outcome = self._release(held)
+            if outcome == "unreachable":
+                return  # nor would a renew get through (each call retries for master_deadline_s)
+            if outcome == "unsupported":
+                try:
+                    self.renew(held)
+                except Exception:  # leaving anyway: the lease expires after its TTL
+                    log.debug("final lease renewal failed", exc_info=True)
 
     def _release(self, held: Held) -> str:
         """``released`` (or nothing left to give back), ``unreachable`` (no master answered: the

@@ -511,7 +511,7 @@ class ShardLoader:
         finally:
             # Not a clean end (the trainer stopped iterating, or an error): what it holds goes
             # back to the master now, at the sample reached, instead of after the lease TTL.
-            renewer.stop(final_renew=not clean, release=not clean)
+            renewer.stop(give_back=not clean)
         if stream.finished:
             self._finished = True
         if epoch is not None:

@@ -188,14 +188,15 @@ class _Mapped:
         self, buf: bytes | mmap.mmap, start: int, url: str, hasher: _Hasher | None, zero_copy: bool = False
     ) -> None:
         self._buf = buf
-        # zero_copy: members are views of the buffer. Their own memoryview, never released here:
-        # a member a caller still holds keeps the mapping alive until it is dropped.
-        self._members: memoryview | bytes | mmap.mmap = memoryview(buf) if zero_copy else buf
         self._base = start
         self._end = len(buf)
         self._url = url
         self._hasher = hasher
-        self._view = memoryview(buf) if hasher is not None else None
+        # What the hasher reads without a copy and, with zero_copy, what members are sliced from.
+        # Zero-copy members keep it (and the mapping) alive after close(), until they are dropped.
+        self._zero_copy = zero_copy
+        self._view = memoryview(buf) if hasher is not None or zero_copy else None
+        self._members: memoryview | bytes | mmap.mmap = self._view if zero_copy else buf  # type: ignore[assignment]
         self._hashed = start  # buffer offset up to which bytes went into the hasher
         # A mapped file's pages count in the reader's RSS once touched: unmap what was read every
         # _UNMAP_EVERY bytes (the page cache keeps them), so a 1 GiB shard costs no 1 GiB of RSS.
@@ -207,8 +208,8 @@ class _Mapped:
     def _hash_to(self, offset: int) -> None:
         # Everything up to the end of the member about to be copied, in one call: the copy then
         # reads bytes the hash has just brought into the CPU cache.
-        if self._view is not None and offset > self._hashed:
-            self._hasher.update(self._view[self._hashed : offset])  # type: ignore[union-attr]
+        if offset > self._hashed:
+            self._hasher.update(self._view[self._hashed : offset])  # type: ignore[union-attr,index]
             self._hashed = offset
 
     def read_exact(self, n: int, what: str, name: str | None = None) -> bytes:
@@ -228,7 +229,7 @@ class _Mapped:
         if at + padded > self._end:
             self.read_exact(size, "member", name)  # raises if the data itself is cut
             self.skip(padded - size, "the padding of member", name)  # raises
-        if self._view is not None:
+        if self._hasher is not None:
             self._hash_to(at + padded)  # before the copy: the copy then reads cached bytes
         self.position += padded
         if self._unmap and at - self._unmapped >= _UNMAP_EVERY:
@@ -266,14 +267,14 @@ class _Mapped:
         longer one fails the size check anyway, as a stream stops reading it there)."""
         at = self._base + self.position
         rest = self._end - at
-        if rest <= limit:
+        if rest <= limit and self._hasher is not None:
             self._hash_to(self._end)
         self.position += rest
         self.pulled = self._end - self._base
         return rest
 
     def close(self) -> None:
-        if self._view is not None:
+        if self._view is not None and not self._zero_copy:
             self._view.release()
 
 

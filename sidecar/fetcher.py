@@ -18,14 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cache import Entry, IntegrityError, NoSpace, Store, Writer
+from cache import Entry, IntegrityError, NoSpace, Store, Writer, aligned_buffer
 from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
 from sidecar.metrics import Metrics
 from sidecar.origin import Body, ObjectInfo, Origin
@@ -274,11 +273,7 @@ class _PartedFill:
     def _pump(self, index: int, body: Body) -> None:
         """Worker thread: the body's bytes into the temp file, until the part's end."""
         part = self.parts[index]
-        # Page-aligned (an anonymous mapping), not a bytearray: glibc puts a 1 MiB bytearray 16
-        # bytes past a page boundary, and the kernel's copies into and out of such a buffer hit
-        # the CPU's 4K-aliasing stall. Measured here: recv_into 1.3 vs 6.4 GB/s, pwrite 9.8 vs
-        # 14.8 GB/s; it is most of the daemon's CPU per filled GB.
-        buffer = memoryview(mmap.mmap(-1, _WRITE_BUFFER))
+        buffer = aligned_buffer(_WRITE_BUFFER)  # a bytearray here cost most of the CPU per filled GB
         began = time.perf_counter()  # the headers are in: the first byte is about to arrive
         try:
             while not self.stopping:
@@ -329,7 +324,7 @@ class _PartedFill:
         self.decided = True
         part_size = self.settings.part_size
         boundary = got + part_size
-        extra = min(self.settings.parts_per_object - 1, self.settings.parts_per_object - self.fetcher.streams)
+        extra = self.settings.parts_per_object - self.fetcher.streams  # this stream counts: at most ppo - 1
         if extra <= 0 or rate >= threshold or self.info.size - boundary < part_size:
             return
         part0[1] = boundary  # this thread stops there; the loop starts the rest

@@ -167,9 +167,8 @@ async def lease(request: web.Request) -> web.Response:
         # complete, one fails back) or until the master's retry hint (the next lease expiry)
         # is due, then answer afresh. The trainer learns at once, where it slept a fixed
         # interval before asking again.
-        hint = answer.get("retry_after_s")
         started = time.monotonic()
-        await service.wait_for_change(job, min(float(wait_s), float(hint) if hint else float(wait_s)))
+        await service.wait_for_change(job, min(wait_s, answer.get("retry_after_s") or wait_s))
         answer = dict((await service.submit(event)).answer)
         answer["waited_s"] = round(time.monotonic() - started, 3)
     service.note(job, event.trainer, event.node)

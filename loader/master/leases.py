@@ -61,8 +61,9 @@ __all__ = [
 ]
 
 MAX_COUNT = 1024
-MAX_LEASE_WAIT_S = 30.0  # longest long poll a lease request may ask for (`wait_s`)
 """Most shards one lease request may ask for."""
+MAX_LEASE_WAIT_S = 30.0
+"""Longest long poll a lease request may ask for (``wait_s``)."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LEASE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import secrets
@@ -272,17 +273,12 @@ class MasterService:
                 changed.set()
         return result
 
-    async def wait_for_change(self, job: str, timeout_s: float) -> bool:
+    async def wait_for_change(self, job: str, timeout_s: float) -> None:
         """Wait until an event changes ``job`` (a lease completed, failed, granted...) or
-        ``timeout_s`` passes; True when it changed."""
-        changed = self._changes.get(job)
-        if changed is None:
-            changed = self._changes[job] = asyncio.Event()
-        try:
+        ``timeout_s`` passes."""
+        changed = self._changes.setdefault(job, asyncio.Event())
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
 
     def note(self, job: str, trainer: str | None, node: str | None, progress: int = 0) -> None:
         """Trainer presence and throughput for the status (in memory only)."""

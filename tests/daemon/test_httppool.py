@@ -28,29 +28,22 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         server: "_Server" = self.server  # type: ignore[assignment]
         server.peers.add(self.client_address)
-        if self.path == "/stall":
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(BODY)))
-            self.end_headers()
+        if self.path == "/close-after":
+            self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BODY)))  # every body is announced whole
+        self.end_headers()
+        if self.path == "/stall":  # 1000 bytes, then nothing until the test releases it
             self.wfile.write(BODY[:1000])
             self.wfile.flush()
             server.release.wait(10)
-            return
-        if self.path == "/cut":
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(BODY)))
-            self.end_headers()
+        elif self.path == "/cut":  # 5000 bytes, then the connection is gone
             self.wfile.write(BODY[:5000])
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
-            return
-        if self.path == "/close-after":
-            self.close_connection = True
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(BODY)))
-        self.end_headers()
-        self.wfile.write(BODY)
+        else:
+            self.wfile.write(BODY)
 
 
 class _Server(ThreadingHTTPServer):

@@ -220,7 +220,7 @@ def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: P
     released = hold("a", 4)
     renewer = Renewer(client, "bye", "a", 1 / 3)
     renewer.add(released)
-    renewer.stop(final_renew=False, release=True)
+    renewer.stop(give_back=True)
     assert released.done and status(master, "bye")["totals"]["released"] == 1
     reissued = client.lease("bye", trainer="b", node="n", count=1)["leases"][0]
     assert (reissued["shard"], reissued["offset"]) == (released.shard, 4)
@@ -228,7 +228,7 @@ def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: P
     kept = hold("c", 7)
     renewer = Renewer(OldMaster(master), "bye", "c", 1 / 3)
     renewer.add(kept)
-    renewer.stop(final_renew=False, release=True)
+    renewer.stop(give_back=True)
     st = status(master, "bye")
     assert st["totals"]["released"] == 1 and st["shards"]["leased"] == 2  # still held, offset reported
     renew = urllib.request.Request(f"{master}/v1/jobs/bye/leases/{kept.lease}/renew", method="POST",
@@ -240,5 +240,5 @@ def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: P
     renewer.add(Held(kept.lease, kept.shard, kept.key, 0, 0, 60.0, position=8))
     renewer.add(Held("nosuchlease0000", 0, "x", 0, 0, 60.0))
     began = time.monotonic()
-    renewer.stop(final_renew=False, release=True)
+    renewer.stop(give_back=True)
     assert time.monotonic() - began < 5  # one unanswered call, not one per lease plus renewals
