@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -195,6 +196,12 @@ def _file_stamp(cert: Path, key: Path) -> tuple[tuple[int, int, int], ...]:
     return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in (os.stat(cert), os.stat(key)))
 
 
+def _pair_digest(cert: Path, key: Path) -> bytes:
+    # What the pair holds, not when it was written: a Secret resync or a rename of identical bytes
+    # touches the files without renewing anything, and must not count as (or cause) a reload.
+    return hashlib.sha256(cert.read_bytes() + b"\0" + key.read_bytes()).digest()
+
+
 def _load_context(cert: Path, key: Path) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -218,8 +225,9 @@ class TLSReloader:
         self._current = _load_context(cert, key)
         try:
             self._stamp = _file_stamp(cert, key)
+            self._digest = _pair_digest(cert, key)
         except OSError as exc:
-            raise WebhookError(f"cannot stat TLS files {cert}, {key}: {exc}") from exc
+            raise WebhookError(f"cannot read TLS files {cert}, {key}: {exc}") from exc
         self.server_context = self._current
         self.server_context.sni_callback = self._pick
         self.reloads = 0
@@ -240,6 +248,14 @@ class TLSReloader:
         if stamp == self._stamp:
             return False
         try:
+            digest = await asyncio.to_thread(_pair_digest, self.cert, self.key)
+        except OSError as exc:
+            log.warning("cannot read TLS files (keeping the current certificate): %s", exc)
+            return False
+        if digest == self._digest:
+            self._stamp = stamp  # rewritten with the same bytes: nothing to reload
+            return False
+        try:
             context = await asyncio.to_thread(_load_context, self.cert, self.key)
         except WebhookError as exc:
             # cert-manager writes the pair in one Secret update, but we may see it mid-swap: retry.
@@ -247,6 +263,7 @@ class TLSReloader:
             return False
         self._current = context
         self._stamp = stamp
+        self._digest = digest
         self.reloads += 1
         log.info("reloaded TLS certificate from %s", self.cert)
         return True

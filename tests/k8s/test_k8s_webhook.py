@@ -377,6 +377,29 @@ def test_renewed_certificate_is_served_without_restart(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_rewritten_identical_files_are_not_a_reload(tmp_path: Path) -> None:
+    first = make_tls(tmp_path / "first", ["localhost"], ca_name="first-ca")
+    second = make_tls(tmp_path / "second", ["localhost"], ca_name="second-ca")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    _install(first, cert, key)
+    reloader = TLSReloader(cert, key)
+    served = reloader._current
+
+    async def scenario() -> None:
+        # A Secret resync renames the same bytes into place: new inode and mtime, nothing renewed.
+        await asyncio.to_thread(_install, first, cert, key)
+        assert not await reloader.check()
+        assert reloader.reloads == 0 and reloader._current is served
+        # The real renewal, then the same pair written again key-first: exactly one reload.
+        await asyncio.to_thread(_install, second, cert, key)
+        assert await reloader.check()
+        await asyncio.to_thread(_install, second, cert, key)
+        assert not await reloader.check()
+        assert reloader.reloads == 1 and reloader._current is not served
+
+    asyncio.run(scenario())
+
+
 def test_in_process_review_does_not_block_the_loop(tmp_path: Path, tls: TLSFiles) -> None:
     """The autouse blockbuster guard fails this test if the handler blocks the event loop."""
     port = free_port()
