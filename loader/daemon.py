@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from loader.errors import AccessDenied, LoaderError, ShardNotFound, SourceError
+from loader.httpclient import AnswerTooLarge, UnixHTTPConnection, exchange
 from loader.settings import LoaderSettings
-from loader.unixhttp import UnixHTTPConnection
 
-__all__ = ["DaemonClient", "DaemonObject", "ListedObject", "RETRYABLE_HTTP"]
+__all__ = ["RETRYABLE_HTTP", "DaemonClient", "DaemonObject", "ListedObject"]
 
 log = logging.getLogger(__name__)
 
@@ -127,31 +127,14 @@ class DaemonClient:
         self, method: str, path: str, *, body: bytes | None = None, headers: dict[str, str] | None = None
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
         """One small request on the pooled connection (one silent reconnect for a stale keep-alive)."""
-        all_headers = {"User-Agent": _USER_AGENT, **(headers or {})}
-        for attempt in (0, 1):
-            conn = self._pooled()
-            try:
-                conn.request(method, self._base + path, body=body, headers=all_headers)
-                resp = conn.getresponse()
-                data = resp.read(_MAX_SMALL_BODY + 1)
-                if len(data) > _MAX_SMALL_BODY:
-                    raise SourceError(f"{self.endpoint}{path}: answer larger than {_MAX_SMALL_BODY} bytes")
-                if resp.length:
-                    # read(amt) returns what arrived when the peer closes early: a cut answer,
-                    # not a short one (retried like any broken connection).
-                    raise http.client.IncompleteRead(data, resp.length)
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                self._drop_pooled()
-                if attempt:
-                    raise
-                continue
-            except BaseException:
-                self._drop_pooled()
-                raise
-            if resp.will_close:
-                self._drop_pooled()
-            return resp.status, resp.headers, data
-        raise AssertionError("unreachable")
+        try:
+            return exchange(
+                self._pooled, self._drop_pooled, method, self._base + path, body=body,
+                headers={"User-Agent": _USER_AGENT, **(headers or {})}, max_body=_MAX_SMALL_BODY,
+            )
+        except AnswerTooLarge as exc:
+            # Not a transient fault: listings and manifests this large are not what we asked for.
+            raise SourceError(f"{self.endpoint}{path}: {exc}") from exc
 
     def _with_retries(self, what: str, call: Callable[[], T]) -> T:
         """Run ``call()``, retrying connection errors and 5xx answers with backoff."""

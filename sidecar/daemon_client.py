@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import xxhash
 
-from loader.unixhttp import UnixHTTPConnection
+from loader.httpclient import UnixHTTPConnection, exchange
 
 __all__ = [
     "DEFAULT_DAEMON",
@@ -178,25 +178,13 @@ class DaemonClient:
         send_headers = {"User-Agent": "shardcache-cli/1", **(headers or {})}
         if payload is not None:
             send_headers["Content-Type"] = "application/json"
-        # One retry on a fresh connection: a kept-alive connection may have been closed by the
-        # daemon between calls, which is not the daemon being down.
-        for attempt in range(2):
-            conn = self._connection()
-            try:
-                conn.request(method, path, body=payload, headers=send_headers)
-                resp = conn.getresponse()
-                data = resp.read(_MAX_ANSWER)
-                answer = {k.lower(): v for k, v in resp.getheaders()}
-                if resp.will_close:
-                    self.close()
-                return resp.status, answer, data
-            except (OSError, http.client.HTTPException) as exc:
-                self.close()
-                retriable = isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError))
-                if attempt == 0 and retriable:
-                    continue
-                raise DaemonUnavailable(f"cannot reach the daemon at {self.address}: {_reason(exc)}") from exc
-        raise AssertionError("unreachable")
+        try:
+            status, message, data = exchange(
+                self._connection, self.close, method, path, body=payload, headers=send_headers, max_body=_MAX_ANSWER
+            )
+        except (OSError, http.client.HTTPException) as exc:
+            raise DaemonUnavailable(f"cannot reach the daemon at {self.address}: {_reason(exc)}") from exc
+        return status, {k.lower(): v for k, v in message.items()}, data
 
     def call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
         status, _, data = self.request(method, path, body)

@@ -6,12 +6,14 @@ import asyncio
 import os
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
@@ -22,6 +24,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextmanager
+def serving(server: socketserver.BaseServer) -> Iterator[None]:
+    """Run a stdlib server (``http.server``) on a daemon thread for the ``with`` block."""
+    # A short poll interval: shutdown() waits for the loop to look, 0.5 s by default.
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> None:

@@ -54,6 +54,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from loader.httpclient import UnixHTTPConnection, exchange
 from loader.master.errors import (
     BadRequest,
     JobConflict,
@@ -65,21 +66,22 @@ from loader.master.errors import (
     NotLeaseHolder,
     error_from_answer,
 )
-from loader.unixhttp import UnixHTTPConnection
 
 # The errors are re-exported so a trainer needs one import line.
 __all__ = [
-    "MasterClient",
-    "MasterError",
     "BadRequest",
-    "NoSuchJob",
     "JobConflict",
     "LeaseLost",
-    "NotLeaseHolder",
+    "MasterClient",
+    "MasterError",
     "MasterUnavailable",
+    "NoSuchJob",
+    "NotLeaseHolder",
 ]
 
 _USER_AGENT = "shardcache-master-client/1"
+# Lease answers and job status are kilobytes; a far larger answer is not from a master.
+_MAX_ANSWER = 64 << 20
 
 
 def _split_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -269,33 +271,21 @@ class MasterClient:
         headers = {"User-Agent": _USER_AGENT, "Accept": "application/json"}
         if payload is not None:
             headers["Content-Type"] = "application/json"
-        # A kept-alive connection may have been closed by the server since its last use: one
-        # immediate reconnect for that case, before counting it as a real failure.
-        for attempt in (0, 1):
-            conn = self._connection(url)
-            try:
-                conn.request(method, prefix + path, body=payload, headers=headers)
-                resp = conn.getresponse()
-                raw = resp.read()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+
+        def discard() -> None:
+            conn = self._local.conns.pop(url, None)
+            if conn is not None:
                 conn.close()
-                self._local.conns.pop(url, None)
-                if attempt:
-                    raise
-                continue
-            except BaseException:
-                conn.close()
-                self._local.conns.pop(url, None)
-                raise
-            if resp.will_close:
-                conn.close()
-                self._local.conns.pop(url, None)
-            try:
-                answer = json.loads(raw) if raw else {}
-            except ValueError:
-                answer = raw.decode("utf-8", "replace")
-            return resp.status, answer
-        raise AssertionError("unreachable")
+
+        status, _, raw = exchange(
+            lambda: self._connection(url), discard, method, prefix + path, body=payload, headers=headers,
+            max_body=_MAX_ANSWER,
+        )
+        try:
+            answer = json.loads(raw) if raw else {}
+        except ValueError:
+            answer = raw.decode("utf-8", "replace")
+        return status, answer
 
 
 def _q(part: str) -> str:

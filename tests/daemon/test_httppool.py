@@ -14,7 +14,7 @@ import pytest
 
 from sidecar.errors import OriginBadResponse, OriginUnavailable
 from sidecar.httppool import HTTPPool
-from tests.helpers import free_port
+from tests.helpers import free_port, serving
 
 BODY = bytes(range(256)) * 4096  # 1 MiB
 
@@ -58,12 +58,9 @@ class _Server(ThreadingHTTPServer):
 @pytest.fixture
 def server() -> Iterator[_Server]:
     srv = _Server()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.release.set()
-    srv.shutdown()
-    srv.server_close()
+    with serving(srv):
+        yield srv
+        srv.release.set()  # a handler parked in /stall must end before the server shuts down
 
 
 def _url(srv: _Server, path: str) -> str:
