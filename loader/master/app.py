@@ -8,6 +8,7 @@ with the status of its :class:`~loader.master.errors.MasterError` class; aiohttp
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import json
 import logging
@@ -62,9 +63,15 @@ def _error(exc: MasterError) -> web.Response:
     return resp
 
 
+# Seconds a long poll held the current request: set by the lease handler, read by the middleware
+# (both run in the request's task, so they share its context; request storage keys need aiohttp 3.14).
+_held_s: contextvars.ContextVar[float] = contextvars.ContextVar("held_s", default=0.0)
+
+
 @web.middleware
 async def _errors_and_metrics(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     started = time.perf_counter()
+    _held_s.set(0.0)  # one task serves every request of a kept-alive connection
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
     try:
@@ -81,7 +88,9 @@ async def _errors_and_metrics(request: web.Request, handler: Callable[[web.Reque
         resp = _json({"error": "InternalError", "message": "internal error in the master; see its log"}, 500)
     service = request.app.get(SERVICE_KEY)
     if service is not None:
-        service.metrics.observe_request(route, resp.status, time.perf_counter() - started)
+        # A long poll's hold is the trainer waiting for work, not the master being slow: it has
+        # its own histogram, and would otherwise fill the latency's top bucket.
+        service.metrics.observe_request(route, resp.status, time.perf_counter() - started - _held_s.get())
     return resp
 
 
@@ -168,9 +177,16 @@ async def lease(request: web.Request) -> web.Response:
         # is due, then answer afresh. The trainer learns at once, where it slept a fixed
         # interval before asking again.
         started = time.monotonic()
-        await service.wait_for_change(job, min(wait_s, answer.get("retry_after_s") or wait_s))
+        service.metrics.lease_polls.inc()
+        try:
+            await service.wait_for_change(job, min(wait_s, answer.get("retry_after_s") or wait_s))
+        finally:
+            service.metrics.lease_polls.dec()
+            held = time.monotonic() - started
+            _held_s.set(held)
+            service.metrics.lease_poll_wait.observe(held)
         answer = dict((await service.submit(event)).answer)
-        answer["waited_s"] = round(time.monotonic() - started, 3)
+        answer["waited_s"] = round(held, 3)
     service.note(job, event.trainer, event.node)
     return _json(answer)
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import threading
 import time
@@ -120,6 +121,9 @@ class MasterClient:
         self._lock = threading.Lock()
         self._preferred = 0  # index into self._urls of the master believed to lead
         self._local = threading.local()
+        # Every open connection, whichever thread made it, so that close() ends them all.
+        self._open: set[http.client.HTTPConnection] = set()
+        self._pid = os.getpid()
 
     @property
     def urls(self) -> list[str]:
@@ -176,11 +180,12 @@ class MasterClient:
         return str(answer["shard_state"])
 
     def close(self) -> None:
-        """Close this thread's connections (other threads' close when they exit)."""
-        conns: dict[str, http.client.HTTPConnection] = getattr(self._local, "conns", {})
-        for conn in conns.values():
+        """Close every connection of this client, made on any thread (a call in flight on another
+        thread fails over to a fresh one). The client stays usable."""
+        with self._lock:
+            conns, self._open = self._open, set()
+        for conn in conns:
             conn.close()
-        conns.clear()
 
     def __enter__(self) -> MasterClient:
         return self
@@ -250,10 +255,21 @@ class MasterClient:
             self._preferred = index
             return True
 
-    def _connection(self, url: str) -> http.client.HTTPConnection:
+    def _connections(self) -> dict[str, http.client.HTTPConnection]:
+        pid = os.getpid()
         conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
-        if conns is None:
+        if conns is None or self._local.pid != pid:
             conns = self._local.conns = {}
+            self._local.pid = pid
+            with self._lock:
+                if self._pid != pid:
+                    # A forked child: the parent's sockets are shared with it and must neither
+                    # carry the child's requests nor be closed by it.
+                    self._pid, self._open = pid, set()
+        return conns
+
+    def _connection(self, url: str) -> http.client.HTTPConnection:
+        conns = self._connections()
         conn = conns.get(url)
         if conn is None:
             parts = urllib.parse.urlsplit(url)
@@ -264,21 +280,25 @@ class MasterClient:
             else:
                 conn = http.client.HTTPConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
             conns[url] = conn
+        with self._lock:
+            # Also after close() on another thread: http.client reopens a closed connection.
+            self._open.add(conn)
         return conn
+
+    def _discard(self, url: str) -> None:
+        conn = self._connections().pop(url, None)
+        if conn is not None:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
 
     def _exchange(self, url: str, method: str, path: str, payload: bytes | None) -> tuple[int, Any]:
         prefix = "" if url.startswith("unix:") else urllib.parse.urlsplit(url).path
         headers = {"User-Agent": _USER_AGENT, "Accept": "application/json"}
         if payload is not None:
             headers["Content-Type"] = "application/json"
-
-        def discard() -> None:
-            conn = self._local.conns.pop(url, None)
-            if conn is not None:
-                conn.close()
-
         status, _, raw = exchange(
-            lambda: self._connection(url), discard, method, prefix + path, body=payload, headers=headers,
+            lambda: self._connection(url), lambda: self._discard(url), method, prefix + path, body=payload, headers=headers,
             max_body=_MAX_ANSWER,
         )
         try:

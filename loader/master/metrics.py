@@ -63,6 +63,16 @@ class MasterMetrics:
             "shardcache_master_lease_refusals_total", "Renew/complete/fail refused because the lease was lost",
             ["action"], registry=self.registry,
         )
+        self.lease_polls = Gauge(
+            "shardcache_master_lease_polls_waiting",
+            "Lease requests held in a long poll now: trainers with nothing to read until the job changes",
+            registry=self.registry,
+        )
+        self.lease_poll_wait = Histogram(
+            "shardcache_master_lease_poll_wait_seconds",
+            "How long a long-polled lease request was held (not counted in the request duration)",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=self.registry,
+        )
         self.leader = Gauge("shardcache_master_leader", "1 while this master leads and serves", registry=self.registry)
         self.store_failures = Counter(
             "shardcache_master_store_failures_total", "State store writes that failed", registry=self.registry

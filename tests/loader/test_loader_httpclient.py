@@ -6,7 +6,9 @@ never reused (an unread rest would be parsed as the next answer)."""
 from __future__ import annotations
 
 import http.client
+import os
 import socket
+import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -158,3 +160,37 @@ def test_the_master_client_moves_past_a_closed_port_and_gives_up_at_its_deadline
     with MasterClient(f"http://127.0.0.1:{free_port()}", retry_deadline_s=0.3) as client, \
             pytest.raises(MasterUnavailable, match="no master answered"):
         client._call("GET", "/obj")
+
+
+def test_the_master_client_closes_the_connections_of_every_thread(server: _Server) -> None:
+    client = MasterClient(f"http://127.0.0.1:{server.server_address[1]}")
+    workers = [threading.Thread(target=client._call, args=("GET", "/obj")) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(10)
+    opened = set(client._open)
+    assert len(opened) == 3 and len(server.peers) == 3  # one kept-alive connection per thread
+    client.close()
+    assert all(conn.sock is None for conn in opened)
+    assert client._call("GET", "/obj") == {"ok": True}  # still usable: a fresh connection
+    client.close()
+
+
+def test_a_forked_child_never_talks_on_the_parents_connection(server: _Server) -> None:
+    client = MasterClient(f"http://127.0.0.1:{server.server_address[1]}")
+    assert client._call("GET", "/obj") == {"ok": True}
+    pid = os.fork()
+    if pid == 0:  # the child: the outcome is its exit status, nothing else may leave it
+        code = 1
+        try:
+            code = 0 if client._call("GET", "/obj") == {"ok": True} and len(client._open) == 1 else 2
+            client.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(server.peers) == 2  # the child opened its own connection
+    assert client._call("GET", "/obj") == {"ok": True}  # and left the parent's alone
+    assert len(server.peers) == 2
+    client.close()

@@ -24,7 +24,7 @@ from loader.master.client import (
     NoSuchJob,
     NotLeaseHolder,
 )
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 from tests.master.conftest import MasterThread, http, job_spec
 
 
@@ -126,11 +126,19 @@ def test_a_long_poll_answers_when_the_last_lease_completes(inproc_master: Master
     poller.start()
     # The master's hint caps a poll at 1 s here (the next expiry is 60 s away): complete while the
     # poll is parked. Without the wake-up it would end at 1 s with "wait" again.
-    time.sleep(0.3)
+    wait_until(lambda: "shardcache_master_lease_polls_waiting 1.0" in metrics(inproc_master), 10, 0.01,
+               "the lease request to be parked")
     assert http("POST", f"{url}/leases/{held['lease']}/complete", {"trainer": "t1"})[0] == 200
     poller.join(10)
     assert polled and polled[0]["status"] == "epoch_done" and polled[0]["epoch"] == 1, polled
-    assert 0.2 <= polled[0]["waited_s"] < 0.95, polled
+    assert polled[0]["waited_s"] < 0.95, polled
+    text = metrics(inproc_master)
+    assert "shardcache_master_lease_polls_waiting 0.0" in text
+    assert "shardcache_master_lease_poll_wait_seconds_count 2.0" in text  # the 0.2 s one, then this one
+    # The holds are not request latency: every lease request answered within the 0.1 s bucket.
+    route = 'route="/v1/jobs/{job}/leases"'
+    count = _sample(text, f"shardcache_master_request_duration_seconds_count{{{route}}}")
+    assert _sample(text, f'shardcache_master_request_duration_seconds_bucket{{le="0.1",{route}}}') == count
 
 
 def test_release_hands_the_shard_out_again_at_once(inproc_master: MasterThread) -> None:
@@ -168,6 +176,19 @@ def test_lease_request_id_makes_retries_safe(inproc_master: MasterThread) -> Non
     _, again = http("POST", f"{inproc_master.url}/v1/jobs/{job}/leases", body)
     assert [g["lease"] for g in again["leases"]] == [g["lease"] for g in first["leases"]]
     assert durable_view(inproc_master, job)["shards"]["leased"] == 2
+
+
+def metrics(master: MasterThread) -> str:
+    status, text = http("GET", master.url + "/metrics")
+    assert status == 200
+    return str(text)
+
+
+def _sample(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in the metrics")
 
 
 def test_operations_endpoints(inproc_master: MasterThread) -> None:
