@@ -11,9 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import os
 import random
-import threading
 import time
 import urllib.parse
 import xml.etree.ElementTree as ET
@@ -22,7 +20,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from loader.errors import AccessDenied, LoaderError, ShardNotFound, SourceError
-from loader.httpclient import AnswerTooLarge, UnixHTTPConnection, exchange
+from loader.httpclient import (
+    AnswerTooLarge,
+    ThreadConnections,
+    UnixHTTPConnection,
+    exchange,
+)
 from loader.settings import LoaderSettings
 
 __all__ = ["RETRYABLE_HTTP", "DaemonClient", "DaemonObject", "ListedObject"]
@@ -98,7 +101,7 @@ class DaemonClient:
         else:
             raise SourceError(f"invalid cache endpoint {endpoint!r}: use http://host:port or unix:///path.sock")
         self._https = parts.scheme == "https"
-        self._local = threading.local()
+        self._conns = ThreadConnections(lambda _: self._new_connection(self._settings.io_timeout_s))
         self._origin: str | None = None
 
     # -- connections ----------------------------------------------------------------------
@@ -110,18 +113,9 @@ class DaemonClient:
             return http.client.HTTPSConnection(self._host, self._port, timeout=timeout)
         return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
 
-    def _pooled(self) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is None or getattr(self._local, "pid", None) != os.getpid():
-            conn = self._new_connection(self._settings.io_timeout_s)
-            self._local.conn, self._local.pid = conn, os.getpid()
-        return conn
-
-    def _drop_pooled(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None and getattr(self._local, "pid", None) == os.getpid():
-            conn.close()
-        self._local.conn = None
+    def close(self) -> None:
+        """Close the kept-alive connections of every thread (streams already opened stay open)."""
+        self._conns.close()
 
     def _exchange(
         self, method: str, path: str, *, body: bytes | None = None, headers: dict[str, str] | None = None
@@ -129,7 +123,7 @@ class DaemonClient:
         """One small request on the pooled connection (one silent reconnect for a stale keep-alive)."""
         try:
             return exchange(
-                self._pooled, self._drop_pooled, method, self._base + path, body=body,
+                self._conns.get, self._conns.discard, method, self._base + path, body=body,
                 headers={"User-Agent": _USER_AGENT, **(headers or {})}, max_body=_MAX_SMALL_BODY,
             )
         except AnswerTooLarge as exc:

@@ -2,16 +2,19 @@
 clients and the CLI's daemon client (stdlib only, so ``import loader`` stays light).
 
 :class:`UnixHTTPConnection` carries the daemon's and the master's ``unix://`` addresses;
-:func:`exchange` is one bounded request on a kept-alive connection.
+:class:`ThreadConnections` keeps one connection per thread and server; :func:`exchange` is one
+bounded request on such a kept-alive connection.
 """
 
 from __future__ import annotations
 
 import http.client
+import os
 import socket
+import threading
 from collections.abc import Callable, Mapping
 
-__all__ = ["STALE_CONNECTION", "AnswerTooLarge", "UnixHTTPConnection", "exchange"]
+__all__ = ["STALE_CONNECTION", "AnswerTooLarge", "ThreadConnections", "UnixHTTPConnection", "exchange"]
 
 # What a kept-alive connection the server closed while it sat idle raises on its next use.
 STALE_CONNECTION: tuple[type[BaseException], ...] = (
@@ -45,6 +48,62 @@ class UnixHTTPConnection(http.client.HTTPConnection):
             sock.close()
             raise
         self.sock = sock
+
+
+class ThreadConnections:
+    """Kept-alive connections, one per thread and key (a server's URL), made by ``factory(key)``.
+
+    ``http.client`` connections are not thread-safe, and the clients built on this are shared
+    by a trainer's threads (renewer, prefetcher, readers). A forked child (a DataLoader worker)
+    starts with none: the parent's sockets are shared with it and must neither carry the child's
+    requests nor be closed by it. :meth:`close` ends every connection, whichever thread made it
+    (a call in flight on another thread then fails, and retries on a fresh one).
+    """
+
+    def __init__(self, factory: Callable[[str], http.client.HTTPConnection]) -> None:
+        self._factory = factory
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()
+        self._pid = os.getpid()
+
+    def _mine(self) -> dict[str, http.client.HTTPConnection]:
+        pid = os.getpid()
+        conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
+        if conns is None or self._local.pid != pid:
+            conns = self._local.conns = {}
+            self._local.pid = pid
+            with self._lock:
+                if self._pid != pid:
+                    self._pid, self._open = pid, set()
+        return conns
+
+    def get(self, key: str = "") -> http.client.HTTPConnection:
+        conns = self._mine()
+        conn = conns.get(key)
+        if conn is None:
+            conn = conns[key] = self._factory(key)
+        with self._lock:
+            # Also after close() on another thread: http.client reopens a closed connection.
+            self._open.add(conn)
+        return conn
+
+    def discard(self, key: str = "") -> None:
+        conn = self._mine().pop(key, None)
+        if conn is not None:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._open = self._open, set()
+        for conn in conns:
+            conn.close()
 
 
 def exchange(

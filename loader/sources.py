@@ -404,4 +404,4 @@ class DaemonSource:
         self._client.prefetch([(self._bucket, self._prefix + s.key) for s in shards], "lease")
 
     def close(self) -> None:
-        return None
+        self._client.close()

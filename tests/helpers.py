@@ -73,10 +73,10 @@ def spawn(args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> 
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.setdefault("PYTHONPATH", str(REPO))
-    handle = open(log, "ab")
-    return subprocess.Popen(
-        list(args), stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO), start_new_session=True
-    )
+    with open(log, "ab") as handle:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            list(args), stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO), start_new_session=True
+        )
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:

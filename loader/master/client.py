@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import random
 import threading
 import time
@@ -55,7 +54,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from loader.httpclient import UnixHTTPConnection, exchange
+from loader.httpclient import ThreadConnections, UnixHTTPConnection, exchange
 from loader.master.errors import (
     BadRequest,
     JobConflict,
@@ -120,10 +119,7 @@ class MasterClient:
         self._backoff_max = float(backoff_max_s)
         self._lock = threading.Lock()
         self._preferred = 0  # index into self._urls of the master believed to lead
-        self._local = threading.local()
-        # Every open connection, whichever thread made it, so that close() ends them all.
-        self._open: set[http.client.HTTPConnection] = set()
-        self._pid = os.getpid()
+        self._conns = ThreadConnections(self._new_connection)
 
     @property
     def urls(self) -> list[str]:
@@ -182,10 +178,7 @@ class MasterClient:
     def close(self) -> None:
         """Close every connection of this client, made on any thread (a call in flight on another
         thread fails over to a fresh one). The client stays usable."""
-        with self._lock:
-            conns, self._open = self._open, set()
-        for conn in conns:
-            conn.close()
+        self._conns.close()
 
     def __enter__(self) -> MasterClient:
         return self
@@ -255,42 +248,13 @@ class MasterClient:
             self._preferred = index
             return True
 
-    def _connections(self) -> dict[str, http.client.HTTPConnection]:
-        pid = os.getpid()
-        conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
-        if conns is None or self._local.pid != pid:
-            conns = self._local.conns = {}
-            self._local.pid = pid
-            with self._lock:
-                if self._pid != pid:
-                    # A forked child: the parent's sockets are shared with it and must neither
-                    # carry the child's requests nor be closed by it.
-                    self._pid, self._open = pid, set()
-        return conns
-
-    def _connection(self, url: str) -> http.client.HTTPConnection:
-        conns = self._connections()
-        conn = conns.get(url)
-        if conn is None:
-            parts = urllib.parse.urlsplit(url)
-            if parts.scheme == "unix":
-                conn = UnixHTTPConnection(urllib.parse.unquote(parts.path), self._timeout)
-            elif parts.scheme == "https":
-                conn = http.client.HTTPSConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
-            else:
-                conn = http.client.HTTPConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
-            conns[url] = conn
-        with self._lock:
-            # Also after close() on another thread: http.client reopens a closed connection.
-            self._open.add(conn)
-        return conn
-
-    def _discard(self, url: str) -> None:
-        conn = self._connections().pop(url, None)
-        if conn is not None:
-            with self._lock:
-                self._open.discard(conn)
-            conn.close()
+    def _new_connection(self, url: str) -> http.client.HTTPConnection:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme == "unix":
+            return UnixHTTPConnection(urllib.parse.unquote(parts.path), self._timeout)
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
+        return http.client.HTTPConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
 
     def _exchange(self, url: str, method: str, path: str, payload: bytes | None) -> tuple[int, Any]:
         prefix = "" if url.startswith("unix:") else urllib.parse.urlsplit(url).path
@@ -298,7 +262,7 @@ class MasterClient:
         if payload is not None:
             headers["Content-Type"] = "application/json"
         status, _, raw = exchange(
-            lambda: self._connection(url), lambda: self._discard(url), method, prefix + path, body=payload, headers=headers,
+            lambda: self._conns.get(url), lambda: self._conns.discard(url), method, prefix + path, body=payload, headers=headers,
             max_body=_MAX_ANSWER,
         )
         try:

@@ -14,9 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from loader.daemon import DaemonClient as LoaderDaemonClient
 from loader.httpclient import AnswerTooLarge, exchange
 from loader.master.client import MasterClient
 from loader.master.errors import MasterUnavailable
+from loader.settings import LoaderSettings
 from sidecar import daemon_client
 from sidecar.daemon_client import DaemonClient, DaemonUnavailable
 from tests.helpers import free_port, serving
@@ -128,6 +130,7 @@ def test_a_cut_answer_is_an_error_and_its_connection_is_dropped(server: _Server)
         pool.get("/cut")
     assert pool.conn is None
     assert pool.get("/obj") == (200, SMALL)  # the next exchange starts clean
+    pool.discard()
 
 
 def test_an_oversized_answer_is_an_error_and_its_connection_is_dropped(server: _Server) -> None:
@@ -137,6 +140,7 @@ def test_an_oversized_answer_is_an_error_and_its_connection_is_dropped(server: _
     assert pool.conn is None  # 3 KiB of it unread: reusing the connection would misparse them
     assert pool.get("/obj") == (200, SMALL)
     assert pool.get("/big", max_body=4096)[1] == b"x" * 4096  # exactly the bound is fine
+    pool.discard()
 
 
 def test_the_cli_daemon_client_reconnects_and_rejects_cut_or_oversized_answers(
@@ -169,7 +173,7 @@ def test_the_master_client_closes_the_connections_of_every_thread(server: _Serve
         worker.start()
     for worker in workers:
         worker.join(10)
-    opened = set(client._open)
+    opened = set(client._conns._open)
     assert len(opened) == 3 and len(server.peers) == 3  # one kept-alive connection per thread
     client.close()
     assert all(conn.sock is None for conn in opened)
@@ -184,7 +188,7 @@ def test_a_forked_child_never_talks_on_the_parents_connection(server: _Server) -
     if pid == 0:  # the child: the outcome is its exit status, nothing else may leave it
         code = 1
         try:
-            code = 0 if client._call("GET", "/obj") == {"ok": True} and len(client._open) == 1 else 2
+            code = 0 if client._call("GET", "/obj") == {"ok": True} and client._conns.open_count() == 1 else 2
             client.close()
         finally:
             os._exit(code)
@@ -193,4 +197,20 @@ def test_a_forked_child_never_talks_on_the_parents_connection(server: _Server) -
     assert len(server.peers) == 2  # the child opened its own connection
     assert client._call("GET", "/obj") == {"ok": True}  # and left the parent's alone
     assert len(server.peers) == 2
+    client.close()
+
+
+def test_the_loader_daemon_client_closes_the_connections_of_every_thread(server: _Server) -> None:
+    client = LoaderDaemonClient(f"http://127.0.0.1:{server.server_address[1]}", LoaderSettings())
+    readers = [threading.Thread(target=client.stats) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(10)
+    assert client.stats() == {"ok": True}
+    opened = set(client._conns._open)
+    assert len(opened) == 3 and len(server.peers) == 3
+    client.close()  # what ShardLoader.close() reaches through its source
+    assert all(conn.sock is None for conn in opened)
+    assert client.stats() == {"ok": True}
     client.close()

@@ -438,3 +438,7 @@ def test_client_is_thread_safe_and_leases_exactly_once(inproc_master: MasterThre
     assert sorted(completed) == list(range(60)), Counter(completed).most_common(3)
     status = client.status(job)
     assert status["finished"] and status["shards"]["done"] == 60
+    opened = set(client._conns._open)
+    assert len(opened) == 9  # one kept-alive connection per thread, this one's included
+    client.close()  # ends all nine, not only this thread's
+    assert all(conn.sock is None for conn in opened)
