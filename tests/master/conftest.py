@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from loader.master.client import MasterClient
 from loader.master.settings import MasterSettings
 from tests.helpers import (
     PYTHON,
@@ -268,3 +269,17 @@ class Trainers:
             assert done == list(range(n)), f"epoch {epoch}: missing {sorted(set(range(n)) - set(done))[:10]}"
         wrong = [r for r in self.resumed if r[2] != r[3]]
         assert not wrong, f"leases not resumed at the last renewed offset (epoch, shard, given, expected): {wrong[:5]}"
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., MasterClient]]:
+    """``clients(urls, **options)`` makes a MasterClient that is closed when the test ends."""
+    made: list[MasterClient] = []
+
+    def make(*args: Any, **kwargs: Any) -> MasterClient:
+        made.append(MasterClient(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -206,9 +207,9 @@ def test_operations_endpoints(inproc_master: MasterThread) -> None:
     assert "shardcache_master_leader 1.0" in text
 
 
-def test_unix_socket_listener(inproc_master: MasterThread) -> None:
+def test_unix_socket_listener(inproc_master: MasterThread, clients: Callable[..., MasterClient]) -> None:
     sock_path = [a for a in inproc_master.settings.listen if a.startswith("unix://")][0]
-    client = MasterClient(sock_path)
+    client = clients(sock_path)
     job = new_job(inproc_master, 2)
     assert client.status(job)["shards"]["total"] == 2
 
@@ -369,8 +370,8 @@ def test_huge_headers_are_refused(inproc_master: MasterThread) -> None:
 # -- the client --------------------------------------------------------------------------------
 
 
-def test_client_typed_errors(inproc_master: MasterThread) -> None:
-    client = MasterClient(inproc_master.url)
+def test_client_typed_errors(inproc_master: MasterThread, clients: Callable[..., MasterClient]) -> None:
+    client = clients(inproc_master.url)
     name = "job-" + uuid.uuid4().hex[:10]
     status = client.create_job(job_spec(name, 2, epochs=1))
     assert status["name"] == name
@@ -395,15 +396,15 @@ def test_client_typed_errors(inproc_master: MasterThread) -> None:
     assert isinstance(LeaseLost("x"), Exception) and issubclass(MasterUnavailable, ConnectionError)
 
 
-def test_client_skips_a_dead_master_in_its_list(inproc_master: MasterThread) -> None:
+def test_client_skips_a_dead_master_in_its_list(inproc_master: MasterThread, clients: Callable[..., MasterClient]) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    client = MasterClient(f"{dead},{inproc_master.url}", retry_deadline_s=10)
+    client = clients(f"{dead},{inproc_master.url}", retry_deadline_s=10)
     job = new_job(inproc_master, 2)
     assert client.status(job)["name"] == job
 
 
-def test_client_gives_up_with_master_unavailable() -> None:
-    client = MasterClient(f"http://127.0.0.1:{free_port()}", retry_deadline_s=0.5)
+def test_client_gives_up_with_master_unavailable(clients: Callable[..., MasterClient]) -> None:
+    client = clients(f"http://127.0.0.1:{free_port()}", retry_deadline_s=0.5)
     with pytest.raises(MasterUnavailable, match="no master answered"):
         client.status("anything")
 
