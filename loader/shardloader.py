@@ -483,7 +483,8 @@ class ShardLoader:
             self._next_epoch = epoch
         trainer = self.trainer
         renewer = Renewer(client, job, trainer, self.settings.renew_fraction)
-        source = self._source()
+        # Made before the first lease: a bad endpoint fails here, not with shards already leased.
+        self._source()
         stream = LeaseStream(
             client,
             job,

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
-from pathlib import Path
 
 import pytest
 

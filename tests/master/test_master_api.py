@@ -8,7 +8,6 @@ import http.client as httpclient
 import json
 import socket
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
