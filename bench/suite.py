@@ -189,7 +189,7 @@ class Master:
 
 
 class Runner:
-    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, store: S3Server, proxy: LatencyProxy) -> None:
+    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, proxy: LatencyProxy) -> None:
         self.cfg = cfg
         self.workdir = workdir
         self.dataset = dataset
@@ -437,7 +437,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
         with store_server(cfg.store, workdir) as store:
             dataset = build_dataset(cfg, store, workdir)
             with LatencyProxy(store.endpoint, cfg.delay_ms, cfg.stream_mbps, workdir / "proxy.log") as proxy:
-                runner = Runner(cfg, workdir, dataset, store, proxy)
+                runner = Runner(cfg, workdir, dataset, proxy)
                 _say("raw local read (the limit)")
                 runner.raw()
                 for name in PEERS:

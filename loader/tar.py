@@ -445,13 +445,9 @@ def _members(
             elif typeflag == b"x":
                 pax = _parse_pax(data, url, start)
             continue  # 'g' (global) and 'K' (long link target) carry nothing a sample needs
+        name = _member_name(header, long_name, pax)
         if pax or long_name is not None:
-            name = _member_name(header, long_name, pax)
             long_name, pax = None, {}
-        else:  # inline for the common plain ustar member
-            name = header[:100].split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
-            if header[345] and header[257:263] == b"ustar\x00":  # POSIX ustar: a prefix extends the name
-                name = _nul_str(header[345:500]) + "/" + name
         if typeflag not in _REGULAR:
             # Directories, links, devices: no sample data. Some types (e.g. sparse) may carry data.
             stream.skip(padded, "member", name)
@@ -515,10 +511,9 @@ def _member_name(header: bytes, long_name: str | None, pax: dict[str, str]) -> s
     if long_name is not None:
         return long_name
     name = _nul_str(header[0:100])
-    if header[257:263] == b"ustar\x00":  # POSIX ustar: a prefix field extends the name
-        prefix = _nul_str(header[345:500])
-        if prefix:
-            name = prefix + "/" + name
+    # POSIX ustar: a prefix field extends the name (its first byte tells, without decoding it)
+    if header[345] and header[257:263] == b"ustar\x00":
+        name = _nul_str(header[345:500]) + "/" + name
     return name
 
 

@@ -23,7 +23,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
@@ -191,14 +190,10 @@ def _bad_request(message: str) -> Verdict:
 # ----------------------------------------------------------------------------- TLS
 
 
-def _file_stamp(cert: Path, key: Path) -> tuple[tuple[int, int, int], ...]:
-    # os.stat follows symlinks: a Secret volume swaps its ..data symlink, changing the inode.
-    return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in (os.stat(cert), os.stat(key)))
-
-
 def _pair_digest(cert: Path, key: Path) -> bytes:
     # What the pair holds, not when it was written: a Secret resync or a rename of identical bytes
     # touches the files without renewing anything, and must not count as (or cause) a reload.
+    # Reads follow symlinks, as a Secret volume's ..data swap needs; two small files per interval.
     return hashlib.sha256(cert.read_bytes() + b"\0" + key.read_bytes()).digest()
 
 
@@ -224,7 +219,6 @@ class TLSReloader:
         # Blocking file reads: this runs before the event loop starts.
         self._current = _load_context(cert, key)
         try:
-            self._stamp = _file_stamp(cert, key)
             self._digest = _pair_digest(cert, key)
         except OSError as exc:
             raise WebhookError(f"cannot read TLS files {cert}, {key}: {exc}") from exc
@@ -241,19 +235,11 @@ class TLSReloader:
     async def check(self) -> bool:
         """Reload if the files changed; a half-written or invalid pair keeps the old one."""
         try:
-            stamp = await asyncio.to_thread(_file_stamp, self.cert, self.key)
-        except OSError as exc:
-            log.warning("cannot stat TLS files (keeping the current certificate): %s", exc)
-            return False
-        if stamp == self._stamp:
-            return False
-        try:
             digest = await asyncio.to_thread(_pair_digest, self.cert, self.key)
         except OSError as exc:
             log.warning("cannot read TLS files (keeping the current certificate): %s", exc)
             return False
         if digest == self._digest:
-            self._stamp = stamp  # rewritten with the same bytes: nothing to reload
             return False
         try:
             context = await asyncio.to_thread(_load_context, self.cert, self.key)
@@ -262,7 +248,6 @@ class TLSReloader:
             log.warning("renewed TLS files not usable yet (keeping the current certificate): %s", exc)
             return False
         self._current = context
-        self._stamp = stamp
         self._digest = digest
         self.reloads += 1
         log.info("reloaded TLS certificate from %s", self.cert)
