@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from loader.errors import AccessDenied, LoaderError, ShardNotFound, SourceError
-from loader.httpclient import (
+from wire.httpclient import (
     AnswerTooLarge,
     ThreadConnections,
     UnixHTTPConnection,

@@ -464,7 +464,7 @@ class ShardLoader:
         return status
 
     def _iter_dynamic(self, generation: int) -> Iterator[dict[str, Any]]:
-        from loader.leases import LeaseStream, Renewer
+        from loader.master.stream import LeaseStream, Renewer
 
         client = self._client()
         job = self.job

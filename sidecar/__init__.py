@@ -1,11 +1,11 @@
-"""shardcache's node daemon and pod sidecar: origins, the S3-speaking cache server, the CLI.
+"""shardcache's node side: the cache daemon and pod sidecar (:mod:`sidecar.daemon`), Kubernetes
+injection and the admission webhook (:mod:`sidecar.k8s`), and the ``shardcache`` command line
+(:mod:`sidecar.cli`). The CLI may use the daemon and k8s parts; they never import the CLI or each
+other (``.importlinter`` checks it).
 
-Public API (the rest is internal)::
-
-    from sidecar import ServeSettings, build_app, serve_forever
+Importing this package loads nothing but its errors, so ``import sidecar.cli`` stays light.
 """
 
-from sidecar.daemon import build_app
 from sidecar.errors import (
     AccessDenied,
     BadRequest,
@@ -18,22 +18,8 @@ from sidecar.errors import (
     OriginUnavailable,
     SidecarError,
 )
-from sidecar.fetcher import FetchSettings
-from sidecar.origin import FileOrigin, ObjectInfo, Origin
-from sidecar.s3origin import S3Origin, S3Settings
-from sidecar.server import serve_forever
-from sidecar.settings import ServeSettings
 
 __all__ = [
-    "ServeSettings",
-    "FetchSettings",
-    "S3Settings",
-    "build_app",
-    "serve_forever",
-    "Origin",
-    "FileOrigin",
-    "S3Origin",
-    "ObjectInfo",
     "SidecarError",
     "BadRequest",
     "OriginError",

@@ -7,6 +7,8 @@ are wrapped with ``raise ... from`` at the origin boundary and never leak past i
 
 from __future__ import annotations
 
+from wire.errors import InvalidName
+
 __all__ = [
     "SidecarError",
     "BadRequest",
@@ -68,6 +70,7 @@ class OriginBadResponse(OriginError, IOError):
 # exception type -> (HTTP status, S3 error code). The only place errors become HTTP answers.
 S3_ERRORS: list[tuple[type[BaseException], int, str]] = [
     (BadRequest, 400, "InvalidArgument"),
+    (InvalidName, 400, "InvalidArgument"),
     (ObjectNotFound, 404, "NoSuchKey"),
     (BucketNotFound, 404, "NoSuchBucket"),
     (AccessDenied, 403, "AccessDenied"),

@@ -153,7 +153,7 @@ class DaemonThread(ServerThread):
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def serve(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
-        from sidecar.server import serve_forever
+        from sidecar.daemon.server import serve_forever
 
         ready = asyncio.Event()
         notify = asyncio.create_task(ready.wait())

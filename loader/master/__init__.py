@@ -1,7 +1,7 @@
 """The shard-lease master (``shardcache master``) and its trainer-side client.
 
 Importing this package stays light (stdlib only): the server side (aiohttp, SQLite, etcd) lives
-in submodules imported explicitly (:mod:`loader.master.app`, :mod:`loader.master.service`).
+in submodules imported explicitly (:mod:`loader.master.server.app`, :mod:`loader.master.server.service`).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from loader.httpclient import ThreadConnections, UnixHTTPConnection, exchange
+from wire.httpclient import ThreadConnections, UnixHTTPConnection, exchange
 from loader.master.errors import (
     BadRequest,
     JobConflict,

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.commands.warmup import map_dataset, place
-from sidecar.daemon_client import parse_address, resolve_addresses, warmup_id
-from sidecar.manifest import ManifestShard, ShardInfo, compare, parse_dataset_url
-from sidecar.progress import Progress, ProgressLine, format_eta, render_bar, render_line
-from sidecar.warmups import TokenBucket
+from sidecar.cli.commands.warmup import map_dataset, place
+from sidecar.cli.control import parse_address, resolve_addresses, warmup_id
+from sidecar.cli.datasets import ManifestShard, ShardInfo, compare, parse_dataset_url
+from sidecar.cli.progress import Progress, ProgressLine, format_eta, render_bar, render_line
+from sidecar.daemon.warmups import TokenBucket
 
 keys_st = st.lists(st.text(alphabet="abcdefgh0123456789-/.", min_size=1, max_size=12), unique=True, max_size=60)
 daemons_st = st.lists(st.sampled_from([f"http://10.0.0.{i}:8600" for i in range(1, 12)]), unique=True, min_size=1, max_size=8)

@@ -1,4 +1,4 @@
-"""The daemon's warm-up job API (``sidecar.warmups``), in this process so the blocking-call guard
+"""The daemon's warm-up job API (``sidecar.daemon.warmups``), in this process so the blocking-call guard
 watches its event loop: the job lifecycle, verification, and hostile input."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from cache import StoreSettings
-from sidecar.fetcher import FetchSettings
-from sidecar.settings import ServeSettings
+from sidecar.daemon.fills import FetchSettings
+from sidecar.daemon.settings import ServeSettings
 from tests.cli.support import ThreadDaemon, make_shards, write_dataset, xxh3
 from tests.helpers import free_port, wait_until
 
@@ -186,7 +186,7 @@ def test_hostile_requests_get_clear_4xx_and_change_nothing(daemon: ThreadDaemon)
 
 
 def test_huge_body_is_refused_without_reading_it_all(daemon: ThreadDaemon):
-    from sidecar.warmups import MAX_BODY
+    from sidecar.daemon.warmups import MAX_BODY
 
     # Declared too large: refused from the header alone.
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:

@@ -16,9 +16,9 @@ import pytest
 from botocore.config import Config
 
 from cache import StoreSettings
-from sidecar.fetcher import FetchSettings
-from sidecar.s3origin import S3Settings
-from sidecar.settings import ServeSettings
+from sidecar.daemon.fills import FetchSettings
+from sidecar.daemon.origins.s3 import S3Settings
+from sidecar.daemon.settings import ServeSettings
 from tests.daemon.faultproxy import FaultProxy
 from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
 from tests.helpers import DaemonThread as BaseDaemonThread

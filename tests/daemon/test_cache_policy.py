@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.priority import DEMAND, LEASE, WARMUP, PriorityLimiter
+from sidecar.daemon.priority import DEMAND, LEASE, WARMUP, PriorityLimiter
 from tests.daemon.conftest import make_settings, put_objects, s3_client
 from tests.helpers import wait_until
 

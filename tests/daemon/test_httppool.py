@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sidecar.errors import OriginBadResponse, OriginUnavailable
-from sidecar.httppool import HTTPPool
+from sidecar.daemon.origins.httppool import HTTPPool
 from tests.helpers import free_port, serving
 
 BODY = bytes(range(256)) * 4096  # 1 MiB

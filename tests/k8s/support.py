@@ -26,7 +26,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 CHART = REPO / "charts" / "shardcache"
 
 # Kinds of pod-holding objects and where their pod templates are, written out independently of
-# sidecar.inject so the tests do not trust the code under test to find them.
+# sidecar.k8s.inject so the tests do not trust the code under test to find them.
 TEMPLATE_PATHS: dict[str, list[tuple[str, ...]]] = {
     "Pod": [()],
     "Deployment": [("spec", "template")],

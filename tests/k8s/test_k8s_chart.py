@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.inject import INJECT_LABEL, SIDECAR_NAME
+from sidecar.k8s.inject import INJECT_LABEL, SIDECAR_NAME
 from tests.k8s.support import (
     CHART,
     Renderer,
@@ -200,7 +200,7 @@ def test_daemonset_args_parse_with_the_real_serve_command(rendered: dict[str, li
 
     parser = build_parser()
     if "serve" not in subcommands(parser):
-        pytest.skip("sidecar.commands.serve is not in this tree yet")
+        pytest.skip("sidecar.cli.commands.serve is not in this tree yet")
     for option in ("defaults", "gpu-nodes", "file-origin"):
         args = parser.parse_args(container(find(rendered[option], "DaemonSet", "-node"))["args"])
         assert args.command == "serve" and args.mode == "node"
@@ -244,7 +244,7 @@ def test_s3_endpoint_and_credentials(rendered: dict[str, list[dict[str, Any]]]) 
     assert not defaults & {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID"}
     # Sidecars on nodes without a daemon read the same object store.
     from sidecar.cli import build_parser
-    from sidecar.commands.webhook import settings_from_args
+    from sidecar.cli.commands.webhook import settings_from_args
 
     args = container(find(objects, "Deployment", "-webhook"))["args"]
     settings = settings_from_args(build_parser().parse_args(args))
@@ -310,7 +310,7 @@ def test_master_args_parse_with_the_real_master_command(rendered: dict[str, list
 
     parser = build_parser()
     if "master" not in subcommands(parser):
-        pytest.skip("sidecar.commands.master is not in this tree yet")
+        pytest.skip("sidecar.cli.commands.master is not in this tree yet")
     for option in ("defaults", "etcd-ha"):
         args = parser.parse_args(container(find(rendered[option], "Deployment", "-master"))["args"])
         assert args.command == "master"
@@ -487,7 +487,7 @@ def test_workload_injection_webhook(rendered: dict[str, list[dict[str, Any]]]) -
 
 def test_webhook_args_parse_with_the_real_command(rendered: dict[str, list[dict[str, Any]]]) -> None:
     from sidecar.cli import build_parser
-    from sidecar.commands.webhook import settings_from_args
+    from sidecar.cli.commands.webhook import settings_from_args
 
     for option in ("defaults", "sidecar", "old-cluster", "fail-closed", "ephemeral-cache"):
         args = build_parser().parse_args(container(find(rendered[option], "Deployment", "-webhook"))["args"])

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.inject import (
+from sidecar.k8s.inject import (
     ENDPOINT_ENV,
     INJECT_LABEL,
     SIDECAR_NAME,
@@ -149,7 +149,7 @@ def test_sidecar_args_parse_with_the_real_serve_command() -> None:
 
     parser = build_parser()
     if "serve" not in subcommands(parser):
-        pytest.skip("sidecar.commands.serve is not in this tree yet")
+        pytest.skip("sidecar.cli.commands.serve is not in this tree yet")
     sidecar = sidecar_of(inject(pod(), CONFIG)[0]["spec"])
     args = parser.parse_args(sidecar["args"])
     assert args.command == "serve"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.inject import INJECT_LABEL, SIDECAR_NAME, InjectConfig, inject
+from sidecar.k8s.inject import INJECT_LABEL, SIDECAR_NAME, InjectConfig, inject
 from tests.helpers import PYTHON, REPO
 from tests.k8s.support import FIXTURES, TEMPLATE_PATHS, check_pod_semantics, kubectl_parse, pod_templates, validate_k8s
 

@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.inject import ENDPOINT_ENV, INJECT_LABEL, SIDECAR_NAME, InjectConfig, inject
-from sidecar.webhook import TLSReloader, WebhookSettings, build_app
+from sidecar.k8s.inject import ENDPOINT_ENV, INJECT_LABEL, SIDECAR_NAME, InjectConfig, inject
+from sidecar.k8s.webhook import TLSReloader, WebhookSettings, build_app
 from tests.helpers import free_port
 from tests.k8s.support import (
     FIXTURES,

@@ -201,7 +201,7 @@ def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: P
     knows ``release``; on one from before it (the route answers 404, as this client subclass does
     in place of an old master) the offset is reported by a final renew and the lease expires; with
     no master reachable it gives up at once instead of also trying to renew."""
-    from loader.leases import Held, Renewer
+    from loader.master.stream import Held, Renewer
     from loader.master.errors import BadRequest
 
     class OldMaster(MasterClient):

@@ -22,7 +22,7 @@ def test_import_loader_imports_no_framework() -> None:
     only when S3 is read directly)."""
     heavy = ("torch", "tensorflow", "keras", "boto3", "sidecar", "cache", "aiohttp")
     code = (
-        "import sys, json, loader, loader.shardloader, loader.sources, loader.leases, loader.master.client\n"
+        "import sys, json, loader, loader.shardloader, loader.sources, loader.master.stream, loader.master.client\n"
         f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r})))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)

@@ -1,4 +1,4 @@
-"""The small JSON clients' one exchange (``loader.httpclient.exchange``) against a real HTTP server
+"""The small JSON clients' one exchange (``wire.httpclient.exchange``) against a real HTTP server
 on a loopback socket, and through the three clients built on it: a connection the server closed
 while idle costs one silent retry, a cut or oversized answer is an error and its connection is
 never reused (an unread rest would be parsed as the next answer)."""
@@ -15,12 +15,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from loader.daemon import DaemonClient as LoaderDaemonClient
-from loader.httpclient import AnswerTooLarge, exchange
+from wire.httpclient import AnswerTooLarge, exchange
 from loader.master.client import MasterClient
 from loader.master.errors import MasterUnavailable
 from loader.settings import LoaderSettings
-from sidecar import daemon_client
-from sidecar.daemon_client import DaemonClient, DaemonUnavailable
+from sidecar.cli import control as daemon_client
+from sidecar.cli.control import DaemonClient, DaemonUnavailable
 from tests.helpers import free_port, serving
 
 SMALL = b'{"ok": true}'

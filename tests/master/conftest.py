@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from loader.master.client import MasterClient
-from loader.master.settings import MasterSettings
+from loader.master.server.settings import MasterSettings
 from tests.helpers import (
     PYTHON,
     ServerThread,
@@ -162,7 +162,7 @@ class MasterThread(ServerThread):
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def serve(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
-        from loader.master.app import serve
+        from loader.master.server.app import serve
 
         await serve(self.settings, stop=stop, on_ready=on_ready)
 

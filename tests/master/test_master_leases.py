@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from loader.master.errors import BadRequest, JobConflict, LeaseLost, MasterError, NoSuchJob, NotLeaseHolder
-from loader.master.leases import (
+from loader.master.server.state import (
     Complete,
     CreateJob,
     Event,
@@ -428,7 +428,7 @@ def test_trainer_is_not_handed_back_the_shard_it_just_failed_while_others_remain
 
 
 def test_epoch_orders_follow_the_seeded_shuffle() -> None:
-    from loader.master.shuffle import permutation
+    from wire.shuffle import permutation
 
     state = MasterState()
     state.apply(CreateJob(spec(n=6, seed=3)), 0.0)

@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.master.shuffle import EpochOrder, permutation
+from wire.shuffle import EpochOrder, permutation
 
 seeds = st.integers(min_value=-(2**63) + 1, max_value=2**63 - 1)
 epochs = st.integers(min_value=0, max_value=10**6)

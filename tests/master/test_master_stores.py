@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from loader.master.errors import StateError
-from loader.master.etcd import EtcdClient
-from loader.master.store_etcd import EtcdStore, Fenced
-from loader.master.store_sqlite import SqliteStore
+from loader.master.server.etcd import EtcdClient
+from loader.master.server.store_etcd import EtcdStore, Fenced
+from loader.master.server.store_sqlite import SqliteStore
 from tests.master.conftest import EtcdServer
 
 

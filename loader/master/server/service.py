@@ -1,0 +1,352 @@
+"""The master's service layer: the pure state machine, its journal and store, and leadership.
+
+One event loop owns the :class:`~loader.master.server.state.MasterState`; each API call applies its
+event synchronously (so events are totally ordered) and, when the state changed, waits until
+the journal made the event durable before answering. A master serves only while it holds the
+state: at once with SQLite, after winning the election with etcd (standbys answer
+``NotLeader`` naming the leader). Whenever the store fails, the in-memory state may be ahead of
+it, so it is thrown away: reloaded from SQLite, or leadership given up with etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loader.master.errors import MasterError, NotLeader, StateError
+from loader.master.server.journal import Journal, Store
+from loader.master.server.state import (
+    CreateJob,
+    Event,
+    JobSpec,
+    MasterState,
+    Result,
+    Resume,
+    event_from_json,
+    event_to_text,
+)
+from loader.master.server.metrics import MasterMetrics
+from loader.master.server.settings import MasterSettings, parse_state
+
+__all__ = ["MasterService"]
+
+log = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 30.0
+_PRESENCE_KEEP_S = 600.0
+
+
+class _Rate:
+    """Samples processed over a sliding window (not durable: a rate, not an account)."""
+
+    def __init__(self) -> None:
+        self._points: deque[tuple[float, int]] = deque()
+        self._started = time.monotonic()
+
+    def add(self, samples: int) -> None:
+        if samples > 0:
+            self._points.append((time.monotonic(), samples))
+
+    def per_s(self) -> float:
+        now = time.monotonic()
+        while self._points and self._points[0][0] < now - _RATE_WINDOW_S:
+            self._points.popleft()
+        span = min(_RATE_WINDOW_S, max(now - self._started, 1.0))
+        return round(sum(n for _, n in self._points) / span, 1)
+
+
+class MasterService:
+    def __init__(self, settings: MasterSettings, *, clock: Callable[[], float] = time.time, metrics: MasterMetrics | None = None) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.metrics = metrics or MasterMetrics()
+        self.identity = {"id": uuid.uuid4().hex, "url": settings.resolved_advertise_url()}
+        self.role = "starting"
+        self.state: MasterState | None = None
+        self._store: Store | None = None
+        self._journal: Journal | None = None
+        self._seq = 0
+        self._snap_seq = 0
+        self._presence: dict[str, dict[str, tuple[str, float]]] = {}
+        self._rates: dict[str, _Rate] = {}
+        self._etcd: Any = None
+        self._election: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._term: asyncio.Task[None] | None = None
+        # job -> an event set (and dropped) at the job's next change: what long-polling lease
+        # requests wait on instead of the client sleeping a fixed retry interval.
+        self._changes: dict[str, asyncio.Event] = {}
+        self.metrics.watch_jobs(self._job_statuses)
+
+    # -- lifecycle --
+
+    async def start(self) -> None:
+        kind, where = parse_state(self.settings.state)
+        if kind == "sqlite":
+            from loader.master.server.store_sqlite import SqliteStore
+
+            store = SqliteStore(Path(where))
+            await store.open()
+            self._store = store
+            await self._take_over(store)
+            return
+        from loader.master.server.election import Election
+        from loader.master.server.etcd import EtcdClient, parse_etcd_url
+        from loader.master.server.store_etcd import EtcdStore
+
+        endpoints, prefix = parse_etcd_url(where)
+        self._etcd = EtcdClient(endpoints, timeout_s=self.settings.etcd_timeout_s)
+        self.role = "standby"
+        election = Election(
+            self._etcd,
+            (prefix.rstrip("/") + "/leader").encode(),
+            self.identity,
+            ttl_s=self.settings.election_ttl_s,
+            poll_s=self.settings.election_poll_s,
+            on_elected=self._on_elected,
+            on_deposed=self._on_deposed,
+        )
+        self._election = election
+        self._store = EtcdStore(
+            self._etcd, prefix, lambda: election.revision, compact=self.settings.etcd_compact
+        )
+        self._spawn(election.run(), "master-election")
+
+    async def stop(self) -> None:
+        if self._journal is not None:
+            await self._journal.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks.clear()
+        self.role = "stopped"
+        self.metrics.leader.set(0)
+        if self._store is not None:
+            await self._store.close()
+        if self._etcd is not None:
+            await self._etcd.close()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """A named, guarded background task: a crash is logged, never silently lost."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("background task %s crashed", name, exc_info=t.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    async def _take_over(self, store: Store) -> None:
+        """Load the state (snapshot + replayed log), start a journal, resume the leases."""
+        snap, snap_seq, records = await store.load()
+        state = MasterState.from_json(snap) if snap is not None else MasterState()
+        seq = snap_seq
+        for seq, text in records:
+            raw = json.loads(text)
+            result = state.apply(event_from_json(raw["ev"]), raw["now"])
+            if not result.mutated:
+                raise StateError(f"the state log does not replay at record {seq}: refusing to serve inconsistent state")
+        self.state = state
+        self._seq = seq
+        self._snap_seq = snap_seq
+        self._journal = Journal(
+            store,
+            max_batch=self.settings.max_batch,
+            snapshot_due=self._snapshot_due,
+            on_failure=self._on_store_failure,
+            observe=self.metrics.observe_commit,
+        )
+        self._journal.start()
+        self.role = "leader"
+        self.metrics.leader.set(1)
+        log.info("serving %d job(s) from %s (replayed %d events after snapshot %d)", len(state.jobs), store, len(records), snap_seq)
+        await self.submit(Resume())
+
+    def _snapshot_due(self) -> tuple[int, str] | None:
+        state = self.state
+        if state is None:
+            return None
+        shards = sum(job.n for job in state.jobs.values())
+        if self._seq - self._snap_seq < max(self.settings.snapshot_min_events, 2 * shards):
+            return None
+        self._snap_seq = self._seq
+        return self._seq, state.snapshot_text()
+
+    def _drop_state(self, role: str, reason: BaseException) -> None:
+        self.role = role
+        self.state = None
+        self.metrics.leader.set(0)
+        if self._journal is not None:
+            self._journal.abort(reason if isinstance(reason, MasterError) else StateError(str(reason)))
+            self._journal = None
+
+    async def _on_store_failure(self, exc: BaseException) -> None:
+        self.metrics.store_failures.inc()
+        if self._election is not None:
+            self._election.resign()
+            return
+        self._drop_state("recovering", StateError(f"state store failed: {exc}"))
+        self._spawn(self._recover(), "master-recover")
+
+    async def _recover(self) -> None:
+        delay = 0.1
+        while self.role == "recovering":
+            try:
+                assert self._store is not None
+                await self._take_over(self._store)
+                log.info("state reloaded after a store failure")
+                return
+            except MasterError as exc:
+                log.error("cannot reload the state yet: %s", exc)
+                self.role = "recovering"
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _on_elected(self, revision: int) -> None:
+        # Load in a task: the election must keep its lease alive meanwhile.
+        self.role = "loading"
+        self._term = self._spawn(self._load_term(), "master-takeover")
+
+    async def _load_term(self) -> None:
+        try:
+            assert self._store is not None
+            await self._take_over(self._store)
+            log.info("leading with advertise URL %s", self.identity["url"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("cannot take over the state: %s; giving up leadership", exc)
+            self._election.resign()
+
+    async def _on_deposed(self) -> None:
+        if self._term is not None and not self._term.done():
+            self._term.cancel()
+        self._term = None
+        self._drop_state("standby", NotLeader("this master lost leadership; retry against the new leader", leader=None))
+
+    # -- API --
+
+    def leader_url(self) -> str | None:
+        if self.role == "leader":
+            return self.identity["url"]
+        if self._election is not None and self._election.leader:
+            url = self._election.leader.get("url")
+            return url if isinstance(url, str) and url != self.identity["url"] else None
+        return None
+
+    def require_state(self) -> MasterState:
+        if self.role == "leader" and self.state is not None:
+            return self.state
+        if self._election is not None:
+            raise NotLeader("this master is a standby: send requests to the leader", leader=self.leader_url())
+        raise StateError(f"the master is {self.role}; retry shortly")
+
+    async def submit(self, event: Event) -> Result:
+        state = self.require_state()
+        result = state.apply(event, self.clock())
+        if result.mutated:
+            assert self._journal is not None and result.record is not None
+            self._seq += 1
+            record = '{"now":' + repr(float(result.now)) + ',"ev":' + event_to_text(result.record) + "}"
+            # If this handler is cancelled the write still happens (the journal owns the batch);
+            # only this wait ends.
+            await self._journal.append((self._seq, record))
+            changed = self._changes.pop(_event_job(event), None)
+            if changed is not None:
+                changed.set()
+        return result
+
+    async def wait_for_change(self, job: str, timeout_s: float) -> None:
+        """Wait until an event changes ``job`` (a lease completed, failed, granted...) or
+        ``timeout_s`` passes."""
+        changed = self._changes.setdefault(job, asyncio.Event())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout_s)
+
+    def note(self, job: str, trainer: str | None, node: str | None, progress: int = 0) -> None:
+        """Trainer presence and throughput for the status (in memory only)."""
+        if trainer is not None:
+            seen = self._presence.setdefault(job, {})
+            old = seen.get(trainer)
+            seen[trainer] = (node if node is not None else (old[0] if old else ""), self.clock())
+        if progress:
+            self._rates.setdefault(job, _Rate()).add(progress)
+
+    async def create_job(self, raw: Any) -> tuple[dict[str, Any], bool]:
+        def validate() -> JobSpec:
+            spec = JobSpec.from_json(
+                raw,
+                default_ttl_s=self.settings.lease_ttl_s,
+                default_max_failures=self.settings.max_failures,
+                max_shards=self.settings.max_shards,
+            )
+            spec.json_text  # noqa: B018 - computed (and cached) here, not on the event loop
+            return spec
+
+        shards = raw.get("shards") if isinstance(raw, dict) else None
+        big = isinstance(shards, list) and len(shards) > 2000
+        spec = await asyncio.to_thread(validate) if big else validate()
+        result = await self.submit(CreateJob(spec))
+        return self.status(spec.name), result.created
+
+    def new_lease_ids(self, count: int) -> tuple[str, ...]:
+        # 96 random bits each, URL-safe: unguessable, and meaning nothing (the state maps it).
+        count = max(0, min(count, 1024))
+        raw = base64.urlsafe_b64encode(secrets.token_bytes(12 * count)).decode()
+        return tuple(raw[16 * i : 16 * i + 16] for i in range(count))
+
+    def status(self, name: str) -> dict[str, Any]:
+        state = self.require_state()
+        now = self.clock()
+        out = state.status(name, now)
+        by_trainer: dict[str, int] = out.pop("leases_by_trainer")
+        seen = self._presence.get(name, {})
+        for trainer, (_, last) in list(seen.items()):
+            if now - last > _PRESENCE_KEEP_S and trainer not in by_trainer:
+                del seen[trainer]
+        trainers = []
+        for trainer in sorted(set(seen) | set(by_trainer)):
+            node, last_seen = seen[trainer] if trainer in seen else ("", None)
+            trainers.append(
+                {
+                    "trainer": trainer,
+                    "node": node,
+                    "last_seen_s_ago": None if last_seen is None else round(max(now - last_seen, 0.0), 3),
+                    "leases": by_trainer.get(trainer, 0),
+                }
+            )
+        out["trainers"] = trainers
+        rate = self._rates.get(name)
+        out["samples_per_s"] = rate.per_s() if rate else 0.0
+        return out
+
+    def jobs(self) -> list[dict[str, Any]]:
+        state = self.require_state()
+        return [self.status(name) for name in sorted(state.jobs)]
+
+    def _job_statuses(self) -> list[dict[str, Any]]:
+        try:
+            return self.jobs()
+        except MasterError:
+            return []
+
+
+def _event_job(event: Event) -> str:
+    return event.spec.name if isinstance(event, CreateJob) else getattr(event, "job", "")

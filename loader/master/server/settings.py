@@ -1,0 +1,121 @@
+"""Settings of ``shardcache master``, built once by the CLI and passed down."""
+
+from __future__ import annotations
+
+import socket
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MasterSettings", "parse_listen", "parse_state"]
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    listen: tuple[str, ...] = ("tcp://0.0.0.0:8700",)
+    """Addresses to serve the API on: ``tcp://host:port`` or ``unix:///path/to.sock``."""
+
+    state: str = "sqlite:///var/lib/shardcache/master.db"
+    """Where the state lives: ``sqlite:///path`` (one master) or ``etcd://host:2379[,host2:2379]/prefix``
+    (several masters, one leader elected through etcd)."""
+
+    advertise_url: str | None = None
+    """URL other masters tell clients to use to reach this one when it leads (etcd mode).
+    Default: ``http://<hostname>:<port>`` of the first TCP listener."""
+
+    lease_ttl_s: float = 30.0
+    """Lease TTL of jobs whose spec does not set ``lease_ttl_s``."""
+
+    max_failures: int = 3
+    """``max_failures`` of jobs whose spec does not set it."""
+
+    election_ttl_s: int = 3
+    """TTL of the etcd lease behind leadership: a dead leader is replaced within about this long."""
+
+    election_poll_s: float = 0.5
+    """How often a standby checks whether the leader key is gone."""
+
+    etcd_timeout_s: float = 5.0
+    """Per-request timeout towards etcd."""
+
+    etcd_compact: bool = True
+    """Compact etcd's key history after each snapshot (the master writes often; without compaction
+    etcd's database grows until its quota stops the cluster)."""
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest create-job body (it carries the shard list)."""
+
+    max_small_body_bytes: int = 64 * 1024
+    """Largest body of every other request."""
+
+    max_shards: int = 1_000_000
+    """Most shards one job may have."""
+
+    max_batch: int = 512
+    """Most events in one group commit (1 commits every event on its own)."""
+
+    snapshot_min_events: int = 10_000
+    """Snapshot the state after at least this many logged events (and at least twice the shard
+    count, so snapshots cost O(1) per event), then drop the log below it."""
+
+    def __post_init__(self) -> None:
+        for address in self.listen:
+            parse_listen(address)
+        parse_state(self.state)
+        if not 1 <= self.lease_ttl_s <= 86400:
+            raise ValueError("lease_ttl_s must be in [1, 86400] seconds")
+        if self.max_failures < 1:
+            raise ValueError("max_failures must be >= 1")
+        if self.election_ttl_s < 2:
+            raise ValueError("election_ttl_s must be >= 2 seconds")
+        if self.snapshot_min_events < 1:
+            raise ValueError("snapshot_min_events must be >= 1")
+        if self.max_batch < 1 or self.max_body_bytes < 1024 or self.max_small_body_bytes < 1024:
+            raise ValueError("max_batch, max_body_bytes and max_small_body_bytes must be positive (bodies >= 1 KiB)")
+
+    @property
+    def is_etcd(self) -> bool:
+        return parse_state(self.state)[0] == "etcd"
+
+    def resolved_advertise_url(self) -> str | None:
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        for address in self.listen:
+            kind, host, port = parse_listen(address)
+            if kind == "tcp":
+                if host in ("", "0.0.0.0", "::"):
+                    host = socket.gethostname()
+                if ":" in host:
+                    host = f"[{host}]"
+                return f"http://{host}:{port}"
+        return None
+
+
+def parse_listen(address: str) -> tuple[str, str, int]:
+    """``tcp://host:port`` -> ("tcp", host, port); ``unix:///path`` -> ("unix", path, 0)."""
+    parts = urllib.parse.urlsplit(address)
+    if parts.scheme == "unix" and parts.path:
+        return "unix", parts.path, 0
+    if parts.scheme == "tcp":
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if port is not None:
+            return "tcp", parts.hostname or "", port
+    raise ValueError(f"invalid listen address {address!r}: use tcp://0.0.0.0:8700 or unix:///run/shardcache/master.sock")
+
+
+def parse_state(url: str) -> tuple[str, str]:
+    """``sqlite:///var/x.db`` -> ("sqlite", "/var/x.db"); ``etcd://h:2379/p`` -> ("etcd", url)."""
+    if url.startswith("sqlite://"):
+        path = url[len("sqlite://") :]
+        if not path:
+            raise ValueError(f"invalid state URL {url!r}: use sqlite:///var/lib/shardcache/master.db")
+        return "sqlite", str(Path(path))
+    if url.startswith(("etcd://", "etcd+http://", "etcd+https://")):
+        from loader.master.server.etcd import parse_etcd_url
+
+        parse_etcd_url(url)
+        return "etcd", url
+    raise ValueError(f"invalid state URL {url!r}: use sqlite:///path/to/master.db or etcd://host:2379/prefix")

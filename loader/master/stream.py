@@ -1,0 +1,281 @@
+"""Dynamic mode: the trainer's side of the lease protocol (``docs/master-api.md``).
+
+:class:`LeaseStream` turns lease answers into a stream of held shards for one epoch (or across
+epochs in continuous mode), waiting while others hold the last leases of an epoch and taking over
+the ones that expire. :class:`Renewer` is the background thread that keeps every held lease alive
+and tells the master how far into each shard this trainer has handed out samples, so that a
+killed trainer costs at most the samples since its last renew.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from loader.errors import LoaderError
+from loader.master.errors import LeaseLost, MasterError, MasterUnavailable, NoSuchJob, NotLeaseHolder
+
+__all__ = ["Held", "Renewer", "LeaseStream"]
+
+log = logging.getLogger("loader.master.stream")
+
+
+@dataclass(eq=False)
+class Held:
+    """A lease this trainer holds. ``position`` is the sample offset handed out so far
+    (absolute within the shard); the renewer reports it, the reader advances it."""
+
+    lease: str
+    shard: int
+    key: str
+    epoch: int
+    start: int
+    ttl_s: float
+    position: int = 0
+    lost: bool = False
+    done: bool = False  # completed or failed: no longer renewed
+    renewed_at: float = field(default_factory=time.monotonic)  # last time the master confirmed it
+    asked_at: float = field(default_factory=time.monotonic)  # last renewal attempt, answered or not
+
+    def stale(self) -> bool:
+        """True when the master has not confirmed this lease for a whole TTL (e.g. the process was
+        paused) and nobody asked it lately: it may have been re-issued, so check before handing
+        out more of its samples. (Not on every sample while the master is unreachable.)"""
+        now = time.monotonic()
+        return now - self.renewed_at > self.ttl_s and now - self.asked_at > self.ttl_s / 3
+
+    @classmethod
+    def from_answer(cls, item: dict[str, Any]) -> Held:
+        try:
+            start = int(item.get("offset") or 0)
+            return cls(
+                lease=str(item["lease"]),
+                shard=int(item.get("shard", -1)),
+                key=str(item["key"]),
+                epoch=int(item.get("epoch", -1)),
+                start=start,
+                ttl_s=float(item.get("ttl_s") or 30.0),
+                position=start,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LoaderError(f"the master answered a malformed lease {item!r}") from exc
+
+
+class Renewer:
+    """Renews held leases every ``ttl * fraction`` seconds from a named daemon thread.
+
+    A lease the master reports lost (expired and re-issued, or held by another trainer) is marked
+    ``lost``; the reader stops handing out its samples at the next one.
+    """
+
+    def __init__(self, client: Any, job: str, trainer: str, fraction: float) -> None:
+        self._client = client
+        self._job = job
+        self._trainer = trainer
+        self._fraction = fraction
+        self._held: list[Held] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, held: Held) -> None:
+        with self._lock:
+            self._held.append(held)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"shardcache-renew-{self._job}", daemon=True)
+            self._thread.start()
+
+    def discard(self, held: Held) -> None:
+        with self._lock:
+            if held in self._held:
+                self._held.remove(held)
+
+    def _interval(self) -> float:
+        with self._lock:
+            ttls = [h.ttl_s for h in self._held]
+        return max(0.05, min(ttls, default=30.0) * self._fraction)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.wait(self._interval())
+                self._wake.clear()
+                if self._stopping:
+                    return
+                self.renew_all()
+        except Exception:  # a crashed renewer must be loud: leases would silently expire
+            log.exception("lease renewer for job %s crashed; leases will expire and be re-issued", self._job)
+
+    def renew_all(self) -> None:
+        with self._lock:
+            snapshot = [h for h in self._held if not h.done and not h.lost]
+        for held in snapshot:
+            self.renew(held)
+
+    def renew(self, held: Held) -> bool:
+        """Renew one lease with the offset reached; False when it is lost (or could not be renewed)."""
+        position = held.position
+        asked = held.asked_at = time.monotonic()
+        try:
+            ttl = self._client.renew(self._job, held.lease, self._trainer, position)
+        except (LeaseLost, NotLeaseHolder, NoSuchJob) as exc:
+            if not held.done and not held.lost:
+                held.lost = True
+                log.warning(
+                    "lease on %s (epoch %d) lost at offset %d: %s; another trainer continues it",
+                    held.key, held.epoch, position, exc,
+                )
+            self.discard(held)
+            return False
+        except MasterError as exc:
+            log.warning("renewing the lease on %s failed (%s); retrying", held.key, exc)
+            return False
+        held.ttl_s = ttl
+        held.renewed_at = asked
+        log.debug("renewed lease %s shard %s epoch %d offset %d", held.lease, held.key, held.epoch, position)
+        return True
+
+    def stop(self, give_back: bool) -> None:
+        """Stop the thread. ``give_back`` (the reader stopped before its epoch ended): release every
+        held lease at the offset reached, so another trainer continues it right away; a master
+        without ``release`` gets the offsets by one last renew instead, so whoever is re-issued
+        these leases after they expire resumes exactly where we stopped."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if not give_back:
+            return
+        with self._lock:
+            snapshot = [h for h in self._held if not h.done and not h.lost]
+        for held in snapshot:
+            outcome = self._release(held)
+            if outcome == "unreachable":
+                return  # nor would a renew get through (each call retries for master_deadline_s)
+            if outcome == "unsupported":
+                try:
+                    self.renew(held)
+                except Exception:  # leaving anyway: the lease expires after its TTL
+                    log.debug("final lease renewal failed", exc_info=True)
+
+    def _release(self, held: Held) -> str:
+        """``released`` (or nothing left to give back), ``unreachable`` (no master answered: the
+        lease expires after its TTL, at the offset last renewed), or ``unsupported`` (a master from
+        before ``release``: the caller reports the offset by renewing)."""
+        try:
+            self._client.release(self._job, held.lease, self._trainer, held.position)
+        except (LeaseLost, NotLeaseHolder, NoSuchJob):
+            held.lost = True  # gone already: nothing to give back
+        except MasterUnavailable as exc:
+            log.warning("could not release the lease on %s (%s); it expires after its TTL", held.key, exc)
+            return "unreachable"
+        except MasterError as exc:
+            log.info("the master cannot release the lease on %s (%s); reporting its offset instead", held.key, exc)
+            return "unsupported"
+        else:
+            log.info("released the lease on %s (epoch %d) at sample %d", held.key, held.epoch, held.position)
+        held.done = True
+        self.discard(held)
+        return "released"
+
+
+class LeaseStream:
+    """Held leases for one epoch (``epoch`` given) or for the whole job (``epoch=None``).
+
+    Ends when the master answers ``epoch_done`` (``next_epoch`` then says the current epoch) or
+    ``finished`` (``finished`` is set).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        job: str,
+        trainer: str,
+        node: str,
+        epoch: int | None,
+        ahead: int,
+        renewer: Renewer,
+        wait_max_s: float,
+        on_granted: Callable[[list[Held]], None],
+        should_stop: Callable[[], bool],
+        yield_to_siblings: Callable[[], bool] | None = None,
+    ) -> None:
+        self._client = client
+        self._job = job
+        self._trainer = trainer
+        self._node = node
+        self._epoch = epoch
+        self._ahead = ahead
+        self._renewer = renewer
+        self._wait_max = wait_max_s
+        self._on_granted = on_granted
+        self._should_stop = should_stop
+        self._yield_to_siblings = yield_to_siblings
+        self.queue: deque[Held] = deque()
+        self.finished = False
+        self.next_epoch: int | None = None
+
+    def __iter__(self) -> Iterator[Held]:
+        exhausted = False
+        waited_since: float | None = None
+        while not self._should_stop():
+            want = 1 + self._ahead - len(self.queue)
+            if want > 0 and not exhausted:
+                # Long-poll only with nothing left to read, and never as one of several DataLoader
+                # workers (a worker blocked in a request holds up its siblings' samples).
+                wait_s = self._wait_max if not self.queue and self._yield_to_siblings is None else 0.0
+                answer = self._client.lease(
+                    self._job, self._trainer, self._node, count=want, epoch=self._epoch, wait_s=wait_s
+                )
+                status = answer.get("status")
+                if status == "ok" and answer.get("leases"):
+                    waited_since = None
+                    granted = [Held.from_answer(item) for item in answer["leases"]]
+                    for held in granted:
+                        self._renewer.add(held)
+                        self.queue.append(held)
+                        log.debug(
+                            "leased shard %s epoch %d offset %d lease %s", held.key, held.epoch, held.start, held.lease
+                        )
+                    ahead = [h for h in self.queue][1:]
+                    if ahead:
+                        self._on_granted([h for h in ahead if h in granted])
+                elif status in ("ok", "wait") or (status == "epoch_done" and self._epoch is None):
+                    # Nothing to hand out now: others hold the last leases (one may expire and come
+                    # back to us), or, in continuous mode, the next epoch is being opened.
+                    if not self.queue:
+                        if status == "wait" and self._yield_to_siblings is not None and self._yield_to_siblings():
+                            log.debug("job %s: sibling workers hold the last leases; worker's epoch ends", self._job)
+                            return
+                        if waited_since is None:
+                            waited_since = time.monotonic()
+                            log.info("job %s: waiting for other trainers to finish their shards", self._job)
+                        if answer.get("waited_s") is not None:
+                            continue  # the master already waited for a change: ask again now
+                        retry = answer.get("retry_after_s")
+                        delay = float(retry) if isinstance(retry, (int, float)) and retry > 0 else 0.5
+                        time.sleep(min(delay, self._wait_max))
+                        continue
+                elif status == "epoch_done":
+                    exhausted = True
+                    epoch = answer.get("epoch")
+                    self.next_epoch = int(epoch) if isinstance(epoch, int) else None
+                elif status == "finished":
+                    exhausted = True
+                    self.finished = True
+                else:
+                    raise LoaderError(f"the master answered an unknown lease status {status!r}")
+            if not self.queue:
+                if exhausted:
+                    return
+                continue
+            held = self.queue.popleft()
+            if held.lost:
+                continue
+            yield held

@@ -1,0 +1,254 @@
+"""``shardcache index``: build (or ``--verify``) a dataset's ``manifest.json``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from sidecar.cli.util import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    RawDefaultsFormatter,
+    UserError,
+    add_flag,
+)
+
+if TYPE_CHECKING:
+    from sidecar.cli.datasets import ListedObject, ObjectStore, ShardInfo
+
+__all__ = ["dataset_errors", "quiet_libraries", "register", "run", "scan_all"]
+
+EXAMPLES = """\
+examples:
+  # index an S3 dataset: writes s3://bucket/train/manifest.json
+  shardcache index s3://bucket/train/
+
+  # a local dataset tree (the first directory under the origin root is the bucket)
+  shardcache index file:///data/bucket/train/
+
+  # write the manifest somewhere else (S3, file:// or a local path; - for stdout)
+  shardcache index s3://bucket/train/ --output /tmp/manifest.json
+
+  # re-check the objects against the existing manifest; exits 1 and lists every mismatch
+  shardcache index s3://bucket/train/ --verify
+
+  # against a MinIO/Ceph endpoint, 32 shards read at once
+  AWS_ENDPOINT_URL=http://minio:9000 shardcache index s3://bucket/train/ --jobs 32
+
+Samples are counted the way the loader reads them: tar members sharing a basename up to the
+first dot (000123.jpg, 000123.cls) are one sample.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = sub.add_parser(
+        "index",
+        help="build or verify a dataset's manifest.json (keys, sizes, xxh3-128, sample counts)",
+        description="Read every *.tar shard under a dataset prefix and write manifest.json: shard keys, "
+        "sizes, xxh3-128 checksums and sample counts. Trainers and warm-ups use it to verify what they read.",
+        epilog=EXAMPLES,
+        formatter_class=RawDefaultsFormatter,
+    )
+    parser.add_argument("url", metavar="URL", help="dataset prefix: s3://bucket/prefix/ or file:///root/bucket/prefix/")
+    add_flag(parser, "--output", default=None, metavar="WHERE",
+             help="where to write the manifest (s3://..., file://..., a path, or - for stdout); "
+             "default URL/manifest.json. With --verify: the manifest to check")
+    add_flag(parser, "--verify", action="store_true", default=False,
+             help="re-check the objects against the existing manifest and report every mismatch; write nothing")
+    add_flag(parser, "--jobs", default="8", metavar="N", help="shards read in parallel")
+    add_flag(parser, "--s3-endpoint", default=None, metavar="URL",
+             help="S3 endpoint (default: boto3's resolution, including AWS_ENDPOINT_URL)")
+    add_flag(parser, "--json", action="store_true", default=False, help="print the result as JSON on stdout")
+    add_flag(parser, "--quiet", action="store_true", default=False, help="no progress display")
+    parser.set_defaults(func=run)
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"--jobs must be an integer, not {text!r}") from None
+    if not 1 <= value <= 256:
+        raise UserError("--jobs must be between 1 and 256")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.cli.datasets import (
+        MANIFEST_NAME,
+        build_manifest,
+        compare,
+        list_shards,
+        manifest_bytes,
+        open_store,
+        parse_dataset_url,
+        parse_manifest,
+        read_object,
+        write_object,
+    )
+
+    quiet_libraries()
+    try:
+        dataset = parse_dataset_url(args.url)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    jobs = _jobs(args.jobs)
+    target = args.output or dataset.object_url(MANIFEST_NAME)
+    with dataset_errors():
+        store = open_store(dataset, args.s3_endpoint)
+        listing = store.list()
+        shards = [obj for obj in listing if obj.key.endswith(".tar")] if not args.verify else list_shards(store)
+        if args.verify:
+            data = read_object(target, args.s3_endpoint) if target != "-" else sys.stdin.buffer.read()
+            if data is None:
+                raise UserError(f"no manifest at {target}: build one with `shardcache index {dataset.url}`")
+            try:
+                expected = parse_manifest(data, target)
+            except ValueError as exc:
+                raise UserError(str(exc), EXIT_FAILED) from None
+            present = {obj.key: obj for obj in listing}
+            to_scan = [present[shard.key] for shard in expected if shard.key in present]
+            found = scan_all(store, to_scan, jobs, quiet=args.quiet or args.json, label="verify")
+            problems = compare(expected, {info.key: info for info in found}, [obj.key for obj in shards])
+            return _report_verify(args, dataset.url, target, expected, problems)
+        if not shards:
+            raise UserError(f"no *.tar shards under {dataset.url}: check the URL (it is a prefix, ending in /)")
+        found = scan_all(store, shards, jobs, quiet=args.quiet or args.json, label="index")
+        broken = [info for info in found if info.error is not None]
+        if broken:
+            for info in broken:
+                print(f"corrupt shard {dataset.url}{info.key}: {info.error}", file=sys.stderr)
+            if args.json:
+                print(json.dumps({"ok": False, "corrupt": [{"key": i.key, "error": i.error} for i in broken]}))
+            print(f"shardcache index: {len(broken)} of {len(found)} shards are not readable WebDataset tars; "
+                  "no manifest written (fix or remove them and index again)", file=sys.stderr)
+            return EXIT_FAILED
+        doc = build_manifest(found)
+        data = manifest_bytes(doc)
+        if target == "-":
+            sys.stdout.write(data.decode())
+            sys.stdout.flush()
+            where = "stdout"
+        else:
+            try:
+                where = write_object(target, data, args.s3_endpoint)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+    samples = sum(info.samples or 0 for info in found)
+    size = sum(info.size for info in found)
+    if args.json and target != "-":
+        print(json.dumps({"ok": True, "manifest": where, "shards": len(found), "samples": samples, "bytes": size}))
+    elif target != "-":
+        from sidecar.cli.progress import format_bytes
+
+        print(f"indexed {len(found)} shards, {samples} samples, {format_bytes(size)} -> {where}")
+    return EXIT_OK
+
+
+def _report_verify(args: argparse.Namespace, url: str, target: str, expected: list[Any], problems: list[Any]) -> int:
+    if args.json:
+        print(json.dumps({
+            "ok": not problems, "manifest": target, "shards": len(expected),
+            "mismatches": [p.as_dict() for p in problems],
+        }))
+    else:
+        for problem in problems:
+            print(f"MISMATCH {problem.problem:<10} {url}{problem.key}: {problem.detail}")
+        if problems:
+            keys = len({p.key for p in problems})
+            print(f"{target}: {len(problems)} mismatches in {keys} shards of {len(expected)}; "
+                  f"re-run `shardcache index {url}` once the dataset is as intended")
+        else:
+            print(f"{target}: all {len(expected)} shards match (size, xxh3-128, samples)")
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+def quiet_libraries() -> None:
+    """boto3's INFO lines ("Found credentials in environment variables") are noise to an operator
+    reading a progress bar; keep them for --log-level DEBUG."""
+    import logging
+
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("boto3", "botocore", "urllib3", "s3transfer"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def dataset_errors() -> Iterator[None]:
+    """Dataset access errors as one line with what to do, and the matching exit code."""
+    from sidecar.cli.datasets import (
+        DatasetAccessDenied,
+        DatasetNotFound,
+        DatasetUnavailable,
+    )
+
+    try:
+        yield
+    except DatasetNotFound as exc:
+        raise UserError(f"{exc} (check the URL)") from None
+    except DatasetAccessDenied as exc:
+        raise UserError(str(exc), EXIT_FAILED) from None
+    except DatasetUnavailable as exc:
+        raise UserError(str(exc), EXIT_UNAVAILABLE) from None
+
+
+class _Stopped(Exception):
+    pass
+
+
+def scan_all(store: ObjectStore, objects: list[ListedObject], jobs: int, quiet: bool, label: str) -> list[ShardInfo]:
+    """Scan shards on ``jobs`` threads with a progress display on stderr; Ctrl-C stops promptly
+    (each reader checks a stop flag between reads)."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    from sidecar.cli.datasets import Counter, scan_shard
+    from sidecar.cli.progress import Display, Progress, ProgressLine, RateMeter
+
+    counter = Counter()
+    stop = threading.Event()
+    total_bytes = sum(obj.size for obj in objects)
+
+    def on_bytes(count: int) -> None:
+        if stop.is_set():
+            raise _Stopped()
+        counter.add_bytes(count)
+
+    def scan(obj: ListedObject) -> ShardInfo:
+        reader = store.open(obj.key)
+        try:
+            return scan_shard(reader, obj.key, store.dataset.object_url(obj.key), on_bytes)
+        finally:
+            reader.close()
+            counter.add_file()
+
+    display = None if quiet else Display(sys.stderr)
+    meter = RateMeter()
+
+    def draw(force: bool = False, state: str = "running") -> None:
+        if display is None:
+            return
+        rate = meter.update(counter.bytes) if state == "running" else meter.average(counter.bytes)
+        eta = (total_bytes - counter.bytes) / rate if rate else None
+        progress = Progress(counter.files, len(objects), counter.bytes, total_bytes, 0, rate, eta, state)
+        display.update([ProgressLine(label, progress)], force=force)
+
+    results: list[ShardInfo] = []
+    pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="index")
+    try:
+        pending = {pool.submit(scan, obj) for obj in objects}
+        while pending:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+            for future in done:
+                results.append(future.result())
+            draw()
+        draw(force=True, state="done")
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+    return results

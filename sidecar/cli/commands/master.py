@@ -1,0 +1,95 @@
+"""``shardcache master``: the shard-lease master (HTTP JSON API, state in SQLite or etcd)."""
+
+from __future__ import annotations
+
+import argparse
+
+from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_flag
+
+__all__ = ["register", "run"]
+
+_EXAMPLES = """\
+examples:
+  # one master, state in an embedded SQLite file
+  shardcache master --listen tcp://0.0.0.0:8700 --state sqlite:///var/lib/shardcache/master.db
+
+  # high availability: run this on several machines; one leads, the others stand by
+  shardcache master --listen tcp://0.0.0.0:8700 --state etcd://etcd-0:2379,etcd-1:2379/shardcache \\
+      --advertise-url http://$(hostname -f):8700
+
+  # trainers then use: ShardLoader(..., job="resnet50", master="http://m1:8700,http://m2:8700")
+  # and operators:     curl -s http://m1:8700/v1/jobs/resnet50 | python -m json.tool
+
+The API is documented in docs/master-api.md.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "master",
+        help="hand out shard leases to trainers (exactly once per epoch)",
+        description="Serve the shard-lease master: jobs, epochs with a seeded shuffle, leases with TTL that "
+        "resume at the last reported sample offset, exactly-once completion, durable state in SQLite or etcd "
+        "(with leader election).",
+        formatter_class=RawDefaultsFormatter,
+        epilog=_EXAMPLES,
+    )
+    add_flag(parser, "--listen", action="append", default=None, metavar="ADDR",
+             help="address to serve on, tcp://HOST:PORT or unix:///PATH (repeatable; default tcp://0.0.0.0:8700)")
+    add_flag(parser, "--state", default="sqlite:///var/lib/shardcache/master.db", metavar="URL",
+             help="where the state lives: sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT]/PREFIX")
+    add_flag(parser, "--advertise-url", default=None, metavar="URL",
+             help="URL clients should use for this master when it leads (etcd mode); "
+             "default http://<hostname>:<port of the first tcp listener>")
+    add_flag(parser, "--lease-ttl", default="30", metavar="SECONDS",
+             help="lease TTL for jobs whose spec does not set lease_ttl_s")
+    add_flag(parser, "--max-failures", default="3", metavar="N",
+             help="failures after which a shard is skipped for the epoch, for jobs that do not set it")
+    add_flag(parser, "--election-ttl", default="3", metavar="SECONDS",
+             help="etcd mode: a dead leader is replaced within about this long")
+    add_flag(parser, "--max-batch", default="512", metavar="N",
+             help="most state changes made durable in one group commit (1 = commit each on its own)")
+    add_flag(parser, "--max-body", default="64MiB", metavar="SIZE",
+             help="largest create-job request body (it carries the shard list)")
+    add_flag(parser, "--snapshot-events", default="10000", metavar="N",
+             help="snapshot the state (and drop the log below it) after at least N logged changes "
+             "and twice the total shard count")
+    parser.set_defaults(func=run)
+
+
+def _number(text: str, flag: str, cast: type = float) -> float:
+    try:
+        return cast(text)  # type: ignore[no-any-return]
+    except (TypeError, ValueError):
+        raise UserError(f"invalid {flag} {text!r}: expected a number") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from loader.master.errors import MasterError
+    from loader.master.server.settings import MasterSettings
+    from sidecar.cli.util import parse_size
+
+    try:
+        settings = MasterSettings(
+            listen=tuple(args.listen or ["tcp://0.0.0.0:8700"]),
+            state=args.state,
+            advertise_url=args.advertise_url or None,
+            lease_ttl_s=_number(args.lease_ttl, "--lease-ttl"),
+            max_failures=int(_number(args.max_failures, "--max-failures", int)),
+            election_ttl_s=int(_number(args.election_ttl, "--election-ttl", int)),
+            max_batch=int(_number(args.max_batch, "--max-batch", int)),
+            max_body_bytes=parse_size(args.max_body),
+            snapshot_min_events=int(_number(args.snapshot_events, "--snapshot-events", int)),
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+    from loader.master.server.app import run_forever
+
+    try:
+        run_forever(settings)
+    except MasterError as exc:
+        raise UserError(exc.message, EXIT_UNAVAILABLE) from None
+    except OSError as exc:  # e.g. the listen port is taken
+        raise UserError(f"cannot serve: {exc}; pick another --listen address", EXIT_UNAVAILABLE) from None
+    return 0

@@ -1,0 +1,133 @@
+"""``shardcache serve``: the node cache daemon, or the pod sidecar."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_flag, parse_ratio, parse_size
+
+EXAMPLES = """\
+examples:
+  # node daemon (DaemonSet): S3 origin from the standard AWS chain / AWS_ENDPOINT_URL
+  shardcache serve --mode node --listen unix:///run/shardcache/daemon.sock \\
+      --listen tcp://0.0.0.0:8600 --cache-dir /var/cache/shardcache --cache-size 200GiB --origin s3
+
+  # local dataset tree as the origin (first path component under the root is the bucket)
+  shardcache serve --origin file:///data --cache-dir /tmp/cache --cache-size 20GiB
+
+  # pod sidecar: forward to the node daemon, standalone cache if the node has none
+  shardcache serve --mode sidecar --upstream unix:///run/shardcache/daemon.sock \\
+      --listen tcp://127.0.0.1:8600 --cache-dir /var/cache/shardcache-pod --cache-size 10GiB
+
+  # then read through it with any S3 client
+  aws s3 cp --endpoint-url http://127.0.0.1:8600 s3://bucket/train/train-000000.tar .
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = sub.add_parser(
+        "serve",
+        help="run the node cache daemon or the pod sidecar",
+        description="Serve objects from an SSD cache in front of S3 or a file:// origin, over the S3 read API.",
+        epilog=EXAMPLES,
+        formatter_class=RawDefaultsFormatter,
+    )
+    add_flag(parser, "--mode", default="node", choices=["node", "sidecar"], help="node daemon or pod sidecar")
+    add_flag(parser, "--listen", action="append", metavar="ADDR",
+             help="unix:///path.sock or tcp://host:port; repeatable (default tcp://127.0.0.1:8600)")
+    add_flag(parser, "--cache-dir", default="/var/cache/shardcache", help="directory holding the cache")
+    add_flag(parser, "--cache-size", default="100GiB", help="cache capacity, e.g. 200GiB")
+    add_flag(parser, "--min-free", default="10%", help="keep this much of the file system free")
+    add_flag(parser, "--max-items", default="1000000", help="maximum number of cached objects")
+    add_flag(parser, "--eviction", default="lru", choices=["lru", "hold"],
+             help="lru: evict least recently used; hold: admit until full, then serve misses uncached")
+    add_flag(parser, "--origin", default="s3", help="s3 or file:///abs/root")
+    add_flag(parser, "--s3-endpoint", default=None,
+             help="S3 endpoint URL (default: boto3's resolution, including AWS_ENDPOINT_URL)")
+    add_flag(parser, "--s3-region", default=None, help="S3 signing region (default: boto3's resolution)")
+    add_flag(parser, "--s3-client", default="http", choices=["http", "boto3"],
+             help="how the daemon talks to S3: presigned requests on a pooled HTTP client (default) "
+                  "or plain boto3 calls; both on worker threads")
+    add_flag(parser, "--upstream", default=None, help="node daemon address for --mode sidecar")
+    add_flag(parser, "--part-size", default="8MiB", help="bytes per ranged GET to the origin")
+    add_flag(parser, "--parts-per-object", default="8", help="ranged GETs in flight per object")
+    add_flag(parser, "--origin-concurrency", default="32", help="origin requests in flight in total")
+    add_flag(parser, "--retries", default="4", help="retries per origin request after the first attempt")
+    add_flag(parser, "--prefetch-workers", default="4", help="background fills at once for prefetch/warm-up")
+    parser.set_defaults(func=run)
+
+
+def _int(value: str, flag: str, minimum: int = 0) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise UserError(f"{flag} must be an integer, not {value!r}") from None
+    if number < minimum:
+        raise UserError(f"{flag} must be at least {minimum}")
+    return number
+
+
+def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from cache import StoreSettings
+    from sidecar.daemon.fills import FetchSettings
+    from sidecar.daemon.origins.s3 import S3Settings
+    from sidecar.daemon.server import parse_listen
+    from sidecar.daemon.settings import ServeSettings
+
+    listen = tuple(args.listen or ["tcp://127.0.0.1:8600"])
+    for address in listen:
+        try:
+            parse_listen(address)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    origin = args.origin
+    if origin != "s3" and not origin.startswith("file:///"):
+        raise UserError(f"--origin must be s3 or file:///abs/root, not {origin!r}")
+    if origin.startswith("file://") and not Path(origin[len("file://"):]).is_dir():
+        raise UserError(f"--origin {origin}: directory does not exist")
+    if args.mode == "sidecar" and not args.upstream:
+        raise UserError("--mode sidecar needs --upstream unix:///run/shardcache/daemon.sock")
+    concurrency = _int(args.origin_concurrency, "--origin-concurrency", 2)
+    try:
+        store = StoreSettings(
+            root=Path(args.cache_dir),
+            capacity_bytes=parse_size(args.cache_size),
+            min_free_ratio=parse_ratio(args.min_free),
+            max_items=_int(args.max_items, "--max-items", 1),
+            eviction=args.eviction,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return ServeSettings(
+        store=store,
+        listen=listen,
+        origin=origin,
+        s3=S3Settings(endpoint_url=args.s3_endpoint, region=args.s3_region, client=args.s3_client),
+        fetch=FetchSettings(
+            part_size=parse_size(args.part_size),
+            parts_per_object=_int(args.parts_per_object, "--parts-per-object", 1),
+            origin_concurrency=concurrency,
+            demand_reserved=max(1, concurrency // 4),
+            retries=_int(args.retries, "--retries"),
+        ),
+        mode=args.mode,
+        upstream=args.upstream,
+        prefetch_workers=_int(args.prefetch_workers, "--prefetch-workers", 1),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from cache import CacheLocked
+    from sidecar.daemon.server import run_daemon
+
+    settings = build_settings(args)
+    try:
+        run_daemon(settings)
+    except CacheLocked as exc:
+        raise UserError(f"{exc}; stop the other daemon or use another --cache-dir", EXIT_UNAVAILABLE) from None
+    except OSError as exc:
+        if exc.errno in (98, 13):  # EADDRINUSE, EACCES on a listen address
+            raise UserError(f"cannot listen: {exc}", EXIT_UNAVAILABLE) from None
+        raise
+    return 0

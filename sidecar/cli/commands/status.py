@@ -1,0 +1,275 @@
+"""``shardcache status``: what the daemons and masters are doing, as a table or ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sidecar.cli.util import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    RawDefaultsFormatter,
+    UserError,
+    add_flag,
+)
+
+__all__ = ["daemon_report", "master_report", "register", "run"]
+
+EXAMPLES = """\
+examples:
+  # the local node daemon (SHARDCACHE_ENDPOINT, default http://127.0.0.1:8600)
+  shardcache status
+
+  # every node daemon behind a headless Service, and the master
+  shardcache status --daemon shardcache-node.shardcache.svc:8600 --master http://shardcache-master:8700
+
+  # one job on a highly available master set, as JSON
+  shardcache status --master http://m1:8700,http://m2:8700 --job resnet50 --json
+
+Columns: cache use, hit rate (hits / lookups since start), origin and served throughput (measured
+over --interval), warm-ups; for masters each job's epoch, shard progress, trainers and failed shards.
+exit status: 0 everything answered; 1 --job not found; 69 a daemon or master could not be reached.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from sidecar.cli.commands.warmup import add_daemon_flag
+
+    parser = sub.add_parser(
+        "status",
+        help="cache use, hit rate, throughput, warm-ups, jobs and their epoch progress",
+        description="Show node daemons (cache use, hit rate, origin throughput, warm-ups) and masters "
+        "(jobs, epoch progress, trainers, failed shards).",
+        epilog=EXAMPLES,
+        formatter_class=RawDefaultsFormatter,
+    )
+    add_daemon_flag(parser)
+    add_flag(parser, "--master", action="append", default=None, metavar="URL",
+             help="master URL(s); comma-separated or repeated for an HA set (default SHARDCACHE_MASTER)")
+    add_flag(parser, "--job", default=None, metavar="NAME", help="show only this job (with all its failed shards)")
+    add_flag(parser, "--interval", default="1", metavar="SECONDS",
+             help="measure throughput over this long (0: averages since each daemon started)")
+    add_flag(parser, "--json", action="store_true", default=False, help="print one JSON document")
+    parser.set_defaults(func=run)
+
+
+# -- gathering ------------------------------------------------------------------------------------
+
+
+def _served(stats: dict[str, Any]) -> float:
+    return float(sum((stats.get("served_bytes") or {}).values()))
+
+
+def daemon_report(url: str, label: str, interval: float) -> dict[str, Any]:
+    """Stats of one daemon, with throughput measured over ``interval`` seconds."""
+    from sidecar.cli.control import DaemonClient, DaemonClientError
+
+    report: dict[str, Any] = {"daemon": label, "url": url, "error": None, "unreachable": False}
+    with DaemonClient(url, timeout=10.0) as client:
+        try:
+            first = client.stats()
+            began = time.monotonic()
+            if interval > 0:
+                time.sleep(interval)
+                stats = client.stats()
+                elapsed = time.monotonic() - began
+                origin_rate = (stats["origin_read_bytes"] - first["origin_read_bytes"]) / elapsed
+                served_rate = (_served(stats) - _served(first)) / elapsed
+            else:
+                stats = first
+                uptime = max(float(stats.get("uptime_s") or 0), 1e-9)
+                origin_rate = stats["origin_read_bytes"] / uptime
+                served_rate = _served(stats) / uptime
+            report.update(stats=stats, origin_bytes_per_s=round(origin_rate, 1), served_bytes_per_s=round(served_rate, 1))
+            try:
+                report["warmups"] = client.warmups()
+            except DaemonClientError:
+                report["warmups"] = None  # a daemon built without the warm-up API
+        except DaemonClientError as exc:
+            report["error"] = str(exc)
+            report["unreachable"] = not hasattr(exc, "status")
+    return report
+
+
+def master_report(urls: list[str], job: str | None) -> dict[str, Any]:
+    """Each master's role, and the jobs as the leader (or any answering master) reports them."""
+    from sidecar.cli.control import DaemonAPIError, DaemonClient, DaemonClientError
+
+    masters: list[dict[str, Any]] = []
+    source: str | None = None
+    for url in urls:
+        entry: dict[str, Any] = {"master": url, "role": None, "leader": None, "error": None}
+        with DaemonClient(url, timeout=10.0) as client:
+            try:
+                leader = client.call("GET", "/v1/leader")
+                entry["role"], entry["leader"] = leader.get("role"), leader.get("leader")
+                if entry["role"] == "leader" or (source is None and entry["role"] not in ("standby",)):
+                    source = url
+            except DaemonAPIError as exc:
+                entry["error"] = str(exc)
+            except DaemonClientError as exc:
+                entry["error"] = str(exc)
+                entry["unreachable"] = True
+        masters.append(entry)
+    jobs: list[dict[str, Any]] = []
+    missing_job = False
+    error = None
+    if source is None:
+        leaders = [m["leader"] for m in masters if m.get("leader")]
+        source = leaders[0] if leaders else None
+    if source is not None:
+        with DaemonClient(source, timeout=10.0) as client:
+            try:
+                if job:
+                    jobs = [client.call("GET", "/v1/jobs/" + urllib.parse.quote(job, safe=""))]
+                else:
+                    jobs = client.call("GET", "/v1/jobs")["jobs"]
+            except DaemonAPIError as exc:
+                if exc.status == 404 and job:
+                    missing_job = True
+                error = str(exc)
+            except DaemonClientError as exc:
+                error = str(exc)
+    elif urls:
+        error = "no master answered"
+    return {"masters": masters, "jobs": jobs, "jobs_from": source, "error": error, "missing_job": missing_job}
+
+
+def _master_urls(given: list[str] | None) -> list[str]:
+    urls = [part.strip().rstrip("/") for value in (given or []) for part in value.split(",") if part.strip()]
+    for url in urls:
+        if not url.startswith(("http://", "unix://")):
+            raise UserError(f"invalid master address {url!r}: use http://host:port or unix:///path.sock")
+    return urls
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.cli.commands.warmup import daemon_addresses
+
+    try:
+        interval = float(args.interval)
+    except ValueError:
+        raise UserError(f"--interval must be a number of seconds, not {args.interval!r}") from None
+    if not 0 <= interval <= 60:
+        raise UserError("--interval must be between 0 and 60 seconds")
+    masters = _master_urls(args.master)
+    # `--master URL` alone asks about masters only; daemons are shown when named or configured.
+    show_daemons = bool(args.daemon) or not masters or bool(os.environ.get("SHARDCACHE_ENDPOINT", "").strip())
+    daemons = daemon_addresses(args.daemon) if show_daemons else []
+    with ThreadPoolExecutor(max_workers=min(max(len(daemons), 1), 32)) as pool:
+        # In parallel: each daemon's throughput sample takes --interval.
+        reports = list(pool.map(lambda d: daemon_report(d.url, d.label, interval), daemons))
+    master = master_report(masters, args.job) if masters else None
+    if args.json:
+        print(json.dumps({"daemons": reports, "master": master}, indent=2))
+    else:
+        _print_daemons(reports)
+        if master is not None:
+            _print_master(master)
+    if master is not None and master["missing_job"]:
+        if not args.json:
+            print(f"shardcache status: no job {args.job!r} on the master (see `shardcache status --master ...`)")
+        return EXIT_FAILED
+    unreachable = [r for r in reports if r["error"]]
+    if master is not None:
+        unreachable += [m for m in master["masters"] if m["error"]]
+        if master["error"]:
+            unreachable.append(master)
+    return EXIT_UNAVAILABLE if unreachable else EXIT_OK
+
+
+# -- printing -------------------------------------------------------------------------------------
+
+
+def _table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+
+
+def _print_daemons(reports: list[dict[str, Any]]) -> None:
+    from sidecar.cli.progress import format_bytes, format_rate
+
+    if not reports:
+        return
+    rows = [["DAEMON", "MODE", "CACHE USED", "ITEMS", "HIT RATE", "ORIGIN", "SERVED", "FILLS", "WARM-UPS"]]
+    warmups: list[list[str]] = []
+    for report in reports:
+        if report["error"]:
+            rows.append([report["daemon"], "-", "-", "-", "-", "-", "-", "-", "unreachable" if report["unreachable"] else "error"])
+            continue
+        stats = report["stats"]
+        cache = stats.get("cache") or {}
+        used, capacity = int(cache.get("used_bytes", 0)), int(cache.get("capacity_bytes", 0))
+        percent = f" ({used / capacity * 100:.0f}%)" if capacity else ""
+        ratio = (stats.get("requests") or {}).get("hit_ratio")
+        running = [w for w in (report.get("warmups") or []) if w["state"] == "running"]
+        rows.append([
+            report["daemon"], str(stats.get("mode", "?")),
+            f"{format_bytes(used)} / {format_bytes(capacity)}{percent}" if cache else "no cache",
+            str(cache.get("items", "-")),
+            f"{ratio * 100:.1f}%" if ratio is not None else "-",
+            format_rate(report["origin_bytes_per_s"]), format_rate(report["served_bytes_per_s"]),
+            str(stats.get("fills_in_flight", 0)),
+            f"{len(running)} running" if running else str(len(report.get("warmups") or [])),
+        ])
+        for w in report.get("warmups") or []:
+            files, size = w["files"], w["bytes"]
+            warmups.append([
+                w["id"], report["daemon"], w["state"], f"{files['done']}/{files['total']}",
+                f"{format_bytes(size['done'])} / {format_bytes(size['total'])}", str(files["failed"]),
+                format_rate(w.get("rate_bytes_per_s")) if w["state"] == "running" else "-",
+            ])
+    _table(rows)
+    for report in reports:
+        if report["error"]:
+            print(f"{report['daemon']}: {report['error']}")
+    if warmups:
+        print()
+        _table([["WARM-UP", "DAEMON", "STATE", "FILES", "BYTES", "FAILED", "RATE"], *warmups])
+
+
+def _epoch(job: dict[str, Any]) -> str:
+    """Epochs as people count them: the first is 1/N; a finished job shows N/N."""
+    epochs = job.get("epochs")
+    total = str(epochs) if epochs is not None else "∞"
+    epoch = int(job.get("epoch") or 0)
+    return f"{epoch if job.get('finished') else epoch + 1}/{total}"
+
+
+def _print_master(master: dict[str, Any]) -> None:
+    print()
+    _table([["MASTER", "ROLE", "LEADER"]] + [
+        [m["master"], m["role"] or ("unreachable" if m.get("unreachable") else "error"), m.get("leader") or "-"]
+        for m in master["masters"]
+    ])
+    for m in master["masters"]:
+        if m["error"]:
+            print(f"{m['master']}: {m['error']}")
+    if master["error"] and not master["missing_job"]:
+        print(f"jobs: {master['error']}")
+    if not master["jobs"]:
+        if not master["error"]:
+            print("no jobs")
+        return
+    print()
+    rows = [["JOB", "EPOCH", "DONE", "LEASED", "TODO", "FAILED", "TRAINERS", "SAMPLES/S", "STATE"]]
+    for job in master["jobs"]:
+        shards = job.get("shards") or {}
+        rows.append([
+            job["name"], _epoch(job),
+            f"{shards.get('done', 0)}/{shards.get('total', 0)}", str(shards.get("leased", 0)),
+            str(shards.get("todo", 0)), str(shards.get("failed", 0)), str(len(job.get("trainers") or [])),
+            f"{job.get('samples_per_s') or 0:.1f}", "finished" if job.get("finished") else "running",
+        ])
+    _table(rows)
+    for job in master["jobs"]:
+        for shard in job.get("failed_shards") or []:
+            print(f"FAILED shard {job['name']}/{shard.get('key')} (epoch {_epoch(job)}, "
+                  f"{shard.get('failures')} failures): {shard.get('last_error')}")

@@ -1,0 +1,121 @@
+"""The daemon's aiohttp application: resources, routes and the one place errors become answers.
+
+Resources open and close in ``cleanup_ctx`` and live under the typed ``AppKey``s of
+:mod:`sidecar.daemon.keys`. Every blocking call (file system, hashing, boto3) runs in an executor;
+warm objects go out with ``sendfile`` from a file descriptor opened (and verified) in one executor
+call (:mod:`sidecar.daemon.s3api`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from cache import CacheError, Store
+from sidecar.daemon import control, warmups
+from sidecar.daemon.fills import Fetcher
+from sidecar.daemon.keys import CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, SETTINGS, STARTED, STORE
+from sidecar.daemon.metrics import Metrics
+from sidecar.daemon.origins import Boto3S3Origin, FileOrigin, Origin, S3Origin
+from sidecar.daemon.prefetch import Prefetcher
+from sidecar.daemon.s3api import s3_handler
+from sidecar.daemon.s3xml import error_response
+from sidecar.daemon.settings import ServeSettings
+from sidecar.errors import SidecarError, s3_error_for
+from wire.errors import WireError
+
+__all__ = ["build_app", "make_origin"]
+
+log = logging.getLogger(__name__)
+
+
+def make_origin(settings: ServeSettings) -> Origin:
+    if settings.origin == "s3":
+        return Boto3S3Origin(settings.s3) if settings.s3.client == "boto3" else S3Origin(settings.s3)
+    if settings.origin.startswith("file://"):
+        root = Path(settings.origin[len("file://"):])
+        if not root.is_absolute():
+            raise ValueError(f"file origin needs an absolute path: file:///abs/root, not {settings.origin!r}")
+        return FileOrigin(root)
+    raise ValueError(f"unknown origin {settings.origin!r}: use s3 or file:///abs/root")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    metrics = request.app[METRICS]
+    control = request.path.startswith(CONTROL) or request.path in ("/metrics", "/healthz", "/readyz")
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        metrics.requests.labels(method=request.method, status=str(exc.status)).inc()
+        if control:
+            raise
+        return error_response(exc.status, exc.reason.replace(" ", ""), exc.text or exc.reason, request.path)
+    except (SidecarError, WireError, CacheError) as exc:
+        status, code = s3_error_for(exc)
+        metrics.requests.labels(method=request.method, status=str(status)).inc()
+        if control:
+            return web.json_response({"error": code, "message": str(exc)}, status=status)
+        headers = {}
+        size = getattr(exc, "size", None)
+        if code == "InvalidRange" and size is not None:
+            headers["Content-Range"] = f"bytes */{size}"
+        return error_response(status, code, str(exc), request.path, headers=headers)
+    metrics.requests.labels(method=request.method, status=str(response.status)).inc()
+    return response
+
+
+def build_app(settings: ServeSettings, with_store: bool = True) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=control.MAX_CONTROL_BODY)
+    app[SETTINGS] = settings
+    app[METRICS] = Metrics()
+    app[STARTED] = time.monotonic()
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        origin = make_origin(settings)
+        await origin.start()
+        app[ORIGIN] = origin
+        store: Store | None = None
+        if with_store:
+            # The origin's identity is part of every entry id: a cache dir reused with another
+            # origin never serves that origin's bytes.
+            store = Store(dataclasses.replace(settings.store, namespace=origin.namespace))
+            try:
+                await asyncio.to_thread(store.open)
+            except BaseException:
+                await origin.close()
+                raise
+            app[STORE] = store
+            app[METRICS].watch_store(store.stats)
+        fetcher = Fetcher(store, origin, settings.fetch, app[METRICS])
+        app[FETCHER] = fetcher
+        prefetcher = Prefetcher(store, fetcher, app[METRICS], settings.prefetch_workers, settings.prefetch_queue_max)
+        prefetcher.start()
+        app[PREFETCHER] = prefetcher
+        log.info("serving %s from %s (cache %s)", settings.mode, origin.description, settings.store.root)
+        try:
+            yield
+        finally:
+            await prefetcher.stop()
+            await fetcher.close()
+            await origin.close()
+            if store is not None:
+                await asyncio.to_thread(store.close)
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_get("/healthz", control.healthz)
+    app.router.add_get("/readyz", control.readyz)
+    app.router.add_get("/metrics", control.metrics_handler)
+    app.router.add_post(CONTROL + "prefetch", control.prefetch_handler)
+    app.router.add_get(CONTROL + "stats", control.stats_handler)
+    app.router.add_get(CONTROL + "cached", control.cached_handler)
+    warmups.setup(app)
+    app.router.add_route("*", "/{path:.*}", s3_handler)
+    return app

@@ -1,0 +1,465 @@
+"""Fills: one origin fetch per object, parallel ranged GETs, retries, streaming to waiting readers.
+
+A :class:`Fill` is the single fetch of one object. The first request for a cold object starts it
+(``miss``); every request that arrives while it runs joins it (``coalesced``) and streams the bytes
+as the contiguous prefix lands in the temp file, so a reader never waits for the whole object. The
+in-flight map entry is removed in ``finally`` whatever happens, and a failure is delivered to every
+waiter (mosaicml/streaming's ``_ShardState`` without its missing ``try/finally``).
+
+The first request of a fill is a ranged GET of the first part: its ``Content-Range`` gives the
+size and its ETag pins the version, so the remaining parts start at once (no HEAD round trip) and
+carry ``If-Match``. Each part retries from the byte it reached, with jittered exponential backoff,
+on connection errors, 5xx/SlowDown, stalls and truncated bodies; after the bounded retries the fill
+fails, nothing is published, and readers get 503/502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cache import Entry, IntegrityError, NoSpace, Store, Writer, aligned_buffer
+from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
+from sidecar.daemon.metrics import Metrics
+from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
+from sidecar.daemon.priority import DEMAND, PriorityLimiter
+
+__all__ = ["FetchSettings", "Fetcher", "Fill", "retrying"]
+
+log = logging.getLogger(__name__)
+
+_WRITE_BUFFER = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FetchSettings:
+    part_size: int = 8 * 1024 * 1024
+    """Bytes per ranged GET once a fill is split."""
+
+    parts_per_object: int = 8
+    """Ranged GETs in flight for one object once a fill is split. A split only tops the daemon's
+    origin streams up to this many: while other fills already keep that many connections busy
+    (prefetches of the next shards), a slow stream stays one stream, since more requests would
+    not add bandwidth the other fills are not already using."""
+
+    split_below_bytes_per_s: float = 200e6
+    """Split a fill into parallel ranged GETs only when its first stream delivers less than this
+    (measured from the first byte, over the first 4 MiB). 0 never splits; infinity always does."""
+
+    origin_concurrency: int = 32
+    """Origin requests in flight for the whole daemon."""
+
+    demand_reserved: int = 8
+    """Of ``origin_concurrency``, slots only demand reads may use."""
+
+    retries: int = 4
+    """Retries of one part (or one request) after its first attempt."""
+
+    backoff_base_s: float = 0.1
+    """First retry delay; doubles each retry, with full jitter."""
+
+    backoff_max_s: float = 5.0
+    """Upper bound of one retry delay."""
+
+
+class Fill:
+    """One fetch of one object, shared by every reader that wants it."""
+
+    def __init__(self, bucket: str, key: str, priority: int, expected_xxh3: str | None) -> None:
+        self.bucket = bucket
+        self.key = key
+        self.priority = priority
+        self.expected_xxh3 = expected_xxh3
+        self.info: ObjectInfo | None = None
+        self.writer: Writer | None = None
+        self.cacheable = True
+        self.contiguous = 0
+        self.entry: Entry | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.task: asyncio.Task[None] | None = None
+        self._read_fd: int | None = None
+        self._readers = 0
+        self._progress = asyncio.Event()
+        self.started = time.monotonic()
+
+    def _notify(self) -> None:
+        event, self._progress = self._progress, asyncio.Event()
+        event.set()
+
+    async def wait_info(self) -> ObjectInfo:
+        """Wait until the object's size and ETag are known (or the fill failed)."""
+        while self.info is None and self.error is None:
+            await self._progress.wait()
+        if self.info is None:
+            assert self.error is not None
+            raise self.error
+        return self.info
+
+    async def wait_done(self) -> Entry | None:
+        while not self.finished:
+            await self._progress.wait()
+        if self.error is not None:
+            raise self.error
+        return self.entry
+
+    async def ranges(self, start: int, end: int) -> AsyncIterator[tuple[int, int, int]]:
+        """``(fd, offset, length)`` pieces of ``[start, end)`` as they land in the temp file, for
+        sendfile. ``fd`` stays open until the generator finishes. Raises the fill's error."""
+        self._readers += 1
+        try:
+            sent = start
+            while sent < end:
+                event = self._progress
+                if self.contiguous > sent and self._read_fd is not None:
+                    length = min(self.contiguous, end) - sent
+                    yield self._read_fd, sent, length
+                    sent += length
+                    continue
+                if self.error is not None:
+                    raise self.error
+                if self.finished:
+                    raise OriginBadResponse(f"{self.bucket}/{self.key}: fill ended at {self.contiguous}")
+                await event.wait()
+        finally:
+            self._readers -= 1
+            self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if self.finished and self._readers == 0 and self._read_fd is not None:
+            os.close(self._read_fd)
+            self._read_fd = None
+
+
+async def retrying(
+    settings: FetchSettings, metrics: Metrics, what: str, attempt_fn, *args
+):  # type: ignore[no-untyped-def]
+    """Run ``attempt_fn(*args)`` with bounded, jittered exponential backoff on transient errors."""
+    delay = settings.backoff_base_s
+    for attempt in range(settings.retries + 1):
+        try:
+            return await attempt_fn(*args)
+        except (OriginUnavailable, OriginBadResponse) as exc:
+            metrics.origin_errors.labels(kind=type(exc).__name__).inc()
+            if attempt == settings.retries:
+                raise
+            metrics.origin_retries.inc()
+            log.info("retrying %s after %s (attempt %d)", what, exc, attempt + 1)
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, settings.backoff_max_s)
+    raise AssertionError("unreachable")
+
+
+class _PartedFill:
+    """The bytes of one fill: one stream from the first byte, split into parallel ranged GETs
+    only when that stream turns out slow.
+
+    The first request asks for the whole object. Once its first MiBs have arrived its rate is
+    known: an origin that streams faster than ``split_below_bytes_per_s`` (MinIO or Ceph in the
+    same rack, moto) keeps the single stream, which costs one request per object; a slow one (S3
+    over a WAN, a throttled gateway) is split: the first stream stops at the next part boundary
+    and the rest is fetched in ``part_size`` ranges by ``parts_per_object - 1`` more connections.
+    Each part retries from the byte it reached.
+
+    Each part's body is pumped by a worker thread (``_pump``: readinto a reused 1 MiB buffer,
+    pwrite, hash) that tells the loop how far it got with ``call_soon_threadsafe``; the loop
+    owns everything else (the part list, readers' progress, the split's extra requests). A part
+    is over only when its thread is: the temp file is never closed under a write.
+    """
+
+    def __init__(self, fetcher: "Fetcher", fill: Fill, writer: Writer, info: ObjectInfo) -> None:
+        self.fetcher = fetcher
+        self.settings = fetcher.settings
+        self.metrics = fetcher.metrics
+        self.fill = fill
+        self.writer = writer
+        self.info = info
+        self.loop = asyncio.get_running_loop()
+        self.parts: list[list[int]] = [[0, info.size, 0]]  # [start, end, written]
+        self.decided = False
+        self.stopping = False
+        self.workers: list[asyncio.Task[None]] = []
+        self.queue: asyncio.Queue[int] = asyncio.Queue()
+        self._advance_pending = False
+
+    async def run(self, first_body: Body) -> None:
+        what = f"{self.fill.bucket}/{self.fill.key}"
+        try:
+            if self.info.size:
+                try:
+                    await self._sink(0, first_body)
+                except (OriginUnavailable, OriginBadResponse) as exc:
+                    self.metrics.origin_errors.labels(kind=type(exc).__name__).inc()
+                    await retrying(self.settings, self.metrics, f"{what}#0", self._attempt, 0)
+                if self.workers:
+                    await asyncio.gather(*self.workers)
+            else:
+                self.fetcher.origin.release(first_body)
+            self._advance()
+        finally:
+            self.stopping = True
+            for task in self.workers:
+                task.cancel()
+            for task in self.workers:
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _advance(self) -> None:
+        self._advance_pending = False  # before reading the parts: a thread's later update reschedules
+        contiguous = 0
+        for start, end, written in self.parts:  # parts are in offset order
+            contiguous = start + written
+            if start + written < end:
+                break
+        if contiguous > self.fill.contiguous:
+            self.fill.contiguous = contiguous
+            self.fill._notify()
+
+    def _split(self, boundary: int, extra: int) -> None:
+        """On the loop: fetch ``[boundary, size)`` in parts on up to ``extra`` more connections."""
+        if self.stopping:
+            return
+        part_size = self.settings.part_size
+        for start in range(boundary, self.info.size, part_size):
+            self.parts.append([start, min(start + part_size, self.info.size), 0])
+            self.queue.put_nowait(len(self.parts) - 1)
+        what = f"{self.fill.bucket}/{self.fill.key}"
+
+        async def worker() -> None:
+            while not self.queue.empty():
+                index = self.queue.get_nowait()
+                await retrying(self.settings, self.metrics, f"{what}#{index}", self._attempt, index)
+
+        count = min(extra, len(self.parts) - 1)
+        self.workers = [asyncio.create_task(worker(), name=f"part-worker:{what}") for _ in range(count)]
+
+    async def _attempt(self, index: int) -> None:
+        start, end, written = self.parts[index]
+        fill = self.fill
+        origin = self.fetcher.origin
+        async with self.fetcher.limiter.slot(fill.priority):
+            began = time.perf_counter()
+            body = await origin.call(origin.open, fill.bucket, fill.key, start + written, end, self.info.etag or None)
+            self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
+            await self._sink(index, body)
+
+    async def _sink(self, index: int, body: Body) -> None:
+        """Pump ``body`` into part ``index`` on a worker thread; return when that thread has."""
+        future = asyncio.wrap_future(self.fetcher.origin.executor.submit(self._pump, index, body))
+        self.fetcher.streams += 1
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.stopping = True
+            body.abort()
+            with contextlib.suppress(BaseException):
+                await future
+            raise
+        finally:
+            self.fetcher.streams -= 1
+            self._advance()
+        part = self.parts[index]
+        if part[0] + part[2] != part[1]:
+            raise OriginBadResponse(
+                f"{self.fill.bucket}/{self.fill.key}: part ended at {part[0] + part[2]} of {part[1]}"
+            )
+
+    def _pump(self, index: int, body: Body) -> None:
+        """Worker thread: the body's bytes into the temp file, until the part's end."""
+        part = self.parts[index]
+        buffer = aligned_buffer(_WRITE_BUFFER)  # a bytearray here cost most of the CPU per filled GB
+        began = time.perf_counter()  # the headers are in: the first byte is about to arrive
+        try:
+            while not self.stopping:
+                position = part[0] + part[2]
+                room = part[1] - position  # part 0's end moves closer if this thread splits the fill
+                if room <= 0:
+                    break
+                want = min(room, _WRITE_BUFFER)
+                count = 0
+                while count < want:  # a body cut short raises here, before its partial buffer lands
+                    got = body.readinto(buffer[count:want])
+                    if not got:
+                        break
+                    count += got
+                if not count:
+                    break
+                self.writer.writev_at(position, [buffer[:count]])
+                part[2] += count
+                self.metrics.origin_bytes.inc(count)
+                if not self._advance_pending:
+                    self._advance_pending = True
+                    self.loop.call_soon_threadsafe(self._advance)
+                if index == 0 and not self.decided:
+                    self._maybe_split(began)
+        finally:
+            body.close()
+        if self.stopping and part[0] + part[2] < part[1]:
+            raise OriginUnavailable(f"{self.fill.bucket}/{self.fill.key}: fill stopped")
+
+    def _maybe_split(self, first_byte_at: float) -> None:
+        """Worker thread of part 0: decide once, early, whether to split the fill.
+
+        After the first MiB a stream below half the threshold splits at once (at 90 MB/s, one S3
+        connection, waiting for 4 MiB cost 45 ms per object before the other parts could start;
+        over a WAN, TCP slow start shows in the first MiB too, and more connections are then what
+        helps). Anything closer to the threshold is judged over 4 MiB: one scheduling hiccup of a
+        few ms must not split a fast local stream, which costs an extra request per part (and, on
+        moto, a copy of the whole object per part)."""
+        part0 = self.parts[0]
+        got = part0[2]
+        if got < min(_WRITE_BUFFER, self.settings.part_size):
+            return
+        rate = got / max(time.perf_counter() - first_byte_at, 1e-6)
+        threshold = self.settings.split_below_bytes_per_s
+        final = got >= min(4 * _WRITE_BUFFER, self.settings.part_size)
+        if not final and rate >= threshold / 2:
+            return  # undecided: look again at 4 MiB
+        self.decided = True
+        part_size = self.settings.part_size
+        boundary = got + part_size
+        extra = self.settings.parts_per_object - self.fetcher.streams  # this stream counts: at most ppo - 1
+        if extra <= 0 or rate >= threshold or self.info.size - boundary < part_size:
+            return
+        part0[1] = boundary  # this thread stops there; the loop starts the rest
+        self.loop.call_soon_threadsafe(self._split, boundary, extra)
+
+
+class Fetcher:
+    """Starts and tracks fills; owns the origin request limiter."""
+
+    def __init__(self, store: Store | None, origin: Origin, settings: FetchSettings, metrics: Metrics) -> None:
+        self.store = store
+        self.origin = origin
+        self.settings = settings
+        self.metrics = metrics
+        self.limiter = PriorityLimiter(settings.origin_concurrency, settings.demand_reserved)
+        self.inflight: dict[tuple[str, str], Fill] = {}
+        self.streams = 0  # origin bodies being pumped into the cache right now (changed on the loop)
+
+    def demand_in_flight(self) -> bool:
+        """Whether a trainer is waiting on a fill right now (a demand read, or a prefetch it joined)."""
+        return any(fill.priority == DEMAND for fill in self.inflight.values())
+
+    def start(self, bucket: str, key: str, priority: int, expected_xxh3: str | None = None) -> tuple[Fill, bool]:
+        """The fill of ``bucket/key``: the running one (``False``) or a new one (``True``)."""
+        name = (bucket, key)
+        fill = self.inflight.get(name)
+        if fill is not None:
+            fill.priority = min(fill.priority, priority)  # a demand read promotes a prefetch
+            return fill, False
+        fill = Fill(bucket, key, priority, expected_xxh3)
+        self.inflight[name] = fill
+        fill.task = asyncio.create_task(self._run(fill), name=f"fill:{bucket}/{key}")
+        return fill, True
+
+    async def close(self) -> None:
+        tasks = [fill.task for fill in self.inflight.values() if fill.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    # -- the fill itself ----------------------------------------------------------------------
+
+    async def _run(self, fill: Fill) -> None:
+        outcome = "error"
+        try:
+            await self._fill(fill)
+            outcome = "cached" if fill.entry is not None else "not_cached"
+        except asyncio.CancelledError:
+            fill.error = OriginUnavailable("daemon shutting down")
+            outcome = "cancelled"
+            raise
+        except BaseException as exc:  # delivered to every waiter, never lost
+            fill.error = exc
+            if isinstance(exc, NoSpace):
+                if self.store is not None:
+                    self.store.note_no_space()
+                log.warning("not caching %s/%s: %s", fill.bucket, fill.key, exc)
+            elif isinstance(exc, (OriginError, IntegrityError)):
+                log.warning("fill of %s/%s failed: %s", fill.bucket, fill.key, exc)
+            else:
+                log.exception("fill of %s/%s failed", fill.bucket, fill.key)
+        finally:
+            writer = fill.writer
+            if writer is not None and fill.entry is None:
+                await asyncio.to_thread(writer.abort)
+            fill.finished = True
+            self.inflight.pop((fill.bucket, fill.key), None)
+            self.metrics.fills.labels(outcome=outcome).inc()
+            fill._notify()
+            fill._maybe_close()
+
+    async def _open_first(self, fill: Fill) -> tuple[ObjectInfo, Body]:
+        async with self.limiter.slot(fill.priority):
+            began = time.perf_counter()
+            result = await self.origin.call(self.origin.open_first, fill.bucket, fill.key)
+            self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
+            return result
+
+    async def _fill(self, fill: Fill) -> None:
+        info, first_body = await retrying(
+            self.settings, self.metrics, f"{fill.bucket}/{fill.key}", self._open_first, fill
+        )
+        writer: Writer | None = None
+        if self.store is not None:
+            try:
+                writer = await asyncio.to_thread(
+                    self.store.begin, fill.bucket, fill.key, info.etag, info.size, fill.expected_xxh3
+                )
+            except OSError as exc:
+                log.warning("cannot cache %s/%s: %s", fill.bucket, fill.key, exc)
+                writer = None
+        if writer is None:
+            # No room (hold policy full, all in use, disk full): callers stream from the origin.
+            self.origin.release(first_body)
+            fill.cacheable = False
+            fill.info = info
+            fill._notify()
+            return
+        fill.writer = writer
+        try:
+            fill._read_fd = os.open(writer.path, os.O_RDONLY)
+        except BaseException:
+            self.origin.release(first_body)
+            raise
+        fill.info = info
+        fill._notify()
+        await _PartedFill(self, fill, writer, info).run(first_body)
+        fill.entry = await asyncio.to_thread(writer.commit)
+        fill.writer = None
+
+    # -- straight from the origin (nothing cached) --------------------------------------------
+
+    async def passthrough(self, bucket: str, key: str, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
+        """Stream ``[start, end)`` from the origin with resuming retries, caching nothing."""
+        sent = start
+        delay = self.settings.backoff_base_s
+        attempt = 0
+        while sent < end:
+            try:
+                async with self.limiter.slot(DEMAND):
+                    async for chunk in self.origin.read(bucket, key, sent, end, etag=etag):
+                        sent += len(chunk)
+                        self.metrics.origin_bytes.inc(len(chunk))
+                        yield chunk
+                if sent < end:
+                    raise OriginBadResponse(f"{bucket}/{key}: origin ended at {sent} of {end}")
+            except (OriginUnavailable, OriginBadResponse) as exc:
+                self.metrics.origin_errors.labels(kind=type(exc).__name__).inc()
+                attempt += 1
+                if attempt > self.settings.retries:
+                    raise
+                self.metrics.origin_retries.inc()
+                await asyncio.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, self.settings.backoff_max_s)
+            except InvalidRange:
+                raise

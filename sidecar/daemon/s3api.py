@@ -1,0 +1,300 @@
+"""The daemon's S3 read API: GET/HEAD object (hits with sendfile, misses joined to one fill),
+ListObjectsV2 passed to the origin, and 405 for writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from aiohttp import web
+
+from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, Store
+from sidecar.errors import BadRequest, OriginError
+from sidecar.daemon.fills import Fetcher, Fill, retrying
+from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, STORE
+from sidecar.daemon.origins import ObjectInfo
+from sidecar.daemon.priority import DEMAND
+from sidecar.daemon.s3xml import error_response, parse_range
+from wire.names import validate_bucket, validate_key, validate_prefix
+
+log = logging.getLogger(__name__)
+
+__all__ = ["s3_handler", "UNCACHED_NAMES"]
+
+UNCACHED_NAMES = frozenset({"manifest.json"})
+_HEX128 = re.compile(r"^[0-9a-fA-F]{32}$")
+
+
+class _SendfileResponse(web.StreamResponse):
+    """Body sent with sendfile(2) from an already-open, verified file descriptor."""
+
+    def __init__(self, fd: int, offset: int, count: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fd = fd
+        self._offset = offset
+        self._count = count
+
+    async def prepare(self, request: web.BaseRequest):  # type: ignore[no-untyped-def]
+        if self._fd < 0:  # aiohttp prepares a returned response again: already sent
+            return await super().prepare(request)
+        try:
+            writer = await super().prepare(request)
+            if request.method == "HEAD" or self._count == 0:
+                return writer
+            transport = request.transport
+            if transport is None:
+                raise ConnectionResetError("client went away")
+            with os.fdopen(self._fd, "rb", closefd=False) as fobj:
+                await asyncio.get_running_loop().sendfile(transport, fobj, self._offset, self._count)
+            await super().write_eof()
+            return writer
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _object_headers(size: int, etag: str, cache: str, last_modified: str | None = None) -> dict[str, str]:
+    headers = {"ETag": etag, "Accept-Ranges": "bytes", "x-shardcache-cache": cache}
+    if last_modified:
+        headers["Last-Modified"] = last_modified
+    return headers
+
+
+def _range_headers(headers: dict[str, str], rng: tuple[int, int] | None, size: int) -> tuple[int, int, int]:
+    """Adds Content-Range when ranged; returns (status, start, end)."""
+    if rng is None:
+        return 200, 0, size
+    start, end = rng
+    headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    return 206, start, end
+
+
+# -- the S3 read API ---------------------------------------------------------------------------
+
+
+def _split(request: web.Request) -> tuple[str, str]:
+    # The raw path keeps %2F and friends encoded; aiohttp has decoded request.path already.
+    path = request.match_info.get("path", "")
+    bucket, _, key = path.partition("/")
+    return bucket, key
+
+
+async def s3_handler(request: web.Request) -> web.StreamResponse:
+    bucket, key = _split(request)
+    if not bucket:
+        raise BadRequest("listing buckets is not supported: address a bucket, /{bucket}?list-type=2")
+    validate_bucket(bucket)
+    if request.method not in ("GET", "HEAD"):
+        return error_response(
+            405, "MethodNotAllowed", f"{request.method} is not allowed: shardcache serves reads only",
+            f"/{bucket}/{key}", headers={"Allow": "GET, HEAD"},
+        )
+    if not key:
+        if request.method == "HEAD":
+            return web.Response(status=200)
+        return await _list(request, bucket)
+    validate_key(key)
+    expected = request.headers.get("x-shardcache-xxh3-128")
+    if expected is not None and not _HEX128.match(expected):
+        raise BadRequest("x-shardcache-xxh3-128 must be 32 hex digits")
+    store = request.app.get(STORE)
+    if key.rsplit("/", 1)[-1] in UNCACHED_NAMES:
+        # The manifest is the mutable index of immutable shards: always the origin's current copy.
+        store = None
+    if request.method == "HEAD":
+        return await _head(request, store, bucket, key, expected)
+    return await _get(request, store, bucket, key, expected)
+
+
+async def _list(request: web.Request, bucket: str) -> web.Response:
+    if request.query.get("list-type") != "2":
+        raise BadRequest("only ListObjectsV2 is supported: add list-type=2 to the query")
+    validate_prefix(request.query.get("prefix", ""))
+    origin = request.app[ORIGIN]
+    metrics = request.app[METRICS]
+    began = time.perf_counter()
+    body = await retrying(
+        request.app[FETCHER].settings, metrics, f"list {bucket}", origin.list_objects_v2, bucket, dict(request.query)
+    )
+    metrics.origin_latency.labels(op="list").observe(time.perf_counter() - began)
+    return web.Response(body=body, content_type="application/xml")
+
+
+async def _head(request: web.Request, store: Store | None, bucket: str, key: str, expected: str | None) -> web.Response:
+    entry = store.lookup(bucket, key, xxh3_128=expected) if store is not None else None
+    if entry is not None:
+        headers = _object_headers(entry.size, entry.etag, "hit")
+        headers["Content-Length"] = str(entry.size)
+        return web.Response(status=200, headers=headers)
+    metrics = request.app[METRICS]
+    began = time.perf_counter()
+    info: ObjectInfo = await retrying(
+        request.app[FETCHER].settings, metrics, f"head {bucket}/{key}", request.app[ORIGIN].head, bucket, key
+    )
+    metrics.origin_latency.labels(op="head").observe(time.perf_counter() - began)
+    headers = _object_headers(info.size, info.etag, "miss", info.last_modified)
+    headers["Content-Length"] = str(info.size)
+    return web.Response(status=200, headers=headers)
+
+
+async def _open_hit(store: Store, entry: Entry) -> tuple[int, os.stat_result] | None:
+    try:
+        return await asyncio.to_thread(store.open_verified, entry)
+    except (CorruptEntry, EntryNotFound):
+        return None  # detected and removed: refetch below
+
+
+async def _get(request: web.Request, store: Store | None, bucket: str, key: str, expected: str | None) -> web.StreamResponse:
+    metrics = request.app[METRICS]
+    began = time.perf_counter()
+    short_circuit = request.headers.get("x-shardcache-short-circuit") == "1"
+    if store is not None:
+        entry = store.lookup(bucket, key, xxh3_128=expected)
+        if entry is not None and short_circuit and store.known_good(entry):
+            # The caller reads the file itself: no open, no executor hop, just the path.
+            store.touch_in_memory(entry)
+            metrics.cache_lookups.labels(result="hit").inc()
+            return _short_circuit_answer(request, store, entry, "hit")
+        if entry is not None:
+            with store.pinned(entry):
+                opened = await _open_hit(store, entry)
+                if opened is not None:
+                    metrics.cache_lookups.labels(result="hit").inc()
+                    response = await _serve_entry(request, store, entry, opened, "hit", short_circuit)
+                    metrics.request_duration.labels(cache="hit").observe(time.perf_counter() - began)
+                    return response
+
+    fetcher = request.app[FETCHER]
+    if store is None:
+        return await _passthrough_get(request, bucket, key)
+    fill, created = fetcher.start(bucket, key, DEMAND, expected)
+    state = "miss" if created else "coalesced"
+    metrics.cache_lookups.labels(result=state).inc()
+    info = await fill.wait_info()
+
+    if short_circuit and fill.cacheable and store is not None:
+        entry = await fill.wait_done()
+        if entry is not None:
+            with store.pinned(entry):
+                opened = await _open_hit(store, entry)
+                if opened is not None:
+                    return await _serve_entry(request, store, entry, opened, state, short_circuit)
+
+    rng = parse_range(request.headers.get("Range"), info.size)
+    headers = _object_headers(info.size, info.etag, state, info.last_modified)
+    status, start, end = _range_headers(headers, rng, info.size)
+    response = web.StreamResponse(status=status, headers=headers)
+    response.content_length = end - start
+    if fill.cacheable:
+        await _send_fill(request, response, fetcher, fill, start, end, state)
+        metrics.request_duration.labels(cache=state).observe(time.perf_counter() - began)
+        return response
+    body = fetcher.passthrough(bucket, key, start, end, info.etag or None)
+    source = "passthrough"
+    # Pull the first chunk before committing to a 200: an origin that fails at once still gets
+    # its proper S3 error answer instead of a truncated body.
+    first = await anext(body, b"")
+    await response.prepare(request)
+    if first:
+        await response.write(first)
+        metrics.served_bytes.labels(source=source).inc(len(first))
+    async for chunk in body:
+        await response.write(chunk)
+        metrics.served_bytes.labels(source=source).inc(len(chunk))
+    await response.write_eof()
+    metrics.request_duration.labels(cache=state).observe(time.perf_counter() - began)
+    return response
+
+
+async def _passthrough_get(request: web.Request, bucket: str, key: str) -> web.StreamResponse:
+    """Straight from the origin, caching nothing (uncacheable names, or no store at all)."""
+    fetcher = request.app[FETCHER]
+    metrics = request.app[METRICS]
+    metrics.cache_lookups.labels(result="miss").inc()
+    info: ObjectInfo = await retrying(
+        fetcher.settings, metrics, f"head {bucket}/{key}", request.app[ORIGIN].head, bucket, key
+    )
+    rng = parse_range(request.headers.get("Range"), info.size)
+    headers = _object_headers(info.size, info.etag, "miss", info.last_modified)
+    status, start, end = _range_headers(headers, rng, info.size)
+    response = web.StreamResponse(status=status, headers=headers)
+    response.content_length = end - start
+    await response.prepare(request)
+    async for chunk in fetcher.passthrough(bucket, key, start, end, info.etag or None):
+        await response.write(chunk)
+        metrics.served_bytes.labels(source="passthrough").inc(len(chunk))
+    await response.write_eof()
+    return response
+
+
+async def _send_fill(
+    request: web.Request, response: web.StreamResponse, fetcher: Fetcher, fill: Fill, start: int, end: int, state: str
+) -> None:
+    """Send ``[start, end)`` of a fill in progress with sendfile from its temp file, as the bytes
+    land. If caching fails underneath (disk full), finish from the origin at the byte reached."""
+    metrics = request.app[METRICS]
+    loop = asyncio.get_running_loop()
+    sent = start
+    try:
+        async for fd, offset, length in fill.ranges(start, end):
+            if offset + length >= end and fill.expected_xxh3:
+                # The caller named the checksum it expects: hold the last bytes back until the
+                # fill is verified, so a mismatch reaches it as an error, not as wrong data.
+                await fill.wait_done()
+            if not response.prepared:
+                # Prepared only once bytes exist: a fill failing at once still gets an S3 error.
+                await response.prepare(request)
+            transport = request.transport
+            if transport is None:
+                raise ConnectionResetError("client went away")
+            with os.fdopen(fd, "rb", closefd=False) as fobj:
+                await loop.sendfile(transport, fobj, offset, length)
+            sent = offset + length
+            metrics.served_bytes.labels(source=state).inc(length)
+    except (CacheError, OSError) as exc:
+        if isinstance(exc, (OriginError, IntegrityError, ConnectionError)) or not fill.info:
+            raise
+        log.warning("cache fill of %s/%s failed (%s); serving from the origin", fill.bucket, fill.key, exc)
+        async for chunk in fetcher.passthrough(fill.bucket, fill.key, sent, end, fill.info.etag or None):
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write(chunk)
+            metrics.served_bytes.labels(source="passthrough").inc(len(chunk))
+    if not response.prepared:  # an empty range
+        await response.prepare(request)
+    await response.write_eof()
+
+
+def _short_circuit_answer(request: web.Request, store: Store, entry: Entry, state: str) -> web.Response:
+    headers = _object_headers(entry.size, entry.etag, state)
+    headers["x-shardcache-path"] = str(store.data_path(entry))
+    headers["x-shardcache-size"] = str(entry.size)
+    request.app[METRICS].served_bytes.labels(source="short_circuit").inc(entry.size)
+    return web.Response(status=200, headers=headers)
+
+
+async def _serve_entry(
+    request: web.Request, store: Store, entry: Entry, opened: tuple[int, os.stat_result], state: str, short_circuit: bool
+) -> web.StreamResponse:
+    fd, _ = opened
+    metrics = request.app[METRICS]
+    headers = _object_headers(entry.size, entry.etag, state)
+    if short_circuit:
+        os.close(fd)
+        return _short_circuit_answer(request, store, entry, state)
+    try:
+        rng = parse_range(request.headers.get("Range"), entry.size)
+    except BaseException:
+        os.close(fd)
+        raise
+    status, start, end = _range_headers(headers, rng, entry.size)
+    response = _SendfileResponse(fd, start, end - start, status=status, headers=headers)
+    response.content_length = end - start
+    await response.prepare(request)
+    metrics.served_bytes.labels(source=state).inc(end - start)
+    return response

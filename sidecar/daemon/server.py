@@ -1,0 +1,124 @@
+"""Running the daemon: listeners (unix socket, TCP), signals and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from aiohttp import web
+
+from sidecar.daemon.app import build_app
+from sidecar.daemon.forward import UPSTREAM, Upstream, forward_middleware
+from sidecar.daemon.settings import ServeSettings
+
+__all__ = ["run_daemon", "serve_forever", "make_app", "parse_listen", "start_sites"]
+
+log = logging.getLogger(__name__)
+
+# Large enough for every S3 header a client sends, small enough that a hostile header costs nothing.
+MAX_LINE = 8190
+MAX_FIELD = 16384
+
+
+def parse_listen(address: str) -> tuple[str, str, int]:
+    """``unix:///p.sock`` → ("unix", path, 0); ``tcp://host:port`` → ("tcp", host, port)."""
+    if address.startswith("unix://"):
+        path = address[len("unix://"):]
+        if not path.startswith("/"):
+            raise ValueError(f"unix socket path must be absolute: {address!r}")
+        return "unix", path, 0
+    if address.startswith("tcp://"):
+        hostport = address[len("tcp://"):]
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"tcp listen address needs host:port: {address!r}")
+        return "tcp", host.strip("[]") or "0.0.0.0", int(port)
+    raise ValueError(f"listen address must be unix:///path.sock or tcp://host:port, not {address!r}")
+
+
+def _prepare_socket_path(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a stale socket from a killed daemon
+
+
+def _remove_socket(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def make_app(settings: ServeSettings) -> web.Application:
+    app = build_app(settings)
+    if settings.mode == "sidecar":
+        assert settings.upstream is not None
+        upstream = Upstream(settings.upstream)
+        app[UPSTREAM] = upstream
+        app.middlewares.insert(0, forward_middleware)
+
+        async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+            await upstream.start()
+            try:
+                yield
+            finally:
+                await upstream.close()
+
+        app.cleanup_ctx.append(upstream_ctx)
+    return app
+
+
+async def start_sites(runner: web.AppRunner, listen: tuple[str, ...]) -> list[str]:
+    bound: list[str] = []
+    for address in listen:
+        kind, host, port = parse_listen(address)
+        if kind == "unix":
+            path = Path(host)
+            await asyncio.to_thread(_prepare_socket_path, path)
+            site: web.BaseSite = web.UnixSite(runner, str(path))
+            await site.start()
+            # Pods run as other users; the socket directory's mount is what guards access.
+            await asyncio.to_thread(os.chmod, path, 0o666)
+        else:
+            site = web.TCPSite(runner, host, port, reuse_address=True)
+            await site.start()
+        bound.append(address)
+        log.info("listening on %s", address)
+    return bound
+
+
+async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    app = make_app(settings)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=settings.shutdown_timeout_s,
+        max_line_size=MAX_LINE,
+        max_field_size=MAX_FIELD,
+    )
+    await runner.setup()
+    stop = stop or asyncio.Event()
+    try:
+        await start_sites(runner, settings.listen)
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        log.info("shutting down: finishing requests in progress (up to %.0fs)", settings.shutdown_timeout_s)
+    finally:
+        await runner.cleanup()
+        for address in settings.listen:
+            kind, host, _ = parse_listen(address)
+            if kind == "unix":
+                await asyncio.to_thread(_remove_socket, Path(host))
+
+
+def run_daemon(settings: ServeSettings) -> None:
+    asyncio.run(serve_forever(settings))

@@ -1,0 +1,53 @@
+"""Settings of ``shardcache serve``, built once by the CLI from flags and ``SHARDCACHE_*`` env vars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cache import StoreSettings
+from sidecar.daemon.fills import FetchSettings
+from sidecar.daemon.origins.s3 import S3Settings
+
+__all__ = ["ServeSettings", "MODES"]
+
+MODES = ("node", "sidecar")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    store: StoreSettings
+    """Where and how much to cache."""
+
+    listen: tuple[str, ...] = ("tcp://127.0.0.1:8600",)
+    """Addresses to serve on: ``unix:///path.sock`` and/or ``tcp://host:port``."""
+
+    origin: str = "s3"
+    """``s3`` (boto3 credential chain and endpoint) or ``file:///root``."""
+
+    s3: S3Settings = field(default_factory=S3Settings)
+    """S3 client settings, used when ``origin`` is ``s3``."""
+
+    fetch: FetchSettings = field(default_factory=FetchSettings)
+    """Parallelism, retries and backoff of origin fetches."""
+
+    mode: str = "node"
+    """``node``: the per-node daemon. ``sidecar``: forward to ``upstream``, or cache standalone when
+    the node has no daemon."""
+
+    upstream: str | None = None
+    """The node daemon, for sidecar mode (``unix:///run/shardcache/daemon.sock``)."""
+
+    prefetch_workers: int = 4
+    """Background fills running at once for prefetch and warm-up requests."""
+
+    prefetch_queue_max: int = 100_000
+    """Queued prefetches beyond which ``POST /_shardcache/prefetch`` answers 503 SlowDown."""
+
+    shutdown_timeout_s: float = 10.0
+    """On SIGTERM, seconds to let requests in progress finish."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        if self.mode == "sidecar" and not self.upstream:
+            raise ValueError("sidecar mode needs an upstream (the node daemon's address)")
