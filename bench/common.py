@@ -401,7 +401,7 @@ class RssSampler:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread = threading.Thread(target=self._run, name=f"rss-{self.pid}", daemon=True)
         self._thread.start()
         return self
@@ -463,7 +463,7 @@ def machine_facts(packages: tuple[str, ...] = ("aiohttp", "boto3", "botocore", "
         git_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                  text=True, timeout=5).stdout.strip() or None
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)),
@@ -552,7 +552,7 @@ class SendfileServer:
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> "SendfileServer":
+    def __enter__(self) -> SendfileServer:
         code = f"from bench.common import _sendfile_main; _sendfile_main({self.port}, {str(self.root)!r})"
         self.proc = spawn([sys.executable, "-c", code], self.log)
 

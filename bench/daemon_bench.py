@@ -54,12 +54,10 @@ from typing import Any
 import aiohttp
 import xxhash
 
-from cache import aligned_buffer
-
 from bench.common import (
     RESULTS_DIR,
-    STORES,
     STORE_DESCRIPTIONS,
+    STORES,
     RssSampler,
     S3Server,
     SendfileServer,
@@ -81,6 +79,7 @@ from bench.common import (
     write_results,
 )
 from bench.latency_proxy import LatencyProxy
+from cache import aligned_buffer
 
 BUCKET = "bench"
 READ_CHUNK = 1024 * 1024
@@ -317,7 +316,7 @@ def read_socket(port: int, keys: tuple[str, ...], bucket: str = BUCKET) -> int:
             lines = head.decode("latin-1").split("\r\n")
             if not lines[0].startswith("HTTP/1.1 200"):
                 raise BenchError(f"{key}: {lines[0]}")
-            headers = {name.strip().lower(): value.strip() for name, _, value in (l.partition(":") for l in lines[1:])}
+            headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
             remaining = int(headers["content-length"]) - len(rest)
             total += len(rest)
             while remaining > 0:
@@ -627,7 +626,7 @@ def print_table(summaries: dict[str, dict[str, Any]]) -> None:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for index, row in enumerate(rows):
         print("  ".join(str(cell).ljust(width) if i < 2 or i == 6 else str(cell).rjust(width)
-                        for i, (cell, width) in enumerate(zip(row, widths))))
+                        for i, (cell, width) in enumerate(zip(row, widths, strict=True))))
         if index == 0:
             print("  ".join("-" * width for width in widths))
     print()

@@ -33,10 +33,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from cache import aligned_buffer
-
 from bench.common import TEST_CREDENTIALS
 from bench.peers_common import Meter, import_streaming, merge_epochs, proc_status_kib, tar_samples
+from cache import aligned_buffer
 
 __all__ = ["READERS", "make_reader", "run_spec", "main"]
 
@@ -50,7 +49,7 @@ def _raw(spec: dict[str, Any]) -> Any:
     def epoch(_index: int) -> Iterator[dict[str, Any]]:
         # No parsing: one pseudo-sample per shard carrying the shard's byte count, so the meter's
         # byte total is the file bytes; the suite takes the sample count from the manifest.
-        for path, count in zip(paths, counts):
+        for path, count in zip(paths, counts, strict=True):
             total = 0
             with open(path, "rb", buffering=0) as handle:
                 while n := handle.readinto(buffer):

@@ -51,7 +51,8 @@ def markdown_table(result: dict[str, Any], chart: str | None) -> str:
         f"suite ran {result['elapsed_s'] / 60:.1f} min.",
         "",
         f"Dataset: {ds['shards']} WebDataset shards, {ds['bytes'] / 2**30:.2f} GiB, {ds['samples']} samples "
-        f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), on {'an s3rver' if cfg.get('store') == 's3rver' else 'a moto'} S3 server behind a proxy adding "
+        f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), "
+        f"on {'an s3rver' if cfg.get('store') == 's3rver' else 'a moto'} S3 server behind a proxy adding "
         f"{cfg['delay_ms']:g} ms per request" + (f" and {cfg['stream_mbps']:g} MB/s per connection" if cfg.get("stream_mbps") else "")
         + f". Simulated trainer: {cfg['trainer_rate']:g} samples/s.",
         "",
@@ -139,7 +140,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
     ax2.barh([i - h / 2 for i in y], [100 * (v or 0) for v in stall_cold], height=h, label="cold", color="#8da0cb")
     ax2.barh([i + h / 2 for i in y], [100 * (v or 0) for v in stall_warm], height=h, label="warm", color="#fc8d62")
-    for i, (c, w) in enumerate(zip(stall_cold, stall_warm)):
+    for i, (c, w) in enumerate(zip(stall_cold, stall_warm, strict=True)):
         if c is None and w is None:
             ax2.text(0.5, i, "not measured", va="center", fontsize=7, color="grey")
     ax2.axvline(2, color="grey", linestyle=":", linewidth=1, label="2% target")

@@ -119,7 +119,7 @@ class Writer:
     """A fill in progress: bytes land in a temp file at any offset (parallel ranged GETs), the
     checksum advances over the contiguous prefix, and :meth:`commit` publishes atomically."""
 
-    def __init__(self, store: "Store", bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None) -> None:
+    def __init__(self, store: Store, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None) -> None:
         self.store = store
         self.bucket = bucket
         self.key = key
@@ -269,7 +269,7 @@ class Store:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         self.open()
         return self
 

@@ -11,22 +11,22 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import random
-import time
 import urllib.parse
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from loader.errors import AccessDenied, LoaderError, ShardNotFound, SourceError
+from loader.settings import LoaderSettings, parse_endpoint
 from wire.httpclient import (
     AnswerTooLarge,
     ThreadConnections,
     UnixHTTPConnection,
     exchange,
 )
-from loader.settings import LoaderSettings
+from wire.retry import retry_sync
+from wire.s3errors import TRANSIENT, S3ErrorAnswer, S3ErrorKind, from_http
+from wire.s3xml import MAX_ERROR_BYTES, ListedObject, S3XMLError, parse_list_page
 
 __all__ = ["RETRYABLE_HTTP", "DaemonClient", "DaemonObject", "ListedObject"]
 
@@ -35,17 +35,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _USER_AGENT = "shardcache-loader/1"
-_S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
-_RETRY_STATUS = {500, 502, 503, 504}
 _MAX_SMALL_BODY = 256 << 20  # listings and manifests; anything larger is not what we asked for
 RETRYABLE_HTTP: tuple[type[BaseException], ...] = (OSError, http.client.HTTPException)
-
-
-@dataclass(frozen=True)
-class ListedObject:
-    key: str
-    size: int
-    etag: str | None
 
 
 @dataclass
@@ -66,22 +57,36 @@ class DaemonObject:
 
 
 class _DaemonHTTPError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {code}: {message}")
-        self.status = status
-        self.code = code
-        self.message = message
+    """An S3 error answer of the daemon, until :meth:`DaemonClient._wrap_errors` maps it."""
+
+    def __init__(self, answer: S3ErrorAnswer) -> None:
+        self.status = answer.status
+        self.code = answer.code or f"HTTP{answer.status}"
+        self.message = answer.message
+        self.kind = answer.kind
+        super().__init__(f"HTTP {self.status} {self.code}: {self.message}")
 
 
 def _s3_error(status: int, body: bytes) -> _DaemonHTTPError:
-    code, message = f"HTTP{status}", ""
-    try:
-        root = ET.fromstring(body[:65536])
-        code = (root.findtext("Code") or root.findtext(f"{_S3_NS}Code") or code).strip()
-        message = (root.findtext("Message") or root.findtext(f"{_S3_NS}Message") or "").strip()
-    except ET.ParseError:
-        message = body[:200].decode("utf-8", "replace")
-    return _DaemonHTTPError(status, code, message)
+    return _DaemonHTTPError(from_http(status, body))
+
+
+def _transient(exc: BaseException) -> bool:
+    """Worth another attempt: the daemon unreachable, or answering that it or its origin is."""
+    if isinstance(exc, LoaderError):
+        return False  # already a decision (e.g. an oversized answer), not a transient fault
+    if isinstance(exc, _DaemonHTTPError):
+        return exc.kind in TRANSIENT
+    return isinstance(exc, RETRYABLE_HTTP)
+
+
+# What the daemon's error answers become for the trainer, and the message when the answer has
+# none; every other kind is a SourceError.
+_ERRORS: dict[S3ErrorKind, tuple[type[LoaderError], str]] = {
+    S3ErrorKind.NOT_FOUND_KEY: (ShardNotFound, "not found"),
+    S3ErrorKind.NOT_FOUND_BUCKET: (ShardNotFound, "not found"),
+    S3ErrorKind.ACCESS_DENIED: (AccessDenied, "access denied"),
+}
 
 
 class DaemonClient:
@@ -91,16 +96,10 @@ class DaemonClient:
     def __init__(self, endpoint: str, settings: LoaderSettings) -> None:
         self.endpoint = endpoint.rstrip("/")
         self._settings = settings
-        parts = urllib.parse.urlsplit(self.endpoint)
-        if parts.scheme == "unix":
-            self._unix: str | None = urllib.parse.unquote(parts.path)
-            self._host, self._port, self._base = "localhost", None, ""
-        elif parts.scheme in ("http", "https"):
-            self._unix = None
-            self._host, self._port, self._base = parts.hostname or "127.0.0.1", parts.port, parts.path.rstrip("/")
-        else:
-            raise SourceError(f"invalid cache endpoint {endpoint!r}: use http://host:port or unix:///path.sock")
-        self._https = parts.scheme == "https"
+        address = parse_endpoint(self.endpoint)
+        self._unix: str | None = address.path if address.kind == "unix" else None
+        self._host, self._port, self._base = address.host, address.port, address.base
+        self._https = address.tls
         self._conns = ThreadConnections(lambda _: self._new_connection(self._settings.io_timeout_s))
         self._origin: str | None = None
 
@@ -132,26 +131,15 @@ class DaemonClient:
 
     def _with_retries(self, what: str, call: Callable[[], T]) -> T:
         """Run ``call()``, retrying connection errors and 5xx answers with backoff."""
-        delay = self._settings.retry_backoff_s
-        last: BaseException | None = None
-        for attempt in range(self._settings.io_attempts):
-            try:
-                return call()
-            except LoaderError:
-                raise  # already a decision (e.g. an oversized answer), not a transient fault
-            except _DaemonHTTPError as exc:
-                if exc.status not in _RETRY_STATUS:
-                    raise
-                last = exc
-            except RETRYABLE_HTTP as exc:
-                last = exc
-            if attempt + 1 < self._settings.io_attempts:
-                time.sleep(delay * (0.5 + random.random() / 2))
-                delay = min(delay * 2, 5.0)
-        raise SourceError(
-            f"cache endpoint {self.endpoint}: {what} failed after {self._settings.io_attempts} attempts: {last}. "
-            "Check that the shardcache daemon/sidecar is running, or unset SHARDCACHE_ENDPOINT to read the origin."
-        ) from last
+        try:
+            return retry_sync(call, self._settings.backoff, _transient)
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            raise SourceError(
+                f"cache endpoint {self.endpoint}: {what} failed after {self._settings.io_attempts} attempts: {exc}. "
+                "Check that the shardcache daemon/sidecar is running, or unset SHARDCACHE_ENDPOINT to read the origin."
+            ) from exc
 
     # -- API ------------------------------------------------------------------------------
 
@@ -186,7 +174,7 @@ class DaemonClient:
             status, _, data = self._exchange("GET", _object_path(bucket, key))
             if status == 404:
                 err = _s3_error(status, data)
-                if err.code == "NoSuchBucket":
+                if err.kind is S3ErrorKind.NOT_FOUND_BUCKET:
                     raise err
                 return None
             if status != 200:
@@ -213,18 +201,13 @@ class DaemonClient:
                 f"list {bucket}/{prefix}", prefix, lambda: self._with_retries("ListObjectsV2", call)
             )
             try:
-                root = ET.fromstring(data)
-            except ET.ParseError as exc:
-                raise SourceError(f"{self.endpoint}: malformed ListObjectsV2 answer for {bucket}/{prefix}") from exc
-            for item in list(root.iter(f"{_S3_NS}Contents")) + list(root.iter("Contents")):
-                key = item.findtext(f"{_S3_NS}Key") or item.findtext("Key")
-                size = item.findtext(f"{_S3_NS}Size") or item.findtext("Size") or "0"
-                etag = item.findtext(f"{_S3_NS}ETag") or item.findtext("ETag")
-                if key is not None:
-                    yield ListedObject(key, int(size), etag.strip('"') if etag else None)
-            truncated = (root.findtext(f"{_S3_NS}IsTruncated") or root.findtext("IsTruncated") or "false").strip()
-            token = root.findtext(f"{_S3_NS}NextContinuationToken") or root.findtext("NextContinuationToken")
-            if truncated.lower() != "true" or not token:
+                page = parse_list_page(data)
+            except S3XMLError as exc:
+                raise SourceError(f"{self.endpoint}: malformed ListObjectsV2 answer for {bucket}/{prefix}: {exc}") from exc
+            for obj in page.contents:
+                yield ListedObject(obj.key, obj.size, obj.etag.strip('"') if obj.etag else None)
+            token = page.next_token
+            if not page.truncated or not token:
                 return
         raise SourceError(f"{self.endpoint}: listing {bucket}/{prefix} did not end")
 
@@ -265,7 +248,7 @@ class DaemonClient:
                 conn.close()
                 raise
             if resp.status not in (200, 206):
-                data = resp.read(65536)
+                data = resp.read(MAX_ERROR_BYTES)
                 conn.close()
                 raise _s3_error(resp.status, data)
             if offset and resp.status != 206:
@@ -299,10 +282,9 @@ class DaemonClient:
             return call()
         except _DaemonHTTPError as exc:
             where = f"cache endpoint {self.endpoint}: {what}"
-            if exc.status == 404:
-                raise ShardNotFound(f"{where}: {exc.code} ({exc.message or 'not found'})") from exc
-            if exc.status == 403:
-                raise AccessDenied(f"{where}: {exc.code} ({exc.message or 'access denied'})") from exc
+            if exc.kind in _ERRORS:
+                exc_type, default = _ERRORS[exc.kind]
+                raise exc_type(f"{where}: {exc.code} ({exc.message or default})") from exc
             raise SourceError(f"{where}: {exc}") from exc
 
 

@@ -7,6 +7,8 @@ master protocol live in :mod:`loader.master.errors` (root ``MasterError``) and p
 
 from __future__ import annotations
 
+from wire.errors import ManifestError as WireManifestError
+
 __all__ = [
     "LoaderError",
     "ConfigError",
@@ -27,8 +29,9 @@ class ConfigError(LoaderError, ValueError):
     """Arguments or settings that cannot work together (fix the call)."""
 
 
-class ManifestError(LoaderError, ValueError):
-    """``manifest.json`` exists but is not a valid version-1 WebDataset manifest."""
+class ManifestError(LoaderError, WireManifestError):
+    """``manifest.json`` exists but is not a valid version-1 WebDataset manifest (also wire's
+    ``ManifestError``, the rule's own error, so code catching either catches it)."""
 
 
 class DatasetNotFound(LoaderError, FileNotFoundError):

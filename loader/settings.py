@@ -12,10 +12,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from loader.errors import ConfigError
+from wire.errors import InvalidName
+from wire.names import Address, parse_connect
+from wire.retry import Backoff
 
-__all__ = ["LoaderSettings"]
+__all__ = ["LoaderSettings", "parse_endpoint"]
 
 _TRUE = {"1", "true", "yes", "on"}
+_RETRY_BACKOFF_MAX_S = 5.0
+
+
+def parse_endpoint(endpoint: str) -> Address:
+    """The cache daemon's address: ``http(s)://host[:port][/base]`` or ``unix:///path.sock``."""
+    try:
+        return parse_connect(endpoint, schemes=("http", "https"), base_path=True)
+    except InvalidName:
+        raise ConfigError(
+            f"invalid cache endpoint {endpoint!r}: use http://127.0.0.1:8600 or "
+            "unix:///run/shardcache/daemon.sock (or unset SHARDCACHE_ENDPOINT to read the origin)"
+        ) from None
 _FALSE = {"0", "false", "no", "off", ""}
 
 
@@ -75,7 +90,8 @@ class LoaderSettings:
     """Attempts per request (and per resumed stream) before :class:`~loader.errors.SourceError`."""
 
     retry_backoff_s: float = 0.2
-    """First retry delay; doubles on each further attempt (with jitter), capped at 5 s."""
+    """First retry delay; doubles on each further attempt, capped at 5 s. Each delay is drawn
+    uniformly below that bound (full jitter, :mod:`wire.retry`)."""
 
     master_deadline_s: float = 60.0
     """How long one master call keeps retrying an unreachable master before giving up."""
@@ -97,16 +113,20 @@ class LoaderSettings:
             raise ConfigError("max_member_bytes must be positive")
         if self.io_attempts < 1:
             raise ConfigError("io_attempts must be at least 1")
+        if not self.retry_backoff_s >= 0:
+            raise ConfigError(f"retry_backoff_s must be a non-negative number of seconds, not {self.retry_backoff_s}")
         if not 0 < self.renew_fraction < 1:
             raise ConfigError("renew_fraction must be between 0 and 1 (exclusive)")
         if self.endpoint is not None:
             endpoint = self.endpoint.strip().rstrip("/")
-            if endpoint and not endpoint.startswith(("http://", "https://", "unix://")):
-                raise ConfigError(
-                    f"invalid cache endpoint {self.endpoint!r}: use http://127.0.0.1:8600 or "
-                    "unix:///run/shardcache/daemon.sock (or unset SHARDCACHE_ENDPOINT to read the origin)"
-                )
+            if endpoint:
+                parse_endpoint(endpoint)
             object.__setattr__(self, "endpoint", endpoint or None)
+
+    @property
+    def backoff(self) -> Backoff:
+        """The retry policy of one daemon or origin request, and of one resumed stream."""
+        return Backoff(self.retry_backoff_s, _RETRY_BACKOFF_MAX_S, attempts=self.io_attempts)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> LoaderSettings:

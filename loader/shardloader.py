@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from loader.dataset import Location, Shard, parse_dataset_url
+from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
 from loader.settings import LoaderSettings
 from loader.sources import Source, make_source, resolve_shards
@@ -36,6 +36,10 @@ __all__ = ["ShardLoader"]
 log = logging.getLogger("loader")
 
 OnError = Literal["raise", "skip"]
+
+# The version of state_dict(). 2: the static epoch order became wire.shuffle's (version 1's was
+# random.shuffle's), so a version 1 position points into an order this loader no longer produces.
+_STATE_VERSION = 2
 
 
 @dataclasses.dataclass
@@ -107,7 +111,7 @@ class ShardLoader:
         if master is not None:
             changes["master"] = master
         self.settings = dataclasses.replace(base, **changes) if changes else base
-        self.location: Location = parse_dataset_url(url)
+        self.location: DatasetURL = parse_dataset_url(url)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         self.on_error: OnError = on_error
@@ -292,7 +296,7 @@ class ShardLoader:
             raise ConfigError("state_dict() is for static mode; in dynamic mode the master holds the job's progress")
         pos = self._resume or self._pos
         return {
-            "version": 1,
+            "version": _STATE_VERSION,
             "url": self.url,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -311,8 +315,16 @@ class ShardLoader:
             raise ConfigError(
                 "load_state_dict() is for static mode; in dynamic mode the master holds the job's progress"
             )
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ConfigError("not a ShardLoader state (expected version 1 from state_dict())")
+        if isinstance(state, dict) and state.get("version") == 1:
+            raise ConfigError(
+                f"this checkpoint is a version 1 ShardLoader state (epoch {state.get('epoch')!r}), from a "
+                "shardcache release whose static mode shuffled epochs in a different order; resuming its "
+                "position on the current order would duplicate some samples and skip others. Restart that "
+                "epoch from its beginning (pass epoch= and do not load this state), or resume with the "
+                "shardcache version that wrote it"
+            )
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"not a ShardLoader state (expected version {_STATE_VERSION} from state_dict())")
         expected = {
             "url": self.url, "seed": self.seed, "shuffle": self.shuffle, "rank": self.rank,
             "world_size": self.world_size, "worker": list(self._worker), "num_shards": len(self.shards),
@@ -366,7 +378,7 @@ class ShardLoader:
             count = start
             for sample in iter_samples(
                 reader,
-                url=self.location.shard_url(shard.key),
+                url=self.location.object_url(shard.key),
                 start=start,
                 chunk=settings.read_chunk_bytes,
                 max_member_bytes=settings.max_member_bytes,
@@ -381,10 +393,10 @@ class ShardLoader:
                 if count < start:
                     raise CorruptShard(
                         f"asked to resume at sample {start} but the shard ends earlier",
-                        url=self.location.shard_url(shard.key),
+                        url=self.location.object_url(shard.key),
                     )
                 raise CorruptShard(
-                    f"holds {count} samples, the manifest says {shard.samples}", url=self.location.shard_url(shard.key)
+                    f"holds {count} samples, the manifest says {shard.samples}", url=self.location.object_url(shard.key)
                 )
         finally:
             reader.close()

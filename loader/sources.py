@@ -13,13 +13,12 @@ import contextlib
 import http.client
 import logging
 import os
-import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from loader.daemon import RETRYABLE_HTTP, DaemonClient, ListedObject
-from loader.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, Location, Shard, check_key, parse_manifest
+from loader.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, DatasetURL, Shard, check_key, parse_manifest
 from loader.errors import (
     AccessDenied,
     ConfigError,
@@ -29,6 +28,8 @@ from loader.errors import (
     SourceError,
 )
 from loader.settings import LoaderSettings
+from wire.names import split_origin_path
+from wire.s3errors import S3ErrorKind, from_client_error
 
 __all__ = ["Source", "Reader", "FileSource", "S3Source", "DaemonSource", "make_source", "resolve_shards"]
 
@@ -42,7 +43,7 @@ class Reader(Protocol):
 
 
 class Source(Protocol):
-    location: Location
+    location: DatasetURL
     via: str  # "file", "s3" or the daemon's endpoint; shown in errors and logs
 
     def open(self, shard: Shard) -> Reader: ...
@@ -56,7 +57,7 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-def make_source(location: Location, settings: LoaderSettings) -> Source:
+def make_source(location: DatasetURL, settings: LoaderSettings) -> Source:
     if settings.endpoint:
         return DaemonSource(location, settings.endpoint, settings)
     if location.scheme == "s3":
@@ -100,12 +101,11 @@ class _Resuming:
         self.position = 0
 
     def read(self, n: int = -1, /) -> bytes:
-        delay = self._settings.retry_backoff_s
+        backoff = self._settings.backoff
         last: BaseException | None = None
         for attempt in range(self._settings.io_attempts):
             if attempt:
-                time.sleep(delay * (0.5 + random.random() / 2))
-                delay = min(delay * 2, 5.0)
+                time.sleep(backoff.delay(attempt))
             if self._raw is None:
                 try:
                     self._raw, etag = self._open_at(self.position)
@@ -146,9 +146,9 @@ class FileSource:
 
     via = "file"
 
-    def __init__(self, location: Location, settings: LoaderSettings) -> None:
+    def __init__(self, location: DatasetURL, settings: LoaderSettings) -> None:
         self.location = location
-        self._base = location.prefix
+        self._base = location.path
 
     def _path(self, key: str) -> str:
         return os.path.join(self._base, *check_key(key, self.location.url).split("/"))
@@ -197,13 +197,20 @@ class FileSource:
 
 # -- S3 directly --------------------------------------------------------------------------------
 
+# What S3's error answers become for the trainer; every other kind is a SourceError.
+_S3_ERRORS: dict[S3ErrorKind, type[LoaderError]] = {
+    S3ErrorKind.NOT_FOUND_KEY: ShardNotFound,
+    S3ErrorKind.NOT_FOUND_BUCKET: DatasetNotFound,
+    S3ErrorKind.ACCESS_DENIED: AccessDenied,
+}
+
 
 class S3Source:
     """``s3://bucket/prefix/`` through boto3: the standard credential chain, ``AWS_ENDPOINT_URL``."""
 
     via = "s3"
 
-    def __init__(self, location: Location, settings: LoaderSettings) -> None:
+    def __init__(self, location: DatasetURL, settings: LoaderSettings) -> None:
         import boto3
         import botocore.exceptions
         from botocore.config import Config
@@ -229,16 +236,9 @@ class S3Source:
         try:
             yield
         except self._client_error as exc:
-            error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            message = f"{what}: {code} ({error.get('Message') or exc})"
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise ShardNotFound(message) from exc
-            if code == "NoSuchBucket":
-                raise DatasetNotFound(message) from exc
-            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
-                raise AccessDenied(message) from exc
-            raise SourceError(message) from exc
+            answer = from_client_error(exc)
+            message = f"{what}: {answer.code} ({answer.message or exc})"
+            raise _S3_ERRORS.get(answer.kind, SourceError)(message) from exc
         except LoaderError:
             raise
         except self._retryable as exc:
@@ -321,7 +321,7 @@ class DaemonSource:
     maps through the daemon's origin root (``GET /_shardcache/stats``) to ``/{bucket}/{prefix}``.
     """
 
-    def __init__(self, location: Location, endpoint: str, settings: LoaderSettings) -> None:
+    def __init__(self, location: DatasetURL, endpoint: str, settings: LoaderSettings) -> None:
         self.location = location
         self.via = endpoint
         self._settings = settings
@@ -329,7 +329,7 @@ class DaemonSource:
         self._short_circuit = settings.short_circuit
         self._bucket, self._prefix = self._map(location)
 
-    def _map(self, location: Location) -> tuple[str, str]:
+    def _map(self, location: DatasetURL) -> tuple[str, str]:
         if location.scheme == "s3":
             return location.bucket, location.prefix
         origin = self._client.origin()
@@ -339,13 +339,13 @@ class DaemonSource:
                 f"{origin!r}: point endpoint= at a daemon started with --origin file://..., or pass endpoint='' "
                 "to read the directory directly"
             )
-        root = origin[len("file://") :].rstrip("/") + "/"
-        if not location.prefix.startswith(root):
+        split = split_origin_path(location.path, origin[len("file://") :])
+        if split is None:
             raise ConfigError(
                 f"dataset {location.url} is not under the cache's origin root {origin}: use a URL below it "
                 "(file:///root/bucket/prefix/) or pass endpoint='' to read the directory directly"
             )
-        bucket, _, prefix = location.prefix[len(root) :].partition("/")
+        bucket, prefix = split
         if not bucket:
             raise ConfigError(f"dataset {location.url}: the first directory under {origin} is the bucket; name one")
         return bucket, prefix

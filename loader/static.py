@@ -3,33 +3,28 @@
 Every rank computes the same epoch order from ``(seed, epoch)`` and takes every
 ``world_size``-th shard of it, so the ranks' lists are disjoint, together cover the dataset,
 and differ in length by at most one. DataLoader workers split their rank's list the same way.
+
+The order is the master's (:class:`wire.shuffle.EpochOrder`), so static and dynamic mode shuffle
+alike and the order cannot drift with the Python version (``random.shuffle`` may).
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
-
 from loader.errors import ConfigError
+from wire.shuffle import EpochOrder
 
 __all__ = ["epoch_order", "rank_shards", "worker_shards"]
 
 
-def _rng(seed: int, epoch: int) -> random.Random:
-    # A stable integer seed from (seed, epoch): sha256 rather than hash(), which is salted per
-    # process, so every rank (and every rerun) derives the same order.
-    digest = hashlib.sha256(f"shardcache-static/{seed}/{epoch}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:16], "big"))
+def _order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> EpochOrder:
+    if num_shards < 0:
+        raise ConfigError("num_shards must be >= 0")
+    return EpochOrder(num_shards, seed, epoch, shuffle)
 
 
 def epoch_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
     """The dataset's shard indices in the order of ``epoch`` (a permutation of ``range(num_shards)``)."""
-    if num_shards < 0:
-        raise ConfigError("num_shards must be >= 0")
-    order = list(range(num_shards))
-    if shuffle:
-        _rng(seed, epoch).shuffle(order)
-    return order
+    return list(_order(num_shards, seed, epoch, shuffle))
 
 
 def rank_shards(num_shards: int, rank: int, world_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -38,7 +33,10 @@ def rank_shards(num_shards: int, rank: int, world_size: int, seed: int, epoch: i
         raise ConfigError(f"world_size must be >= 1, not {world_size}")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, world_size={world_size}), not {rank}")
-    return epoch_order(num_shards, seed, epoch, shuffle)[rank::world_size]
+    order = _order(num_shards, seed, epoch, shuffle)
+    # Index the positions this rank owns instead of listing the whole epoch: each rank pays
+    # for its own share only.
+    return [order[i] for i in range(rank, num_shards, world_size)]
 
 
 def worker_shards(shards: list[int], worker: int, num_workers: int) -> list[int]:

@@ -388,6 +388,7 @@ def iter_members(
         hasher = xxhash.xxh3_128()
     mapping = _map(raw, map_files)
     if mapping is None:
+        assert not isinstance(raw, (bytes, mmap.mmap))  # _map maps every buffer
         members = _members(_Stream(raw, url, chunk, hasher), url, max_member_bytes, expected_size, hasher,
                            expected_xxh3_128, want)
         if not zero_copy:

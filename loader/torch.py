@@ -28,7 +28,7 @@ from loader.shardloader import ShardLoader
 __all__ = ["ShardDataset"]
 
 
-class ShardDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class ShardDataset(torch.utils.data.IterableDataset):
     """``ShardLoader`` as a torch ``IterableDataset``; ``transform`` runs in the workers.
 
     Takes the :class:`~loader.ShardLoader` arguments (``url``, ``job``/``master`` or

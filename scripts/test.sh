@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install everything the tests need on a fresh Debian machine (Python 3.11, root) and run them all.
+# Install everything the tests need on a fresh Debian machine (Python 3.11, root), run the static
+# checks (import layering, types, lint), then run every test.
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,13 @@ fi
 # mosaicml-streaming, s3torchconnector); constraints.txt keeps their versions resolvable.
 python3 -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
 python3 -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,tf,bench]'
+
+# Static checks before any test runs: the layering contracts of docs/design.md (.importlinter),
+# types (mypy, configured in pyproject.toml) and lint (ruff). Each stops the run on a finding.
+echo "scripts/test.sh: lint-imports, mypy, ruff" >&2
+lint-imports
+python3 -m mypy
+python3 -m ruff check .
 
 # The peers were just installed: the benchmark smoke test must run, not skip.
 export SHARDCACHE_BENCH_PEERS=required

@@ -7,7 +7,7 @@ are wrapped with ``raise ... from`` at the origin boundary and never leak past i
 
 from __future__ import annotations
 
-from wire.errors import InvalidName
+from wire.errors import BodyTooLarge, InvalidBody, InvalidName
 
 __all__ = [
     "SidecarError",
@@ -20,6 +20,9 @@ __all__ = [
     "OriginUnavailable",
     "OriginThrottled",
     "OriginBadResponse",
+    "WarmupConflict",
+    "NoSuchWarmup",
+    "Busy",
     "S3_ERRORS",
     "s3_error_for",
 ]
@@ -31,6 +34,22 @@ class SidecarError(Exception):
 
 class BadRequest(SidecarError, ValueError):
     """The request is malformed or hostile (traversal, NUL, bad JSON); nothing was touched."""
+
+
+class WarmupConflict(SidecarError, ValueError):
+    """A warm-up with that id is running with other objects."""
+
+
+class NoSuchWarmup(SidecarError, LookupError):
+    """No warm-up with that id on this daemon (finished long ago, or the daemon restarted)."""
+
+
+class Busy(SidecarError):
+    """Too much work in progress; the client retries after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class OriginError(SidecarError):
@@ -71,6 +90,11 @@ class OriginBadResponse(OriginError, IOError):
 S3_ERRORS: list[tuple[type[BaseException], int, str]] = [
     (BadRequest, 400, "InvalidArgument"),
     (InvalidName, 400, "InvalidArgument"),
+    (BodyTooLarge, 413, "BodyTooLarge"),
+    (InvalidBody, 400, "InvalidArgument"),
+    (WarmupConflict, 409, "WarmupConflict"),
+    (NoSuchWarmup, 404, "NoSuchWarmup"),
+    (Busy, 503, "SlowDown"),
     (ObjectNotFound, 404, "NoSuchKey"),
     (BucketNotFound, 404, "NoSuchBucket"),
     (AccessDenied, 403, "AccessDenied"),

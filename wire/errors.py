@@ -7,7 +7,7 @@ report it as a configuration error.
 
 from __future__ import annotations
 
-__all__ = ["WireError", "InvalidName", "ManifestError"]
+__all__ = ["WireError", "InvalidName", "ManifestError", "EmptyManifest", "InvalidBody", "BodyTooLarge"]
 
 
 class WireError(Exception):
@@ -20,3 +20,20 @@ class InvalidName(WireError, ValueError):
 
 class ManifestError(WireError, ValueError):
     """A dataset's ``manifest.json`` is malformed."""
+
+
+class EmptyManifest(ManifestError):
+    """A dataset's ``manifest.json`` lists no shards: well-formed, but nothing to train on (the
+    loader reports it as its ``DatasetNotFound``)."""
+
+
+class InvalidBody(WireError, ValueError):
+    """A request body is not what the route takes: not JSON, not UTF-8, not an object, empty."""
+
+
+class BodyTooLarge(InvalidBody):
+    """A request body is larger than the route accepts (counted as read, not only as declared)."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit

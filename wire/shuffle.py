@@ -1,5 +1,10 @@
 """Per-epoch shard order: a seeded pseudo-random permutation, reproducible from (seed, epoch).
 
+The one shuffle of the project: the master hands out shards in this order (dynamic mode) and
+every rank of a static job takes its share of it (``loader.static``). Both modes resume from
+positions in this order (a restarted master, a static ``state_dict()`` checkpoint), so a changed
+order would duplicate and skip shards; ``test_master_shuffle`` pins exact values.
+
 The order is a keyed Feistel network on the smallest ``2**(2h)`` domain holding ``n``, with
 cycle walking back into ``[0, n)`` (the format-preserving-encryption construction). Position
 ``i`` maps to its shard in O(1) time and memory, so an epoch starts instantly even for a

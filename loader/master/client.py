@@ -30,7 +30,8 @@ Methods (the HTTP contract is ``docs/master-api.md``):
 - ``fail(job, lease, trainer, error) -> str``: report that the shard could not be read;
   returns ``"todo"`` (it will be re-issued) or ``"failed"`` (it reached ``max_failures`` and is
   skipped this epoch).
-- ``status(job) -> dict`` and ``jobs() -> list[dict]``: job status as in the API doc.
+- ``status(job) -> dict`` and ``jobs() -> list[dict]``: job status as in the API doc;
+  ``leader() -> dict``: the answering master's role and the leader it knows.
 
 Errors are typed, under :class:`MasterError`: :class:`NoSuchJob`, :class:`JobConflict`,
 :class:`LeaseLost`, :class:`NotLeaseHolder`, :class:`BadRequest`, and :class:`MasterUnavailable`
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import random
 import threading
 import time
 import urllib.parse
@@ -54,7 +54,6 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from wire.httpclient import ThreadConnections, UnixHTTPConnection, exchange
 from loader.master.errors import (
     BadRequest,
     JobConflict,
@@ -66,6 +65,10 @@ from loader.master.errors import (
     NotLeaseHolder,
     error_from_answer,
 )
+from wire.errors import InvalidName
+from wire.httpclient import ThreadConnections, UnixHTTPConnection, exchange
+from wire.names import Address, parse_connect
+from wire.retry import Backoff
 
 # The errors are re-exported so a trainer needs one import line.
 __all__ = [
@@ -90,10 +93,15 @@ def _split_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
     if not urls:
         raise BadRequest("no master URL given: use http://host:8700 (or several, comma-separated)")
     for url in urls:
-        scheme = urllib.parse.urlsplit(url).scheme
-        if scheme not in ("http", "https", "unix"):
-            raise BadRequest(f"invalid master URL {url!r}: use http://host:port or unix:///path/to.sock")
+        _address(url)
     return urls
+
+
+def _address(url: str) -> Address:
+    try:
+        return parse_connect(url, schemes=("http", "https"), base_path=True)
+    except InvalidName:
+        raise BadRequest(f"invalid master URL {url!r}: use http://host:port or unix:///path/to.sock") from None
 
 
 class MasterClient:
@@ -115,8 +123,8 @@ class MasterClient:
         self._timeout = float(timeout_s)
         self._long_poll = True
         self._deadline = float(retry_deadline_s)
-        self._backoff_initial = float(backoff_initial_s)
-        self._backoff_max = float(backoff_max_s)
+        # Unbounded attempts: a call stops at its deadline instead.
+        self._backoff = Backoff(float(backoff_initial_s), float(backoff_max_s))
         self._lock = threading.Lock()
         self._preferred = 0  # index into self._urls of the master believed to lead
         self._conns = ThreadConnections(self._new_connection)
@@ -136,6 +144,11 @@ class MasterClient:
 
     def status(self, job: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{_q(job)}")
+
+    def leader(self) -> dict[str, Any]:
+        """This master's view of leadership: ``{"leader": url|None, "role": "leader"|"standby"|...,
+        "self": url}``. Any master answers it, a standby too (it is not redirected)."""
+        return self._call("GET", "/v1/leader")
 
     def lease(
         self, job: str, trainer: str, node: str, count: int = 1, epoch: int | None = None, wait_s: float = 0.0
@@ -191,7 +204,7 @@ class MasterClient:
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = None if body is None else json.dumps(body).encode()
         deadline = time.monotonic() + self._deadline
-        backoff = self._backoff_initial
+        retries = 0
         last: MasterError | None = None
         hops = 0
         while True:
@@ -217,15 +230,15 @@ class MasterClient:
                         continue  # a hint to a different master: try it right away
                 else:
                     self._rotate(index)
-            if time.monotonic() + backoff > deadline:
+            retries += 1
+            if time.monotonic() + self._backoff.bound(retries) > deadline:
                 assert last is not None
                 raise MasterUnavailable(
                     f"no master answered {method} {path} within {self._deadline:g}s "
                     f"(tried {', '.join(self.urls)}); last error: {last.message}. "
                     "Check that `shardcache master` is running and reachable."
                 ) from last
-            time.sleep(backoff * (0.5 + random.random() / 2))
-            backoff = min(backoff * 2, self._backoff_max)
+            time.sleep(self._backoff.delay(retries))
 
     def _rotate(self, failed_index: int) -> None:
         with self._lock:
@@ -249,15 +262,15 @@ class MasterClient:
             return True
 
     def _new_connection(self, url: str) -> http.client.HTTPConnection:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme == "unix":
-            return UnixHTTPConnection(urllib.parse.unquote(parts.path), self._timeout)
-        if parts.scheme == "https":
-            return http.client.HTTPSConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
-        return http.client.HTTPConnection(parts.hostname or "localhost", parts.port, timeout=self._timeout)
+        address = _address(url)
+        if address.kind == "unix":
+            return UnixHTTPConnection(address.path, self._timeout)
+        if address.tls:
+            return http.client.HTTPSConnection(address.host, address.port, timeout=self._timeout)
+        return http.client.HTTPConnection(address.host, address.port, timeout=self._timeout)
 
     def _exchange(self, url: str, method: str, path: str, payload: bytes | None) -> tuple[int, Any]:
-        prefix = "" if url.startswith("unix:") else urllib.parse.urlsplit(url).path
+        prefix = _address(url).base
         headers = {"User-Agent": _USER_AGENT, "Accept": "application/json"}
         if payload is not None:
             headers["Content-Type"] = "application/json"

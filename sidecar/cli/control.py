@@ -10,41 +10,28 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import json
-import re
 import socket
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Self
 
-import xxhash
-
 from wire.httpclient import UnixHTTPConnection, exchange
+from wire.names import DAEMON_PORT, Address, parse_connect
 
 __all__ = [
     "DEFAULT_DAEMON",
     "DaemonAPIError",
     "DaemonAddress",
-    "DaemonClient",
+    "ControlClient",
     "DaemonClientError",
     "DaemonUnavailable",
     "parse_address",
     "resolve_addresses",
-    "warmup_id",
 ]
 
 DEFAULT_DAEMON = "http://127.0.0.1:8600"
 _MAX_ANSWER = 64 << 20
-
-
-def warmup_id(objects: Iterable[tuple[str, str, str | None]], name: str = "w") -> str:
-    """The id of a warm-up of ``(bucket, key, xxh3_128)`` objects: a hash of what it asks for,
-    independent of order, so asking again for the same objects is the same job (re-attach).
-    ``name`` is a readable prefix (e.g. the dataset's last path component)."""
-    canon = sorted((bucket, key, digest or "") for bucket, key, digest in objects)
-    digest = xxhash.xxh3_64_hexdigest(json.dumps(canon, separators=(",", ":")).encode())
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:40] or "w"
-    return f"{readable}-{digest}"
 
 
 class DaemonClientError(Exception):
@@ -77,28 +64,10 @@ class DaemonAddress:
         return self.url if self.name == self.url else f"{self.name} ({self.url.split('://', 1)[1]})"
 
 
-def parse_address(address: str) -> tuple[str, str, int]:
-    """→ ``("unix", path, 0)`` or ``("tcp", host, port)``; ValueError with what to write instead."""
-    text = address.strip()
-    if text.startswith("unix://"):
-        path = urllib.parse.unquote(text[len("unix://"):])
-        if not path.startswith("/"):
-            raise ValueError(f"unix socket address needs an absolute path, unix:///path.sock, not {address!r}")
-        return "unix", path, 0
-    if text.startswith(("http://", "tcp://")):
-        text = text.split("://", 1)[1]
-    elif "://" in text:
-        raise ValueError(f"daemon address {address!r}: use http://host:port or unix:///path.sock")
-    text = text.rstrip("/")
-    parts = urllib.parse.urlsplit("//" + text)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    host = parts.hostname
-    if not host or parts.path:
-        raise ValueError(f"daemon address {address!r}: use http://host:port or unix:///path.sock")
-    return "tcp", host, port or 8600
+def parse_address(address: str) -> Address:
+    """A daemon's address: ``http://host:port``, ``tcp://host:port``, ``host[:port]`` (port 8600
+    by default) or ``unix:///path.sock``; ``InvalidName`` (a ValueError) says what to write."""
+    return parse_connect(address, DAEMON_PORT, schemes=("http", "tcp"))
 
 
 def _is_ip(host: str) -> bool:
@@ -125,12 +94,10 @@ def resolve_addresses(
     found: list[DaemonAddress] = []
     seen: set[str] = set()
     for address in addresses:
-        kind, host, port = parse_address(address)
-        if kind == "unix":
-            named = [(f"unix://{host}", f"unix://{host}")]
-        elif _is_ip(host) or host == "localhost":
-            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-            named = [(url, url)]
+        parsed = parse_address(address)
+        host, port = parsed.host, parsed.port
+        if parsed.kind == "unix" or _is_ip(host) or host == "localhost":
+            named = [(parsed.url, parsed.url)]
         else:
             ips = sorted(set(resolver(host, port)), key=ipaddress.ip_address)
             if not ips:
@@ -143,21 +110,21 @@ def resolve_addresses(
     return found
 
 
-class DaemonClient:
+class ControlClient:
     """Control-API calls to one daemon over one keep-alive connection (not thread-safe)."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
         self.address = address
         self.timeout = timeout
-        self._kind, self._host, self._port = parse_address(address)
+        self._address = parse_address(address)
         self._conn: http.client.HTTPConnection | None = None
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
-            if self._kind == "unix":
-                self._conn = UnixHTTPConnection(self._host, self.timeout)
+            if self._address.kind == "unix":
+                self._conn = UnixHTTPConnection(self._address.path, self.timeout)
             else:
-                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+                self._conn = http.client.HTTPConnection(self._address.host, self._address.port, timeout=self.timeout)
         return self._conn
 
     def close(self) -> None:
@@ -198,10 +165,10 @@ class DaemonClient:
     # -- the control API ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return self.call("GET", "/_shardcache/stats")  # type: ignore[no-any-return]
+        return self.call("GET", "/_shardcache/stats")
 
     def cached(self, url: str) -> dict[str, Any]:
-        return self.call("GET", "/_shardcache/cached?" + urllib.parse.urlencode({"url": url}))  # type: ignore[no-any-return]
+        return self.call("GET", "/_shardcache/cached?" + urllib.parse.urlencode({"url": url}))
 
     def create_warmup(self, body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """→ (created, status): ``created`` is False when this attached to a job in progress."""
@@ -211,13 +178,13 @@ class DaemonClient:
         return status == 201, json.loads(data)
 
     def warmup(self, ident: str) -> dict[str, Any]:
-        return self.call("GET", "/_shardcache/warmups/" + urllib.parse.quote(ident, safe=""))  # type: ignore[no-any-return]
+        return self.call("GET", "/_shardcache/warmups/" + urllib.parse.quote(ident, safe=""))
 
     def warmups(self) -> list[dict[str, Any]]:
-        return self.call("GET", "/_shardcache/warmups")["warmups"]  # type: ignore[no-any-return]
+        return self.call("GET", "/_shardcache/warmups")["warmups"]
 
     def cancel_warmup(self, ident: str) -> dict[str, Any]:
-        return self.call("DELETE", "/_shardcache/warmups/" + urllib.parse.quote(ident, safe=""))  # type: ignore[no-any-return]
+        return self.call("DELETE", "/_shardcache/warmups/" + urllib.parse.quote(ident, safe=""))
 
     def head_object(self, bucket: str, key: str, xxh3_128: str | None = None) -> str | None:
         """``hit`` when cached (with that checksum, if given), ``miss`` otherwise; None if absent."""

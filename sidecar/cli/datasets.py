@@ -1,10 +1,6 @@
-"""Datasets as the operator CLI sees them: listing shards, scanning them, reading and writing
-``manifest.json`` (the **contract** format), on ``s3://`` or ``file://`` origins.
-
-``manifest.json``::
-
-    {"version": 1, "format": "webdataset",
-     "shards": [{"key": "train-000000.tar", "size": 123, "xxh3_128": "<hex>", "samples": 100}, ...]}
+"""Datasets as the operator CLI sees them: listing shards, scanning them, building and writing
+``manifest.json``, on ``s3://`` or ``file://`` origins. The dataset URL and the manifest format
+(the **contract**, and its reader) are :mod:`wire.dataset`'s, shared with the trainers.
 
 Keys are relative to the dataset prefix. Samples are counted with the loader's own tar reader and
 grouping rule (members sharing a basename up to the first dot are one sample), so the counts the
@@ -30,18 +26,17 @@ from typing import Any, Protocol
 import xxhash
 
 from sidecar.errors import SidecarError
+from wire.dataset import MANIFEST_FORMAT, MANIFEST_VERSION, MAX_MANIFEST_BYTES, DatasetURL, ManifestShard, check_key
+from wire.s3errors import S3ErrorKind, from_client_error
+from wire.s3xml import ListedObject
 
 __all__ = [
-    "MANIFEST_NAME",
     "Counter",
     "DatasetAccessDenied",
     "DatasetError",
     "DatasetNotFound",
-    "DatasetURL",
     "DatasetUnavailable",
     "ListedObject",
-    "ManifestInvalid",
-    "ManifestShard",
     "Mismatch",
     "ObjectStore",
     "ShardInfo",
@@ -51,17 +46,12 @@ __all__ = [
     "list_shards",
     "manifest_bytes",
     "open_store",
-    "parse_dataset_url",
-    "parse_manifest",
     "read_object",
     "scan_shard",
     "write_object",
 ]
 
-MANIFEST_NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 256 << 20
 _META_RE = re.compile(r"__[^/]*__($|/)")  # the loader skips __meta__-style members
-_HEX128 = re.compile(r"^[0-9a-f]{32}$")
 _READ = 1 << 20
 
 
@@ -81,70 +71,7 @@ class DatasetUnavailable(DatasetError, ConnectionError):
     pass
 
 
-class ManifestInvalid(DatasetError, ValueError):
-    pass
-
-
-# -- where a dataset is ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DatasetURL:
-    """``s3://bucket/prefix/`` or ``file:///root/bucket/prefix/``; ``prefix`` ends with ``/`` or is
-    empty. For ``file://``, ``path`` is the directory (with a trailing ``/``)."""
-
-    url: str
-    scheme: str
-    bucket: str = ""
-    prefix: str = ""
-    path: str = ""
-
-    def object_url(self, key: str) -> str:
-        return self.url + key
-
-
-def parse_dataset_url(url: str) -> DatasetURL:
-    if not isinstance(url, str) or "\x00" in url:
-        raise ValueError("dataset URL must be a string without NUL bytes")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme == "s3":
-        if not parts.netloc:
-            raise ValueError(f"{url!r} has no bucket: use s3://bucket/prefix/")
-        prefix = parts.path.lstrip("/")
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"
-        _check_relative(prefix.rstrip("/"), url, allow_empty=True)
-        return DatasetURL(f"s3://{parts.netloc}/{prefix}", "s3", bucket=parts.netloc, prefix=prefix)
-    if parts.scheme == "file":
-        path = urllib.parse.unquote(parts.path)
-        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
-            raise ValueError(f"{url!r}: file URLs need an absolute path, file:///root/bucket/prefix/")
-        if not path.endswith("/"):
-            path += "/"
-        _check_relative(path.strip("/"), url, allow_empty=True)
-        return DatasetURL("file://" + path, "file", path=path)
-    raise ValueError(f"unsupported dataset URL {url!r}: use s3://bucket/prefix/ or file:///root/bucket/prefix/")
-
-
-def _check_relative(path: str, where: str, allow_empty: bool = False) -> None:
-    if not path:
-        if allow_empty:
-            return
-        raise ManifestInvalid(f"{where}: empty key")
-    if "\x00" in path or "\\" in path:
-        raise ManifestInvalid(f"{where}: {path!r} contains a NUL byte or a backslash")
-    if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
-        raise ManifestInvalid(f"{where}: {path!r} must be a plain relative path (no '..', '.', '//' or leading '/')")
-
-
 # -- object access --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ListedObject:
-    key: str  # relative to the dataset prefix
-    size: int
-    etag: str | None = None
 
 
 class Reader(Protocol):
@@ -171,7 +98,7 @@ class FileObjects:
         self.root = Path(dataset.path)
 
     def _path(self, key: str) -> Path:
-        _check_relative(key, self.dataset.url)
+        check_key(key, self.dataset.url)
         return self.root.joinpath(*key.split("/"))
 
     def list(self) -> list[ListedObject]:
@@ -204,6 +131,15 @@ class FileObjects:
             raise DatasetAccessDenied(f"{self.dataset.url}{key}: permission denied") from exc
 
 
+# What S3's error answers become for the CLI, with a hint for the operator; every other kind is
+# DatasetUnavailable.
+_S3_ERRORS: dict[S3ErrorKind, tuple[type[DatasetError], str]] = {
+    S3ErrorKind.NOT_FOUND_KEY: (DatasetNotFound, ""),
+    S3ErrorKind.NOT_FOUND_BUCKET: (DatasetNotFound, ""),
+    S3ErrorKind.ACCESS_DENIED: (DatasetAccessDenied, "; check the AWS credentials"),
+}
+
+
 class S3Objects:
     """boto3 with the standard credential chain; ``endpoint_url`` or ``AWS_ENDPOINT_URL``."""
 
@@ -228,14 +164,10 @@ class S3Objects:
         try:
             yield
         except bex.ClientError as exc:
-            error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            message = f"{what}: {code or 'error'} ({error.get('Message') or exc})"
-            if code in ("NoSuchBucket", "NoSuchKey", "404", "NotFound"):
-                raise DatasetNotFound(message) from exc
-            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
-                raise DatasetAccessDenied(message + "; check the AWS credentials") from exc
-            raise DatasetUnavailable(message) from exc
+            answer = from_client_error(exc)
+            message = f"{what}: {answer.code or 'error'} ({answer.message or exc})"
+            exc_type, hint = _S3_ERRORS.get(answer.kind, (DatasetUnavailable, ""))
+            raise exc_type(message + hint) from exc
         except bex.NoCredentialsError as exc:
             raise DatasetAccessDenied(f"{what}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_PROFILE)") from exc
         except (bex.EndpointConnectionError, bex.ConnectionError, bex.ReadTimeoutError) as exc:
@@ -364,8 +296,8 @@ def scan_shard(raw: Reader, key: str, url: str = "", on_bytes: Callable[[int], N
 
 def build_manifest(shards: list[ShardInfo]) -> dict[str, Any]:
     return {
-        "version": 1,
-        "format": "webdataset",
+        "version": MANIFEST_VERSION,
+        "format": MANIFEST_FORMAT,
         "shards": [shard.entry() for shard in sorted(shards, key=lambda s: s.key)],
     }
 
@@ -375,53 +307,6 @@ def manifest_bytes(doc: dict[str, Any]) -> bytes:
     lines = [json.dumps(entry, separators=(", ", ": ")) for entry in doc["shards"]]
     head = f'{{"version": {doc["version"]}, "format": {json.dumps(doc["format"])}, "shards": ['
     return (head + "\n  " + ",\n  ".join(lines) + "\n]}\n").encode() if lines else (head + "]}\n").encode()
-
-
-@dataclass(frozen=True)
-class ManifestShard:
-    key: str
-    size: int | None
-    xxh3_128: str | None
-    samples: int | None
-
-
-def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
-    """Validate a version-1 manifest; every problem is one clear :class:`ManifestInvalid`."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestInvalid(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestInvalid(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("version") != 1:
-        raise ManifestInvalid(f"{where}: not a version 1 manifest (rebuild it with `shardcache index`)")
-    if doc.get("format", "webdataset") != "webdataset":
-        raise ManifestInvalid(f"{where}: format {doc.get('format')!r} is not webdataset")
-    entries = doc.get("shards")
-    if not isinstance(entries, list):
-        raise ManifestInvalid(f"{where}: 'shards' must be a list")
-    shards: list[ManifestShard] = []
-    seen: set[str] = set()
-    for i, entry in enumerate(entries):
-        at = f"{where}: shards[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
-            raise ManifestInvalid(f"{at} must be an object with a string 'key'")
-        key = entry["key"]
-        _check_relative(key, at)
-        if key in seen:
-            raise ManifestInvalid(f"{at}: {key!r} is listed twice")
-        seen.add(key)
-        values = []
-        for name in ("size", "samples"):
-            value = entry.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ManifestInvalid(f"{at}.{name} must be a non-negative integer or null")
-            values.append(value)
-        digest = entry.get("xxh3_128")
-        if digest is not None and (not isinstance(digest, str) or not _HEX128.match(digest.lower())):
-            raise ManifestInvalid(f"{at}.xxh3_128 must be 32 hex digits")
-        shards.append(ManifestShard(key, values[0], digest.lower() if digest else None, values[1]))
-    return shards
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from sidecar.cli.util import EXIT_INTERRUPTED, EXIT_USAGE, UserError, RawDefaultsFormatter
+from sidecar.cli.util import EXIT_INTERRUPTED, EXIT_USAGE, RawDefaultsFormatter, UserError
 
 __all__ = ["main", "build_parser"]
 

@@ -9,6 +9,11 @@ Public API (the rest is internal)::
 
 
 from sidecar.daemon.app import build_app
+from sidecar.daemon.fills import FetchSettings
+from sidecar.daemon.origins.base import FileOrigin, ObjectInfo, Origin
+from sidecar.daemon.origins.s3 import S3Origin, S3Settings
+from sidecar.daemon.server import serve_forever
+from sidecar.daemon.settings import ServeSettings
 from sidecar.errors import (
     AccessDenied,
     BadRequest,
@@ -21,11 +26,6 @@ from sidecar.errors import (
     OriginUnavailable,
     SidecarError,
 )
-from sidecar.daemon.fills import FetchSettings
-from sidecar.daemon.origins.base import FileOrigin, ObjectInfo, Origin
-from sidecar.daemon.origins.s3 import S3Origin, S3Settings
-from sidecar.daemon.server import serve_forever
-from sidecar.daemon.settings import ServeSettings
 
 __all__ = [
     "ServeSettings",

@@ -14,9 +14,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from cache import CacheError, Store
 from sidecar.daemon import control, warmups
@@ -30,8 +30,9 @@ from sidecar.daemon.s3xml import error_response
 from sidecar.daemon.settings import ServeSettings
 from sidecar.errors import SidecarError, s3_error_for
 from wire.errors import WireError
+from wire.web import error_middleware, http_code
 
-__all__ = ["build_app", "make_origin"]
+__all__ = ["build_app", "count_requests", "error_answer", "make_origin"]
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +48,48 @@ def make_origin(settings: ServeSettings) -> Origin:
     raise ValueError(f"unknown origin {settings.origin!r}: use s3 or file:///abs/root")
 
 
+_KNOWN_ERRORS = (SidecarError, WireError, CacheError)
+
+
+def _is_control(path: str) -> bool:
+    return path.startswith(CONTROL) or path in ("/metrics", "/healthz", "/readyz")
+
+
+def error_answer(request: web.Request, exc: Exception) -> web.Response:
+    """The daemon's one error answer: S3 XML on the S3 API, ``{"error", "message"}`` JSON on the
+    control API, with the status and code of :func:`sidecar.errors.s3_error_for`."""
+    control = _is_control(request.path)
+    if isinstance(exc, web.HTTPException):
+        message = exc.text or exc.reason
+        if control:
+            return web.json_response({"error": http_code(exc.status), "message": message}, status=exc.status)
+        return error_response(exc.status, exc.reason.replace(" ", ""), message, request.path)
+    status, code = s3_error_for(exc)
+    # A bug's own words (and types) stay in the log; the client learns where to look.
+    message = str(exc) if isinstance(exc, _KNOWN_ERRORS) else "internal error in the daemon; see its log"
+    headers: dict[str, str] = {}
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    if control:
+        return web.json_response({"error": code, "message": message}, status=status, headers=headers)
+    size = getattr(exc, "size", None)
+    if code == "InvalidRange" and size is not None:
+        headers["Content-Range"] = f"bytes */{size}"
+    return error_response(status, code, message, request.path, headers=headers)
+
+
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    metrics = request.app[METRICS]
-    control = request.path.startswith(CONTROL) or request.path in ("/metrics", "/healthz", "/readyz")
-    try:
-        response = await handler(request)
-    except web.HTTPException as exc:
-        metrics.requests.labels(method=request.method, status=str(exc.status)).inc()
-        if control:
-            raise
-        return error_response(exc.status, exc.reason.replace(" ", ""), exc.text or exc.reason, request.path)
-    except (SidecarError, WireError, CacheError) as exc:
-        status, code = s3_error_for(exc)
-        metrics.requests.labels(method=request.method, status=str(status)).inc()
-        if control:
-            return web.json_response({"error": code, "message": str(exc)}, status=status)
-        headers = {}
-        size = getattr(exc, "size", None)
-        if code == "InvalidRange" and size is not None:
-            headers["Content-Range"] = f"bytes */{size}"
-        return error_response(status, code, str(exc), request.path, headers=headers)
-    metrics.requests.labels(method=request.method, status=str(response.status)).inc()
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Outside the error middleware: errors are answers by the time they get here, and count too.
+    response = await handler(request)
+    request.app[METRICS].requests.labels(method=request.method, status=str(response.status)).inc()
     return response
 
 
 def build_app(settings: ServeSettings, with_store: bool = True) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=control.MAX_CONTROL_BODY)
+    errors = error_middleware(error_answer, known=_KNOWN_ERRORS, log=log)
+    app = web.Application(middlewares=[count_requests, errors], client_max_size=control.MAX_CONTROL_BODY)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app[STARTED] = time.monotonic()

@@ -5,21 +5,22 @@ Warm-up jobs have their own module, :mod:`sidecar.daemon.warmups`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.errors import BadRequest
 from sidecar.daemon.fills import retrying
 from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SETTINGS, STARTED, STORE, file_root
+from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_value
 from sidecar.daemon.prefetch import PrefetchItem, QueueFull
 from sidecar.daemon.priority import priority_value
-from wire.names import parse_object_url, validate_bucket, validate_key, validate_prefix
+from sidecar.errors import BadRequest, OriginBadResponse
+from wire.names import parse_object_url, validate_bucket, validate_key, validate_prefix, validate_xxh3_128
+from wire.s3xml import S3XMLError, parse_list_page
+from wire.web import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -27,21 +28,10 @@ __all__ = ["prefetch_handler", "stats", "stats_handler", "cached_handler", "metr
            "MAX_CONTROL_BODY"]
 
 MAX_CONTROL_BODY = 8 * 1024 * 1024
-_HEX128 = re.compile(r"^[0-9a-fA-F]{32}$")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    if request.content_length is not None and request.content_length > MAX_CONTROL_BODY:
-        raise web.HTTPRequestEntityTooLarge(max_size=MAX_CONTROL_BODY, actual_size=request.content_length)
-    # The whole body, however many segments it arrives in; aiohttp stops at client_max_size (413).
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
+    return await read_json_object(request, MAX_CONTROL_BODY)
 
 
 def _prefetch_items(request: web.Request, body: dict[str, Any]) -> list[PrefetchItem]:
@@ -56,8 +46,8 @@ def _prefetch_items(request: web.Request, body: dict[str, Any]) -> list[Prefetch
         if not isinstance(obj, dict) or not isinstance(obj.get("bucket"), str) or not isinstance(obj.get("key"), str):
             raise BadRequest("each object needs string 'bucket' and 'key'")
         expected = obj.get("xxh3_128")
-        if expected is not None and (not isinstance(expected, str) or not _HEX128.match(expected)):
-            raise BadRequest("'xxh3_128' must be 32 hex digits")
+        if expected is not None:
+            expected = validate_xxh3_128(expected, "'xxh3_128'")
         items.append(PrefetchItem(validate_bucket(obj["bucket"]), validate_key(obj["key"]), expected))
     for url in urls:
         if not isinstance(url, str):
@@ -88,13 +78,9 @@ def stats(app: web.Application) -> dict[str, Any]:
     store = app.get(STORE)
     metrics = app[METRICS]
 
-    def counter(metric: Any, **labels: str) -> float:
-        return float(metric.labels(**labels)._value.get()) if labels else float(metric._value.get())
-
-    hits = counter(metrics.cache_lookups, result="hit")
-    misses = counter(metrics.cache_lookups, result="miss")
-    coalesced = counter(metrics.cache_lookups, result="coalesced")
-    total = hits + misses + coalesced
+    lookups = {result: counter_value(metrics.cache_lookups, result=result) for result in LOOKUP_RESULTS}
+    hits, misses, coalesced = lookups["hit"], lookups["miss"], lookups["coalesced"]
+    total = sum(lookups.values())
     return {
         "mode": settings.mode,
         "origin": app[ORIGIN].description if ORIGIN in app else settings.origin,
@@ -104,10 +90,9 @@ def stats(app: web.Application) -> dict[str, Any]:
         "requests": {"hits": hits, "misses": misses, "coalesced": coalesced,
                      "hit_ratio": round(hits / total, 4) if total else None},
         "served_bytes": {
-            source: counter(metrics.served_bytes, source=source)
-            for source in ("hit", "miss", "coalesced", "passthrough", "short_circuit")
+            source: counter_value(metrics.served_bytes, source=source) for source in SERVED_SOURCES
         },
-        "origin_read_bytes": counter(metrics.origin_bytes),
+        "origin_read_bytes": counter_value(metrics.origin_bytes),
         "fills_in_flight": len(app[FETCHER].inflight),
         "prefetch": {"queued": app[PREFETCHER].queued(), "done": app[PREFETCHER].done,
                      "failed": app[PREFETCHER].failed},
@@ -132,9 +117,6 @@ async def cached_handler(request: web.Request) -> web.Response:
     origin = request.app[ORIGIN]
     fetch_settings = request.app[FETCHER].settings
     metrics = request.app[METRICS]
-    import xml.etree.ElementTree as ET
-
-    ns = "{http://s3.amazonaws.com/doc/2006-03-01/}"
     objects = cached = size = cached_size = 0
     missing: list[str] = []
     token: str | None = None
@@ -143,23 +125,23 @@ async def cached_handler(request: web.Request) -> web.Response:
         if token:
             params["continuation-token"] = token
         body = await retrying(fetch_settings, metrics, f"list {bucket}", origin.list_objects_v2, bucket, params)
-        root = ET.fromstring(body)
-        for item in root.iter(f"{ns}Contents"):
-            key = item.findtext(f"{ns}Key") or ""
-            if key.endswith("/"):
+        try:
+            page = parse_list_page(body, what=f"the origin's listing of {bucket}")
+        except S3XMLError as exc:
+            raise OriginBadResponse(str(exc)) from exc
+        for obj in page.contents:
+            if obj.key.endswith("/"):
                 continue
-            length = int(item.findtext(f"{ns}Size") or 0)
-            etag = item.findtext(f"{ns}ETag")
             objects += 1
-            size += length
-            entry = store.lookup(bucket, key) if store is not None else None
-            if entry is not None and (not etag or entry.etag == etag):
+            size += obj.size
+            entry = store.lookup(bucket, obj.key) if store is not None else None
+            if entry is not None and (not obj.etag or entry.etag == obj.etag):
                 cached += 1
-                cached_size += length
+                cached_size += obj.size
             elif len(missing) < 1000:
-                missing.append(key)
-        token = root.findtext(f"{ns}NextContinuationToken")
-        if (root.findtext(f"{ns}IsTruncated") or "false") != "true" or not token:
+                missing.append(obj.key)
+        token = page.next_token
+        if not page.truncated or not token:
             break
     return web.json_response({
         "url": url, "objects": objects, "cached": cached, "bytes": size, "cached_bytes": cached_size,

@@ -19,22 +19,27 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cache import Entry, IntegrityError, NoSpace, Store, Writer, aligned_buffer
-from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
 from sidecar.daemon.priority import DEMAND, PriorityLimiter
+from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
+from wire.retry import Backoff, retry_async
 
 __all__ = ["FetchSettings", "Fetcher", "Fill", "retrying"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _WRITE_BUFFER = 1024 * 1024
+# What a later attempt may not meet: the origin down or throttling, a body cut or stalled.
+_TRANSIENT = (OriginUnavailable, OriginBadResponse)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ class FetchSettings:
 
     backoff_max_s: float = 5.0
     """Upper bound of one retry delay."""
+
+    @property
+    def backoff(self) -> Backoff:
+        """The retry policy of one part or request: ``retries`` after the first attempt."""
+        return Backoff(self.backoff_base_s, self.backoff_max_s, attempts=self.retries + 1)
 
 
 class Fill:
@@ -138,22 +148,26 @@ class Fill:
 
 
 async def retrying(
-    settings: FetchSettings, metrics: Metrics, what: str, attempt_fn, *args
-):  # type: ignore[no-untyped-def]
-    """Run ``attempt_fn(*args)`` with bounded, jittered exponential backoff on transient errors."""
-    delay = settings.backoff_base_s
-    for attempt in range(settings.retries + 1):
+    settings: FetchSettings, metrics: Metrics, what: str, attempt_fn: Callable[..., Awaitable[T]], *args: object
+) -> T:
+    """Run ``attempt_fn(*args)`` with bounded, jittered exponential backoff on transient errors;
+    every failed attempt is counted, the last one included."""
+    retries = 0
+
+    async def attempt() -> T:
         try:
             return await attempt_fn(*args)
-        except (OriginUnavailable, OriginBadResponse) as exc:
+        except _TRANSIENT as exc:
             metrics.origin_errors.labels(kind=type(exc).__name__).inc()
-            if attempt == settings.retries:
-                raise
-            metrics.origin_retries.inc()
-            log.info("retrying %s after %s (attempt %d)", what, exc, attempt + 1)
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, settings.backoff_max_s)
-    raise AssertionError("unreachable")
+            raise
+
+    def on_retry(exc: BaseException, delay: float) -> None:
+        nonlocal retries
+        retries += 1
+        metrics.origin_retries.inc()
+        log.info("retrying %s after %s (attempt %d)", what, exc, retries)
+
+    return await retry_async(attempt, settings.backoff, lambda exc: isinstance(exc, _TRANSIENT), on_retry=on_retry)
 
 
 class _PartedFill:
@@ -173,7 +187,7 @@ class _PartedFill:
     is over only when its thread is: the temp file is never closed under a write.
     """
 
-    def __init__(self, fetcher: "Fetcher", fill: Fill, writer: Writer, info: ObjectInfo) -> None:
+    def __init__(self, fetcher: Fetcher, fill: Fill, writer: Writer, info: ObjectInfo) -> None:
         self.fetcher = fetcher
         self.settings = fetcher.settings
         self.metrics = fetcher.metrics
@@ -439,11 +453,10 @@ class Fetcher:
 
     # -- straight from the origin (nothing cached) --------------------------------------------
 
-    async def passthrough(self, bucket: str, key: str, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
+    async def passthrough(self, bucket: str, key: str, start: int, end: int, etag: str | None) -> AsyncIterator[bytes | bytearray]:
         """Stream ``[start, end)`` from the origin with resuming retries, caching nothing."""
         sent = start
-        delay = self.settings.backoff_base_s
-        attempt = 0
+        delays = self.settings.backoff.delays()
         while sent < end:
             try:
                 async with self.limiter.slot(DEMAND):
@@ -453,13 +466,12 @@ class Fetcher:
                         yield chunk
                 if sent < end:
                     raise OriginBadResponse(f"{bucket}/{key}: origin ended at {sent} of {end}")
-            except (OriginUnavailable, OriginBadResponse) as exc:
+            except _TRANSIENT as exc:
                 self.metrics.origin_errors.labels(kind=type(exc).__name__).inc()
-                attempt += 1
-                if attempt > self.settings.retries:
+                delay = next(delays, None)
+                if delay is None:
                     raise
                 self.metrics.origin_retries.inc()
-                await asyncio.sleep(random.uniform(0, delay))
-                delay = min(delay * 2, self.settings.backoff_max_s)
+                await asyncio.sleep(delay)  # then resume at the byte reached
             except InvalidRange:
                 raise

@@ -7,13 +7,15 @@ fails because of where it was scheduled.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from wire.errors import InvalidName
+from wire.names import DAEMON_PORT, parse_connect
 
 __all__ = ["Upstream", "forward_middleware", "UPSTREAM"]
 
@@ -34,15 +36,16 @@ class Upstream:
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
         self._session: aiohttp.ClientSession | None = None
-        if address.startswith("unix://"):
-            self._connector_args: dict[str, Any] = {"path": address[len("unix://"):]}
+        try:
+            upstream = parse_connect(address, DAEMON_PORT)
+        except InvalidName:
+            raise ValueError(f"upstream must be unix:///path.sock or tcp://host:port, not {address!r}") from None
+        if upstream.kind == "unix":
+            self._connector_args: dict[str, Any] = {"path": upstream.path}
             self.base = "http://shardcache-daemon"
-        elif address.startswith(("tcp://", "http://")):
-            hostport = address.split("://", 1)[1].rstrip("/")
-            self._connector_args = {}
-            self.base = f"http://{hostport}"
         else:
-            raise ValueError(f"upstream must be unix:///path.sock or tcp://host:port, not {address!r}")
+            self._connector_args = {}
+            self.base = upstream.url
 
     async def start(self) -> None:
         connector: aiohttp.BaseConnector
@@ -73,7 +76,7 @@ class Upstream:
         try:
             async with self._session.get(self.base + "/readyz") as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             self.mark_down()
             return False
 

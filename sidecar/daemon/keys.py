@@ -6,7 +6,6 @@ same keys without importing the module that builds the application.
 
 from __future__ import annotations
 
-
 from aiohttp import web
 
 from cache import Store

@@ -10,7 +10,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["Metrics"]
+__all__ = ["LOOKUP_RESULTS", "SERVED_SOURCES", "Metrics", "counter_value"]
+
+LOOKUP_RESULTS = ("hit", "miss", "coalesced")
+"""The ``result`` labels of ``shardcache_cache_lookups``."""
+SERVED_SOURCES = ("hit", "miss", "coalesced", "passthrough", "short_circuit")
+"""The ``source`` labels of ``shardcache_served_bytes``."""
+
+
+def counter_value(counter: Counter, **labels: str) -> float:
+    """What ``counter`` (its child with ``labels``) has counted, read through the public
+    ``collect()``: the same figure Prometheus scrapes, for ``/_shardcache/stats``."""
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
 
 
 class _StoreCollector(Collector):
@@ -60,6 +75,11 @@ class Metrics:
         self.served_bytes = Counter(
             "shardcache_served_bytes", "Bytes sent to clients, by where they came from", ["source"], registry=r
         )
+        # Every series from the start, at 0: a scrape (and /stats) sees each outcome before its first.
+        for result in LOOKUP_RESULTS:
+            self.cache_lookups.labels(result=result)
+        for source in SERVED_SOURCES:
+            self.served_bytes.labels(source=source)
         self.origin_latency = Histogram(
             "shardcache_origin_request_duration_seconds",
             "Time from sending an origin request to its response headers",

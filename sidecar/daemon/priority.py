@@ -74,7 +74,7 @@ class PriorityLimiter:
     def held(self) -> int:
         return self._held
 
-    def slot(self, priority: int) -> "_Slot":
+    def slot(self, priority: int) -> _Slot:
         return _Slot(self, priority)
 
 

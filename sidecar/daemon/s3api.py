@@ -7,27 +7,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
 from typing import Any
 
 from aiohttp import web
 
 from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, Store
-from sidecar.errors import BadRequest, OriginError
 from sidecar.daemon.fills import Fetcher, Fill, retrying
 from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, STORE
 from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.priority import DEMAND
 from sidecar.daemon.s3xml import error_response, parse_range
-from wire.names import validate_bucket, validate_key, validate_prefix
+from sidecar.errors import BadRequest, OriginError
+from wire.names import validate_bucket, validate_key, validate_prefix, validate_xxh3_128
 
 log = logging.getLogger(__name__)
 
 __all__ = ["s3_handler", "UNCACHED_NAMES"]
 
 UNCACHED_NAMES = frozenset({"manifest.json"})
-_HEX128 = re.compile(r"^[0-9a-fA-F]{32}$")
 
 
 class _SendfileResponse(web.StreamResponse):
@@ -100,8 +98,8 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
         return await _list(request, bucket)
     validate_key(key)
     expected = request.headers.get("x-shardcache-xxh3-128")
-    if expected is not None and not _HEX128.match(expected):
-        raise BadRequest("x-shardcache-xxh3-128 must be 32 hex digits")
+    if expected is not None:
+        expected = validate_xxh3_128(expected, "x-shardcache-xxh3-128")
     store = request.app.get(STORE)
     if key.rsplit("/", 1)[-1] in UNCACHED_NAMES:
         # The manifest is the mutable index of immutable shards: always the origin's current copy.

@@ -1,14 +1,17 @@
-"""S3-shaped answers: XML error bodies and byte ranges."""
+"""The daemon's side of S3's HTTP: error answers as ``aiohttp`` responses and ``Range`` headers.
+
+The XML itself (error bodies, listings) is :mod:`wire.s3xml`, shared with the loader.
+"""
 
 from __future__ import annotations
 
 import re
 import uuid
-from xml.sax.saxutils import escape
 
 from aiohttp import web
 
 from sidecar.errors import InvalidRange
+from wire.s3xml import error_xml
 
 __all__ = ["error_response", "parse_range"]
 
@@ -17,14 +20,10 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 def error_response(status: int, code: str, message: str, resource: str = "", headers: dict[str, str] | None = None) -> web.Response:
     request_id = uuid.uuid4().hex[:16].upper()
-    body = (
-        '<?xml version="1.0" encoding="UTF-8"?>'
-        f"<Error><Code>{escape(code)}</Code><Message>{escape(message)}</Message>"
-        f"<Resource>{escape(resource)}</Resource><RequestId>{request_id}</RequestId></Error>"
-    )
     all_headers = {"x-amz-request-id": request_id}
     all_headers.update(headers or {})
-    return web.Response(status=status, body=body.encode(), content_type="application/xml", headers=all_headers)
+    body = error_xml(code, message, resource, request_id)
+    return web.Response(status=status, body=body, content_type="application/xml", headers=all_headers)
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:

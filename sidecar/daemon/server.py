@@ -15,30 +15,15 @@ from aiohttp import web
 from sidecar.daemon.app import build_app
 from sidecar.daemon.forward import UPSTREAM, Upstream, forward_middleware
 from sidecar.daemon.settings import ServeSettings
+from wire.names import parse_listen
 
-__all__ = ["run_daemon", "serve_forever", "make_app", "parse_listen", "start_sites"]
+__all__ = ["run_daemon", "serve_forever", "make_app", "start_sites"]
 
 log = logging.getLogger(__name__)
 
 # Large enough for every S3 header a client sends, small enough that a hostile header costs nothing.
 MAX_LINE = 8190
 MAX_FIELD = 16384
-
-
-def parse_listen(address: str) -> tuple[str, str, int]:
-    """``unix:///p.sock`` → ("unix", path, 0); ``tcp://host:port`` → ("tcp", host, port)."""
-    if address.startswith("unix://"):
-        path = address[len("unix://"):]
-        if not path.startswith("/"):
-            raise ValueError(f"unix socket path must be absolute: {address!r}")
-        return "unix", path, 0
-    if address.startswith("tcp://"):
-        hostport = address[len("tcp://"):]
-        host, sep, port = hostport.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"tcp listen address needs host:port: {address!r}")
-        return "tcp", host.strip("[]") or "0.0.0.0", int(port)
-    raise ValueError(f"listen address must be unix:///path.sock or tcp://host:port, not {address!r}")
 
 
 def _prepare_socket_path(path: Path) -> None:
@@ -74,16 +59,16 @@ def make_app(settings: ServeSettings) -> web.Application:
 async def start_sites(runner: web.AppRunner, listen: tuple[str, ...]) -> list[str]:
     bound: list[str] = []
     for address in listen:
-        kind, host, port = parse_listen(address)
-        if kind == "unix":
-            path = Path(host)
+        where = parse_listen(address)
+        if where.kind == "unix":
+            path = Path(where.path)
             await asyncio.to_thread(_prepare_socket_path, path)
             site: web.BaseSite = web.UnixSite(runner, str(path))
             await site.start()
             # Pods run as other users; the socket directory's mount is what guards access.
             await asyncio.to_thread(os.chmod, path, 0o666)
         else:
-            site = web.TCPSite(runner, host, port, reuse_address=True)
+            site = web.TCPSite(runner, where.host or "0.0.0.0", where.port, reuse_address=True)
             await site.start()
         bound.append(address)
         log.info("listening on %s", address)
@@ -115,9 +100,9 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
     finally:
         await runner.cleanup()
         for address in settings.listen:
-            kind, host, _ = parse_listen(address)
-            if kind == "unix":
-                await asyncio.to_thread(_remove_socket, Path(host))
+            where = parse_listen(address)
+            if where.kind == "unix":
+                await asyncio.to_thread(_remove_socket, Path(where.path))
 
 
 def run_daemon(settings: ServeSettings) -> None:

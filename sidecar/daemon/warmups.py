@@ -21,10 +21,8 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import json
 import logging
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -33,12 +31,12 @@ from typing import Any
 from aiohttp import web
 
 from cache import CorruptEntry, Entry, EntryNotFound, IntegrityError, NoSpace, Store
-from sidecar.daemon.keys import FETCHER, SETTINGS, STORE, file_root
-from sidecar.cli.control import warmup_id
-from sidecar.errors import BadRequest, ObjectNotFound, OriginError
 from sidecar.daemon.fills import Fetcher
-from wire.names import parse_object_url, validate_bucket, validate_key
+from sidecar.daemon.keys import FETCHER, SETTINGS, STORE, file_root
 from sidecar.daemon.priority import PRIORITIES, WARMUP, priority_value
+from sidecar.errors import BadRequest, Busy, NoSuchWarmup, ObjectNotFound, OriginError, WarmupConflict
+from wire.names import ID_RULE, is_id, parse_object_url, validate_bucket, validate_key, validate_xxh3_128, warmup_id
+from wire.web import decode_json_object, read_body
 
 __all__ = ["WARMUPS", "TokenBucket", "WarmupItem", "WarmupJob", "WarmupManager", "job_id_for", "setup"]
 
@@ -50,8 +48,6 @@ MAX_RUNNING = 64
 KEEP_FINISHED = 64
 MAX_LISTED_FAILURES = 1000
 MAX_CONCURRENCY = 64
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_HEX128 = re.compile(r"^[0-9a-fA-F]{32}$")
 _RATE_WINDOW_S = 10.0
 _ALLOWED_FIELDS = {"id", "objects", "urls", "priority", "bandwidth_bytes_per_s", "concurrency"}
 _OBJECT_FIELDS = {"bucket", "key", "xxh3_128", "size"}
@@ -242,11 +238,11 @@ class WarmupManager:
         current = self.jobs.get(job.id)
         if current is not None and current.state == "running":
             if not current.same_request(job):
-                raise _Conflict(f"warm-up {job.id!r} is running with other objects; pick another id")
+                raise WarmupConflict(f"warm-up {job.id!r} is running with other objects; pick another id")
             return current, False
         running = sum(1 for j in self.jobs.values() if j.state == "running")
         if running >= MAX_RUNNING:
-            raise _Busy(f"{running} warm-ups are running (max {MAX_RUNNING}); wait for one to finish")
+            raise Busy(f"{running} warm-ups are running (max {MAX_RUNNING}); wait for one to finish", retry_after=5)
         self.jobs.pop(job.id, None)  # a finished job of that id is replaced by a new run
         self.jobs[job.id] = job
         self._forget_old()
@@ -403,42 +399,9 @@ class WarmupManager:
         job.done_entries[(item.bucket, item.key)] = entry.size
 
 
-class _Conflict(Exception):
-    pass
-
-
-class _Busy(Exception):
-    pass
-
-
 # -- HTTP -----------------------------------------------------------------------------------------
 
 WARMUPS = web.AppKey("warmups", WarmupManager)
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": code, "message": message}, status=status)
-
-
-async def _read_body(request: web.Request) -> bytes:
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        raise _TooLarge()
-    # StreamReader.read(n) returns what has arrived so far, not n bytes: read to EOF, bounded.
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await request.content.read(1 << 20)
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise _TooLarge()
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def _count(value: Any, what: str, minimum: int, maximum: int | None = None) -> int:
@@ -475,12 +438,12 @@ def _parse_items(body: dict[str, Any], file_root: str | None) -> list[WarmupItem
         if unknown:
             raise BadRequest(f"objects[{i}] has unknown fields {sorted(unknown)}; known: {sorted(_OBJECT_FIELDS)}")
         digest = obj.get("xxh3_128")
-        if digest is not None and (not isinstance(digest, str) or not _HEX128.match(digest)):
-            raise BadRequest(f"objects[{i}].xxh3_128 must be 32 hex digits")
+        if digest is not None:
+            digest = validate_xxh3_128(digest, f"objects[{i}].xxh3_128")
         size = obj.get("size")
         if size is not None:
             size = _count(size, f"objects[{i}].size", 0)
-        item = WarmupItem(validate_bucket(obj["bucket"]), validate_key(obj["key"]), digest.lower() if digest else None, size)
+        item = WarmupItem(validate_bucket(obj["bucket"]), validate_key(obj["key"]), digest, size)
         items.append(item)
     for i, url in enumerate(urls):
         if not isinstance(url, str):
@@ -499,19 +462,14 @@ def _parse_items(body: dict[str, Any], file_root: str | None) -> list[WarmupItem
 def _parse_request(raw: bytes, file_root: str | None) -> _Request:
     """Decode and validate a create request. Pure CPU work on up to a million objects: the handler
     runs it on a thread so the event loop keeps serving trainers meanwhile."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = decode_json_object(raw)
     unknown = set(body) - _ALLOWED_FIELDS
     if unknown:
         raise BadRequest(f"unknown fields {sorted(unknown)}; known: {sorted(_ALLOWED_FIELDS)}")
     items = _parse_items(body, file_root)
     ident = body.get("id")
-    if ident is not None and (not isinstance(ident, str) or not _ID_RE.match(ident)):
-        raise BadRequest("'id' must be 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+    if ident is not None and not is_id(ident):
+        raise BadRequest(f"'id' must be {ID_RULE}")
     priority_name = body.get("priority", "warmup")
     if priority_name not in ("warmup", "lease"):
         raise BadRequest("'priority' must be 'warmup' (default) or 'lease'; demand is for reads")
@@ -525,10 +483,7 @@ def _parse_request(raw: bytes, file_root: str | None) -> _Request:
 
 
 async def create_handler(request: web.Request) -> web.Response:
-    try:
-        raw = await _read_body(request)
-    except _TooLarge:
-        return _error(413, "BodyTooLarge", f"request body larger than {MAX_BODY} bytes; split the warm-up")
+    raw = await read_body(request, MAX_BODY, advice="split the warm-up")
     settings = request.app[SETTINGS]
     origin_root = file_root(settings)
     parsed = await asyncio.to_thread(_parse_request, raw, origin_root)
@@ -538,33 +493,24 @@ async def create_handler(request: web.Request) -> web.Response:
         priority=parsed.priority, bandwidth_bytes_per_s=parsed.bandwidth,
         concurrency=parsed.concurrency or manager.default_concurrency,
     )
-    try:
-        job, created = manager.submit(job)
-    except _Conflict as exc:
-        return _error(409, "WarmupConflict", str(exc))
-    except _Busy as exc:
-        return web.json_response({"error": "SlowDown", "message": str(exc)}, status=503, headers={"Retry-After": "5"})
+    job, created = manager.submit(job)
     return web.json_response(job.status(), status=201 if created else 200)
 
 
-def _job(request: web.Request) -> WarmupJob | web.Response:
+def _job(request: web.Request) -> WarmupJob:
     ident = request.match_info["id"]
-    if not _ID_RE.match(ident):
-        return _error(400, "InvalidArgument", "warm-up ids are 1-128 of [A-Za-z0-9._-]")
+    if not is_id(ident):
+        raise BadRequest(f"warm-up ids are {ID_RULE}")
     job = request.app[WARMUPS].jobs.get(ident)
     if job is None:
-        return _error(
-            404, "NoSuchWarmup",
-            f"no warm-up {ident!r} on this daemon (finished long ago, or the daemon restarted: run the warm-up again)",
+        raise NoSuchWarmup(
+            f"no warm-up {ident!r} on this daemon (finished long ago, or the daemon restarted: run the warm-up again)"
         )
     return job
 
 
 async def get_handler(request: web.Request) -> web.Response:
-    job = _job(request)
-    if isinstance(job, web.Response):
-        return job
-    return web.json_response(job.status())
+    return web.json_response(_job(request).status())
 
 
 async def list_handler(request: web.Request) -> web.Response:
@@ -574,8 +520,6 @@ async def list_handler(request: web.Request) -> web.Response:
 
 async def delete_handler(request: web.Request) -> web.Response:
     job = _job(request)
-    if isinstance(job, web.Response):
-        return job
     await request.app[WARMUPS].cancel(job)
     return web.json_response(job.status())
 

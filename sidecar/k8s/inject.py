@@ -628,6 +628,17 @@ def json_patch(before: Any, after: Any, path: str = "") -> list[dict[str, Any]]:
     Objects are diffed key by key, lists of equal length element by element, a list that only
     grew gets ``add`` at the end, any other list change replaces the whole list (small patches
     for what injection does: append env vars and volumes, prepend one init container).
+
+    Not ``jsonpatch.make_patch`` (1.33), because its patches were wrong in a measured
+    run of tests/k8s/test_k8s_inject.py's property; tests/k8s/test_json_patch_cases.py
+    keeps the cases:
+    ``[[[], None], {"a": None}] -> [[], {"a": None, "b": []}]`` gives ``remove /0/0`` then
+    ``move /0/0 -> /1/b``, which applies and sets ``b`` to ``None``;
+    ``[None, None, None, []] -> [None, [], [], [None, None]]`` gives a ``move`` whose path does not
+    resolve, so the API server would refuse it; ``[False] -> [0]`` inside an object gives no op.
+    Prepending our init container to ``[{"name": "a"}]`` made it rename the user's container
+    ``a`` in place and add ``a`` again at index 1. That patch reaches the right object, but it
+    says something the change never meant.
     """
     if isinstance(before, dict) and isinstance(after, dict):
         ops: list[dict[str, Any]] = []
@@ -658,7 +669,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 

@@ -36,6 +36,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from sidecar.errors import SidecarError
 from sidecar.k8s.inject import InjectConfig, InjectionError, inject, json_patch
+from wire.errors import BodyTooLarge, InvalidBody
+from wire.web import decode_json_object, error_middleware, read_body
 
 __all__ = [
     "WebhookSettings",
@@ -97,11 +99,9 @@ class Verdict:
 def review(raw: bytes, settings: WebhookSettings) -> Verdict:
     """Answer one AdmissionReview request body. Pure: no I/O, never raises."""
     try:
-        payload = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        return _bad_request(f"request body is not JSON: {exc}")
-    if not isinstance(payload, dict):
-        return _bad_request("request body must be an AdmissionReview object")
+        payload = decode_json_object(raw, what="an AdmissionReview object")
+    except InvalidBody as exc:
+        return _bad_request(str(exc))
     if payload.get("apiVersion") != ADMISSION_API or payload.get("kind") != "AdmissionReview":
         return _bad_request(
             f"expected apiVersion {ADMISSION_API} kind AdmissionReview, got "
@@ -296,7 +296,7 @@ async def _mutate(request: web.Request) -> web.Response:
     started = time.perf_counter()
     if request.content_type != "application/json":
         return web.json_response({"error": "Content-Type must be application/json"}, status=415)
-    body = await request.read()  # bounded by client_max_size: 413 beyond it
+    body = await read_body(request, settings.max_request_bytes)
     # JSON decoding, injection and encoding of a multi-megabyte object take milliseconds of CPU:
     # keep the loop free for health checks and other reviews.
     verdict = await asyncio.to_thread(review, body, settings)
@@ -339,9 +339,21 @@ async def _tls_watch(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
+def _error_answer(request: web.Request, exc: Exception) -> web.Response:
+    """The webhook's one error answer, ``{"error": message}`` like its 400s: the API server logs
+    it and applies the configuration's failurePolicy."""
+    if isinstance(exc, BodyTooLarge):
+        return web.json_response({"error": str(exc)}, status=413)
+    if isinstance(exc, web.HTTPException):
+        return web.json_response({"error": f"{exc.reason}: {request.method} {request.path[:200]}"}, status=exc.status)
+    return web.json_response({"error": "internal error in the admission webhook; see its log"}, status=500)
+
+
 def build_app(settings: WebhookSettings, tls: TLSReloader | None = None) -> web.Application:
     """The webhook's aiohttp application; ``tls`` (if given) is watched for renewed files."""
-    app = web.Application(client_max_size=settings.max_request_bytes)
+    errors = error_middleware(_error_answer, known=(BodyTooLarge,), log=log)
+    # read_body() bounds /mutate itself; client_max_size stays aiohttp's cap for anything else.
+    app = web.Application(client_max_size=settings.max_request_bytes, middlewares=[errors])
     app[SETTINGS_KEY] = settings
     app[METRICS_KEY] = WebhookMetrics()
     if tls is not None:

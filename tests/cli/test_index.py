@@ -164,6 +164,15 @@ def test_verify_without_a_manifest_says_how_to_build_one(file_dataset: Dataset):
     assert "shardcache index" in result.stderr and "no manifest" in result.stderr
 
 
+def test_verify_of_an_empty_manifest_says_to_index(file_dataset: Dataset):
+    # One rule for CLI and loader (wire.dataset): a manifest listing no shards is an error.
+    directory = Path(file_dataset.url[len("file://"):])
+    (directory / "manifest.json").write_text('{"version": 1, "format": "webdataset", "shards": []}')
+    result = run_cli(["index", file_dataset.url, "--verify"])
+    assert result.returncode == 1
+    assert "manifest lists no shards" in result.stderr and "shardcache index" in result.stderr
+
+
 def test_progress_bar_on_a_terminal(file_dataset: Dataset):
     code, drawn = run_pty(["index", file_dataset.url, "--jobs", "2"], columns=100)
     assert code == 0, drawn

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.cli.commands.warmup import map_dataset, place
-from sidecar.cli.control import parse_address, resolve_addresses, warmup_id
-from sidecar.cli.datasets import ManifestShard, ShardInfo, compare, parse_dataset_url
+from sidecar.cli.control import parse_address, resolve_addresses
+from sidecar.cli.datasets import ShardInfo, compare
 from sidecar.cli.progress import Progress, ProgressLine, format_eta, render_bar, render_line
 from sidecar.daemon.warmups import TokenBucket
+from wire.dataset import ManifestShard, parse_dataset_url
+from wire.names import Address, warmup_id
 
 keys_st = st.lists(st.text(alphabet="abcdefgh0123456789-/.", min_size=1, max_size=12), unique=True, max_size=60)
 daemons_st = st.lists(st.sampled_from([f"http://10.0.0.{i}:8600" for i in range(1, 12)]), unique=True, min_size=1, max_size=8)
@@ -107,14 +109,14 @@ def test_eta_format():
 @pytest.mark.parametrize(
     ("address", "parsed"),
     [
-        ("http://10.1.2.3:8600", ("tcp", "10.1.2.3", 8600)),
-        ("tcp://node:9000/", ("tcp", "node", 9000)),
-        ("node", ("tcp", "node", 8600)),
-        ("[::1]:8600", ("tcp", "::1", 8600)),
-        ("unix:///run/shardcache/daemon.sock", ("unix", "/run/shardcache/daemon.sock", 0)),
+        ("http://10.1.2.3:8600", Address("tcp", "10.1.2.3", 8600)),
+        ("tcp://node:9000/", Address("tcp", "node", 9000)),
+        ("node", Address("tcp", "node", 8600)),
+        ("[::1]:8600", Address("tcp", "::1", 8600)),
+        ("unix:///run/shardcache/daemon.sock", Address("unix", path="/run/shardcache/daemon.sock")),
     ],
 )
-def test_parse_address(address: str, parsed: tuple[str, str, int]):
+def test_parse_address(address: str, parsed: Address):
     assert parse_address(address) == parsed
 
 

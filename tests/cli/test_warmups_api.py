@@ -181,7 +181,10 @@ def test_hostile_requests_get_clear_4xx_and_change_nothing(daemon: ThreadDaemon)
         assert status == code, (method, path, raw, answer)
         assert isinstance(answer, dict) and answer["error"] == error and answer["message"], (path, raw, answer)
     after = call(daemon, "GET", "/_shardcache/warmups")[1]
-    strip = lambda doc: [{k: v for k, v in w.items() if k not in ("rate_bytes_per_s",)} for w in doc["warmups"]]
+
+    def strip(doc: dict) -> list[dict]:
+        return [{k: v for k, v in w.items() if k not in ("rate_bytes_per_s",)} for w in doc["warmups"]]
+
     assert strip(after) == strip(before)
 
 

@@ -116,7 +116,7 @@ class DaemonProcess:
         self.env = env or {}
         self.proc = None
 
-    def start(self) -> "DaemonProcess":
+    def start(self) -> DaemonProcess:
         self.proc = spawn(self.args, self.log, self.env)
         wait_until(lambda: http_ok(self.url + "/readyz"), timeout=30, what="daemon readiness")
         return self

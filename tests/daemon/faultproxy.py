@@ -50,7 +50,7 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, name="faultproxy", daemon=True)
         self.port = 0
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         self._thread.start()
         fut = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
         fut.result(10)

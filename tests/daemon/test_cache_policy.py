@@ -33,7 +33,7 @@ def test_eviction_keeps_cache_within_limits(s3_server, bucket, tmp_path, proxy, 
     capacity = 3 * OBJ + OBJ // 2  # room for three objects
     daemon = start_daemon(make_settings(tmp_path / "cache", "s3", proxy.endpoint, capacity=capacity, eviction=eviction))
     client = daemon.client()
-    for epoch in range(2):
+    for _epoch in range(2):
         for key, data in objects.items():
             assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == data
             daemon.settle()

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sidecar.errors import OriginBadResponse, OriginUnavailable
 from sidecar.daemon.origins.httppool import HTTPPool
+from sidecar.errors import OriginBadResponse, OriginUnavailable
 from tests.helpers import free_port, serving
 
 BODY = bytes(range(256)) * 4096  # 1 MiB
@@ -26,7 +26,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        server: "_Server" = self.server  # type: ignore[assignment]
+        server: _Server = self.server  # type: ignore[assignment]
         server.peers.add(self.client_address)
         if self.path == "/close-after":
             self.close_connection = True

@@ -510,7 +510,7 @@ def test_service_monitors(rendered: dict[str, list[dict[str, Any]]]) -> None:
         assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
         assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
         assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
-    for workload, template in pod_specs(objects):
+    for _workload, template in pod_specs(objects):
         assert "prometheus.io/scrape" not in (template["metadata"].get("annotations") or {})
 
 

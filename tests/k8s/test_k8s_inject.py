@@ -78,7 +78,7 @@ def test_each_kind_native_sidecar(obj: dict[str, Any]) -> None:
     for version in ("1.29", "1.33"):
         validate_k8s(out, version)
     claims = tuple(c["metadata"]["name"] for c in obj["spec"].get("volumeClaimTemplates", []))
-    for before, template in zip(pod_templates(original), pod_templates(out)):
+    for before, template in zip(pod_templates(original), pod_templates(out), strict=True):
         spec = template["spec"]
         check_pod_semantics(spec, claims)
         init = spec["initContainers"]

@@ -42,7 +42,7 @@ def test_injects_every_workload_and_passes_the_rest_through(injected: subprocess
     outputs = docs(injected.stdout)
     assert [(d["kind"], d["metadata"]["name"]) for d in outputs] == [(d["kind"], d["metadata"]["name"]) for d in inputs]
     config = InjectConfig(image="registry.example.com/shardcache:1.0")
-    for before, after in zip(inputs, outputs):
+    for before, after in zip(inputs, outputs, strict=True):
         # The command and the webhook share one function: same result, byte for byte.
         assert after == inject(before, config, require_label=False)[0]
         if before["kind"] not in TEMPLATE_PATHS:

@@ -5,9 +5,9 @@ corrupt shards reported with ``fail``."""
 from __future__ import annotations
 
 import itertools
-import time
 import json
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -201,8 +201,8 @@ def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: P
     knows ``release``; on one from before it (the route answers 404, as this client subclass does
     in place of an old master) the offset is reported by a final renew and the lease expires; with
     no master reachable it gives up at once instead of also trying to renew."""
-    from loader.master.stream import Held, Renewer
     from loader.master.errors import BadRequest
+    from loader.master.stream import Held, Renewer
 
     class OldMaster(MasterClient):
         def release(self, job: str, lease: str, trainer: str, offset: int) -> str:

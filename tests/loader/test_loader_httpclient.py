@@ -15,13 +15,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from loader.daemon import DaemonClient as LoaderDaemonClient
-from wire.httpclient import AnswerTooLarge, exchange
 from loader.master.client import MasterClient
 from loader.master.errors import MasterUnavailable
 from loader.settings import LoaderSettings
 from sidecar.cli import control as daemon_client
-from sidecar.cli.control import DaemonClient, DaemonUnavailable
+from sidecar.cli.control import ControlClient, DaemonUnavailable
 from tests.helpers import free_port, serving
+from wire.httpclient import AnswerTooLarge, exchange
 
 SMALL = b'{"ok": true}'
 
@@ -147,7 +147,7 @@ def test_the_cli_daemon_client_reconnects_and_rejects_cut_or_oversized_answers(
     server: _Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(daemon_client, "_MAX_ANSWER", 1000)
-    with DaemonClient(f"tcp://127.0.0.1:{server.server_address[1]}") as client:
+    with ControlClient(f"tcp://127.0.0.1:{server.server_address[1]}") as client:
         assert client.call("GET", "/close-after") == {"ok": True}
         assert client.call("GET", "/obj") == {"ok": True}  # silent reconnect, no error
         with pytest.raises(DaemonUnavailable, match="bytes read"):

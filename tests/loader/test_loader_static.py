@@ -26,6 +26,7 @@ from loader import (
     worker_shards,
 )
 from tests.loader.shards import Written, delivered, write_manifest, write_shards
+from wire.shuffle import permutation
 
 
 @given(
@@ -60,12 +61,57 @@ def test_epochs_and_seeds_reshuffle(n: int, seed: int) -> None:
     assert len(orders) == 4  # 20! orders: a collision means the epoch or seed is ignored
 
 
+@given(
+    n=st.integers(0, 200),
+    world=st.integers(1, 9),
+    workers=st.integers(1, 5),
+    seed=st.integers(-(2**63), 2**63),
+    epoch=st.integers(0, 10**6),
+)
+@settings(max_examples=200, deadline=None)
+def test_ranks_then_workers_read_each_shard_exactly_once(n: int, world: int, workers: int, seed: int, epoch: int) -> None:
+    """The two-level split ShardLoader does (rank, then DataLoader worker) hands every shard of
+    the epoch to exactly one (rank, worker), and in the epoch's order within each."""
+    order = epoch_order(n, seed, epoch)
+    where: dict[int, tuple[int, int]] = {}
+    for r in range(world):
+        mine = rank_shards(n, r, world, seed, epoch)
+        assert mine == order[r::world]
+        for w in range(workers):
+            for shard in worker_shards(mine, w, workers):
+                assert shard not in where, (shard, where[shard], (r, w))  # disjoint
+                where[shard] = (r, w)
+    assert sorted(where) == list(range(n))  # covering
+
+
+@given(n=st.integers(0, 500), seed=st.integers(-(2**63), 2**63), epoch=st.integers(0, 10**6), shuffle=st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_static_order_is_the_masters_shuffle(n: int, seed: int, epoch: int, shuffle: bool) -> None:
+    """One shuffle: a static job reads its epoch in the order the master would hand it out."""
+    assert epoch_order(n, seed, epoch, shuffle) == permutation(n, seed, epoch, shuffle)
+
+
+def test_static_order_is_pinned() -> None:
+    """The order is what a state_dict() position points into: a silent change would make resumed
+    checkpoints duplicate and skip samples, so it needs a new state version (and this test's new
+    values) on purpose. Values produced by wire.shuffle when static mode adopted it (state v2)."""
+    assert epoch_order(10, 1, 0) == [5, 1, 3, 7, 0, 8, 2, 6, 4, 9]
+    assert epoch_order(10, 1, 1) == [3, 9, 6, 2, 1, 0, 4, 7, 5, 8]
+    assert epoch_order(5, -1, 0) == [3, 2, 1, 0, 4]
+    assert [rank_shards(12, r, 3, 7, 3) for r in range(3)] == [[0, 3, 9, 6], [1, 4, 5, 7], [2, 8, 10, 11]]
+    assert epoch_order(10, 1, 0, shuffle=False) == list(range(10))
+    assert epoch_order(0, 1, 0) == [] and epoch_order(1, 1, 0) == [0]
+
+
 def test_pure_functions_reject_bad_arguments() -> None:
     for bad in [(10, 2, 2), (10, -1, 2), (10, 0, 0)]:
         with pytest.raises(ConfigError):
             rank_shards(*bad, seed=0, epoch=0)
     with pytest.raises(ConfigError):
         worker_shards([1, 2], 3, 2)
+    for call in (lambda: epoch_order(-1, 0, 0), lambda: rank_shards(-1, 0, 1, 0, 0)):
+        with pytest.raises(ConfigError, match="num_shards"):
+            call()
 
 
 # -- ShardLoader on real shards ------------------------------------------------------------------
@@ -155,6 +201,25 @@ def test_resume_refuses_a_different_configuration(dataset: tuple[str, Written]) 
     bad = dict(ShardLoader(url).state_dict(), offset="x")
     with pytest.raises(ConfigError):
         ShardLoader(url).load_state_dict(bad)
+
+
+def test_resume_refuses_a_version_1_state(dataset: tuple[str, Written]) -> None:
+    """Version 1 states index random.shuffle's order: resuming one on wire.shuffle's order would
+    duplicate and skip samples, so it is refused with what to do instead."""
+    url, _ = dataset
+    state = ShardLoader(url, seed=2, epoch=3).state_dict()
+    assert state["version"] == 2
+    old = dict(state, version=1)
+    with pytest.raises(ConfigError, match="version 1") as info:
+        ShardLoader(url, seed=2).load_state_dict(old)
+    message = str(info.value)
+    assert "epoch 3" in message
+    assert "duplicate" in message and "skip" in message  # why
+    assert "Restart that epoch" in message and "shardcache version that wrote it" in message  # what to do
+    loader = ShardLoader(url, seed=2)
+    with pytest.raises(ConfigError):
+        loader.load_state_dict(old)
+    assert loader.state_dict() == dict(state, epoch=0)  # a refused state changes nothing
 
 
 def test_loader_pickles_for_dataloader_workers(dataset: tuple[str, Written]) -> None:

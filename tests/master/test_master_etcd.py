@@ -31,6 +31,9 @@ def test_standby_takes_over_while_trainers_keep_going(etcd_server: EtcdServer, t
     master_procs.extend([m1, m2])
     m1.start()
     m2.start(wait="health")
+    # Healthy is not yet "has read the election key": under load the first answer may come first.
+    wait_until(lambda: http("GET", m2.url + "/v1/leader")[1].get("leader") == m1.url, timeout=30,
+               what="the standby to see the leader")
 
     # The standby refuses to serve and names the leader.
     status, body = http("GET", m2.url + "/v1/jobs")

@@ -1,5 +1,5 @@
-"""Properties of the per-epoch shuffle: a permutation, reproducible from (seed, epoch), different
-across epochs and seeds, and not degenerate."""
+"""Properties of the per-epoch shuffle (the master's and static mode's): a permutation,
+reproducible from (seed, epoch), different across epochs and seeds, and not degenerate."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ def test_order_is_pinned_across_versions() -> None:
     not drift: these values were produced by the first release of the shuffle."""
     assert permutation(10, 1, 0) == [5, 1, 3, 7, 0, 8, 2, 6, 4, 9]
     assert permutation(10, 1, 1) == [3, 9, 6, 2, 1, 0, 4, 7, 5, 8]
+    # larger domains (more half bits, more cycle walking), indexed lazily as the master does
+    order = EpochOrder(1000, 2**40 + 3, 17)
+    assert [order[i] for i in range(8)] == [420, 750, 990, 210, 919, 14, 202, 855] and order[999] == 212
+    big = EpochOrder(1_000_003, -5, 0)
+    assert [big[i] for i in range(5)] == [25877, 329564, 952806, 324253, 266696]
 
 
 def test_first_position_is_roughly_uniform() -> None:

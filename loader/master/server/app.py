@@ -15,14 +15,17 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError
+from loader.master.server.service import MasterService
+from loader.master.server.settings import MasterSettings, listen_address
 from loader.master.server.state import (
     MAX_COUNT,
     MAX_LEASE_WAIT_S,
@@ -34,8 +37,8 @@ from loader.master.server.state import (
     validate_job_name,
     validate_lease_id,
 )
-from loader.master.server.service import MasterService
-from loader.master.server.settings import MasterSettings, parse_listen
+from wire import errors as wire_errors
+from wire.web import error_middleware, http_code, read_json_object
 
 __all__ = ["build_app", "serve", "run_forever", "SERVICE_KEY", "SETTINGS_KEY"]
 
@@ -43,12 +46,6 @@ log = logging.getLogger(__name__)
 
 SETTINGS_KEY = web.AppKey("master_settings", MasterSettings)
 SERVICE_KEY = web.AppKey("master_service", MasterService)
-
-_OFFLOAD_BYTES = 1024 * 1024
-"""Bodies larger than this are parsed on a worker thread, not on the event loop."""
-
-_HTTP_CODES = {400: "BadRequest", 404: "NotFound", 405: "MethodNotAllowed", 413: "BodyTooLarge", 431: "HeadersTooLarge"}
-
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(
@@ -68,61 +65,35 @@ def _error(exc: MasterError) -> web.Response:
 _held_s: contextvars.ContextVar[float] = contextvars.ContextVar("held_s", default=0.0)
 
 
+def _error_answer(request: web.Request, exc: Exception) -> web.Response:
+    """The master's one error answer: ``{"error": code, "message": ...}`` with the status of the
+    :class:`~loader.master.errors.MasterError` class; aiohttp's own errors get the same shape."""
+    if isinstance(exc, wire_errors.BodyTooLarge):
+        exc = BodyTooLarge(str(exc))
+    elif isinstance(exc, wire_errors.WireError):
+        exc = BadRequest(str(exc))
+    if isinstance(exc, MasterError):
+        return _error(exc)
+    if isinstance(exc, web.HTTPException):  # aiohttp's own: unknown route, bad method, body too large
+        return _json({"error": http_code(exc.status), "message": f"{exc.reason}: {request.method} {request.path[:200]}"},
+                     exc.status)
+    return _json({"error": "InternalError", "message": "internal error in the master; see its log"}, 500)
+
+
 @web.middleware
-async def _errors_and_metrics(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def _observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Outside the error middleware: every error is an answer by the time it gets here.
     started = time.perf_counter()
     _held_s.set(0.0)  # one task serves every request of a kept-alive connection
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    try:
-        resp = await handler(request)
-    except MasterError as exc:
-        resp = _error(exc)
-    except web.HTTPException as exc:  # aiohttp's own: unknown route, bad method, body too large
-        if exc.status < 400:
-            raise
-        code = _HTTP_CODES.get(exc.status, "HTTPError")
-        resp = _json({"error": code, "message": f"{exc.reason}: {request.method} {request.path[:200]}"}, exc.status)
-    except Exception:
-        log.exception("internal error serving %s %s", request.method, request.path[:200])
-        resp = _json({"error": "InternalError", "message": "internal error in the master; see its log"}, 500)
+    resp = await handler(request)
     service = request.app.get(SERVICE_KEY)
     if service is not None:
         # A long poll's hold is the trainer waiting for work, not the master being slow: it has
         # its own histogram, and would otherwise fill the latency's top bucket.
         service.metrics.observe_request(route, resp.status, time.perf_counter() - started - _held_s.get())
     return resp
-
-
-async def _body(request: web.Request, limit: int) -> dict[str, Any]:
-    """The JSON object in the body, read with a hard size limit whatever the headers claim."""
-    length = request.content_length
-    if length is not None and length > limit:
-        raise BodyTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
-    data: bytes | bytearray
-    if length is not None:
-        data = await request.read()  # bounded: the length is known and within the limit
-    else:
-        data = bytearray()
-        while True:
-            chunk = await request.content.read(64 * 1024)
-            if not chunk:
-                break
-            data += chunk
-            if len(data) > limit:
-                raise BodyTooLarge(f"request body is over the {limit}-byte limit")
-    if not data:
-        raise BadRequest("empty body: send a JSON object")
-    try:
-        if len(data) > _OFFLOAD_BYTES:
-            body = await asyncio.to_thread(json.loads, bytes(data))
-        else:
-            body = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"malformed JSON body: {str(exc)[:200]}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
 
 
 def _only(body: dict[str, Any], allowed: set[str]) -> None:
@@ -141,7 +112,7 @@ def _job(request: web.Request) -> str:
 
 async def create_job(request: web.Request) -> web.Response:
     service = _service(request)
-    body = await _body(request, service.settings.max_body_bytes)
+    body = await read_json_object(request, service.settings.max_body_bytes)
     status, created = await service.create_job(body)
     return _json(status, 201 if created else 200)
 
@@ -157,7 +128,7 @@ async def job_status(request: web.Request) -> web.Response:
 async def lease(request: web.Request) -> web.Response:
     service = _service(request)
     job = _job(request)
-    body = await _body(request, service.settings.max_small_body_bytes)
+    body = await read_json_object(request, service.settings.max_small_body_bytes)
     _only(body, {"trainer", "node", "count", "epoch", "request_id", "wait_s"})
     count = body.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
@@ -195,7 +166,7 @@ async def _lease_call(request: web.Request, action: str, fields: set[str], make:
     service = _service(request)
     job = _job(request)
     lease_id = validate_lease_id(request.match_info["lease"])
-    body = await _body(request, service.settings.max_small_body_bytes)
+    body = await read_json_object(request, service.settings.max_small_body_bytes)
     _only(body, fields)
     try:
         result = await service.submit(make(job, lease_id, body))
@@ -255,8 +226,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.time) -> web.Application:
-    # client_max_size is aiohttp's own cap; _body() applies the tighter per-route limits.
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors_and_metrics])
+    # client_max_size is aiohttp's own cap; read_json_object() applies the tighter per-route limits.
+    errors = error_middleware(_error_answer, known=(MasterError, wire_errors.WireError), log=log)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_observe, errors])
     app[SETTINGS_KEY] = settings
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -298,12 +270,12 @@ async def serve(
     await runner.setup()
     try:
         for address in settings.listen:
-            kind, host, port = parse_listen(address)
-            if kind == "unix":
-                await asyncio.to_thread(Path(host).parent.mkdir, parents=True, exist_ok=True)
-                site: web.BaseSite = web.UnixSite(runner, host)
+            listen = listen_address(address)
+            if listen.kind == "unix":
+                await asyncio.to_thread(Path(listen.path).parent.mkdir, parents=True, exist_ok=True)
+                site: web.BaseSite = web.UnixSite(runner, listen.path)
             else:
-                site = web.TCPSite(runner, host or None, port, reuse_address=True)
+                site = web.TCPSite(runner, listen.host or None, listen.port, reuse_address=True)
             await site.start()
             log.info("master listening on %s", address)
         if on_ready is not None:

@@ -25,6 +25,8 @@ from typing import Any
 
 from loader.master.errors import MasterError, NotLeader, StateError
 from loader.master.server.journal import Journal, Store
+from loader.master.server.metrics import MasterMetrics
+from loader.master.server.settings import MasterSettings, parse_state
 from loader.master.server.state import (
     CreateJob,
     Event,
@@ -35,8 +37,7 @@ from loader.master.server.state import (
     event_from_json,
     event_to_text,
 )
-from loader.master.server.metrics import MasterMetrics
-from loader.master.server.settings import MasterSettings, parse_state
+from wire.retry import Backoff
 
 __all__ = ["MasterService"]
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 30.0
 _PRESENCE_KEEP_S = 600.0
+# Reloading the state after a store failure: until it works or the role changes.
+_RECOVER_BACKOFF = Backoff(initial_s=0.1, max_s=5.0)
 
 
 class _Rate:
@@ -206,7 +209,7 @@ class MasterService:
         self._spawn(self._recover(), "master-recover")
 
     async def _recover(self) -> None:
-        delay = 0.1
+        delays = _RECOVER_BACKOFF.delays()
         while self.role == "recovering":
             try:
                 assert self._store is not None
@@ -216,8 +219,7 @@ class MasterService:
             except MasterError as exc:
                 log.error("cannot reload the state yet: %s", exc)
                 self.role = "recovering"
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(next(delays))
 
     async def _on_elected(self, revision: int) -> None:
         # Load in a task: the election must keep its lease alive meanwhile.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MasterSettings", "parse_listen", "parse_state"]
+from wire.errors import InvalidName
+from wire.names import Address, parse_listen
+
+__all__ = ["MasterSettings", "listen_address", "parse_state"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class MasterSettings:
 
     def __post_init__(self) -> None:
         for address in self.listen:
-            parse_listen(address)
+            listen_address(address)
         parse_state(self.state)
         if not 1 <= self.lease_ttl_s <= 86400:
             raise ValueError("lease_ttl_s must be in [1, 86400] seconds")
@@ -81,8 +83,9 @@ class MasterSettings:
         if self.advertise_url:
             return self.advertise_url.rstrip("/")
         for address in self.listen:
-            kind, host, port = parse_listen(address)
-            if kind == "tcp":
+            listen = listen_address(address)
+            host, port = listen.host, listen.port
+            if listen.kind == "tcp":
                 if host in ("", "0.0.0.0", "::"):
                     host = socket.gethostname()
                 if ":" in host:
@@ -91,19 +94,14 @@ class MasterSettings:
         return None
 
 
-def parse_listen(address: str) -> tuple[str, str, int]:
-    """``tcp://host:port`` -> ("tcp", host, port); ``unix:///path`` -> ("unix", path, 0)."""
-    parts = urllib.parse.urlsplit(address)
-    if parts.scheme == "unix" and parts.path:
-        return "unix", parts.path, 0
-    if parts.scheme == "tcp":
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if port is not None:
-            return "tcp", parts.hostname or "", port
-    raise ValueError(f"invalid listen address {address!r}: use tcp://0.0.0.0:8700 or unix:///run/shardcache/master.sock")
+def listen_address(address: str) -> Address:
+    """:func:`wire.names.parse_listen`, refusing with the master's own example addresses."""
+    try:
+        return parse_listen(address)
+    except InvalidName:
+        raise ValueError(
+            f"invalid listen address {address!r}: use tcp://0.0.0.0:8700 or unix:///run/shardcache/master.sock"
+        ) from None
 
 
 def parse_state(url: str) -> tuple[str, str]:

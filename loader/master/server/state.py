@@ -35,6 +35,7 @@ from functools import cached_property
 from typing import Any
 
 from loader.master.errors import BadRequest, JobConflict, LeaseLost, NoSuchJob, NotLeaseHolder
+from wire.names import ID_RULE, is_id
 from wire.shuffle import EpochOrder
 
 __all__ = [
@@ -65,7 +66,6 @@ MAX_COUNT = 1024
 MAX_LEASE_WAIT_S = 30.0
 """Longest long poll a lease request may ask for (``wait_s``)."""
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LEASE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 _MAX_IDENT = 256
 _MAX_KEY = 1024
@@ -80,11 +80,8 @@ _SPEC_FIELDS = {"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease
 
 
 def validate_job_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise BadRequest(
-            f"invalid job name {str(name)[:80]!r}: use 1-128 characters of letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
+    if not is_id(name):
+        raise BadRequest(f"invalid job name {str(name)[:80]!r}: use {ID_RULE}")
     return name
 
 

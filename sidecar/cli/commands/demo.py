@@ -55,7 +55,7 @@ examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "demo",
         help="run the main job end to end: dataset, daemon, master, elastic trainers (start here)",
@@ -341,18 +341,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo(settings: DemoSettings, workdir: Path, children: Children, say: Narrator, args: argparse.Namespace) -> int:
-    from sidecar.cli.demo_data import DatasetSpec, write_image_dataset
     from sidecar.cli.datasets import (
-        MANIFEST_NAME,
         build_manifest,
         list_shards,
         manifest_bytes,
         open_store,
-        parse_dataset_url,
         scan_shard,
         write_object,
     )
+    from sidecar.cli.demo_data import DatasetSpec, write_image_dataset
     from sidecar.cli.progress import format_bytes
+    from wire.dataset import MANIFEST_NAME, parse_dataset_url
 
     deadline = time.monotonic() + settings.timeout_s
     origin = workdir / "origin"

@@ -46,7 +46,7 @@ first dot (000123.jpg, 000123.cls) are one sample.
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "index",
         help="build or verify a dataset's manifest.json (keys, sizes, xxh3-128, sample counts)",
@@ -81,17 +81,15 @@ def _jobs(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from sidecar.cli.datasets import (
-        MANIFEST_NAME,
         build_manifest,
         compare,
         list_shards,
         manifest_bytes,
         open_store,
-        parse_dataset_url,
-        parse_manifest,
         read_object,
         write_object,
     )
+    from wire.dataset import MANIFEST_NAME, parse_dataset_url, parse_manifest
 
     quiet_libraries()
     try:

@@ -57,9 +57,12 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
         "complete; --no-native-sidecar injects a regular container for older clusters "
         f"[env {env_name('--native-sidecar')}]",
     )
-    add_flag(parser, "--sidecar-port", default=defaults["port"].default, type=int, metavar="PORT", help="port of the sidecar's localhost endpoint (SHARDCACHE_ENDPOINT)")
-    add_flag(parser, "--socket-host-dir", default=defaults["socket_host_dir"].default, metavar="DIR", help="host directory holding the node daemon's socket")
-    add_flag(parser, "--cache-host-dir", default=defaults["cache_host_dir"].default, metavar="DIR", help="host directory of the node daemon's cache (mounted read-only)")
+    add_flag(parser, "--sidecar-port", default=defaults["port"].default, type=int, metavar="PORT",
+             help="port of the sidecar's localhost endpoint (SHARDCACHE_ENDPOINT)")
+    add_flag(parser, "--socket-host-dir", default=defaults["socket_host_dir"].default, metavar="DIR",
+             help="host directory holding the node daemon's socket")
+    add_flag(parser, "--cache-host-dir", default=defaults["cache_host_dir"].default, metavar="DIR",
+             help="host directory of the node daemon's cache (mounted read-only)")
     parser.add_argument(
         "--short-circuit",
         action=argparse.BooleanOptionalAction,
@@ -67,7 +70,8 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
         help="mount the node cache dir read-only into the pod for short-circuit reads "
         f"[env {env_name('--short-circuit')}]",
     )
-    add_flag(parser, "--pod-cache-size", default=defaults["pod_cache_size"].default, metavar="QUANTITY", help="emptyDir size of the standalone cache used when the node has no daemon")
+    add_flag(parser, "--pod-cache-size", default=defaults["pod_cache_size"].default, metavar="QUANTITY",
+             help="emptyDir size of the standalone cache used when the node has no daemon")
     for flag, attr in (
         ("--sidecar-cpu-request", "cpu_request"),
         ("--sidecar-cpu-limit", "cpu_limit"),
@@ -80,7 +84,8 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
         help="environment variable of the sidecar, e.g. AWS_ENDPOINT_URL=http://minio:9000 for its standalone "
         "cache on nodes without a daemon; repeatable",
     )
-    add_flag(parser, "--startup-timeout", default=defaults["startup_timeout_seconds"].default, type=int, metavar="SECONDS", help="how long app containers wait for the sidecar to be ready")
+    add_flag(parser, "--startup-timeout", default=defaults["startup_timeout_seconds"].default, type=int, metavar="SECONDS",
+             help="how long app containers wait for the sidecar to be ready")
 
 
 def injection_config(args: argparse.Namespace) -> Any:

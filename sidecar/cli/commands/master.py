@@ -24,7 +24,7 @@ The API is documented in docs/master-api.md.
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "master",
         help="hand out shard leases to trainers (exactly once per epoch)",
@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def _number(text: str, flag: str, cast: type = float) -> float:
     try:
-        return cast(text)  # type: ignore[no-any-return]
+        return cast(text)
     except (TypeError, ValueError):
         raise UserError(f"invalid {flag} {text!r}: expected a number") from None
 

@@ -25,7 +25,7 @@ examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
         help="run the node cache daemon or the pod sidecar",
@@ -72,8 +72,8 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from cache import StoreSettings
     from sidecar.daemon.fills import FetchSettings
     from sidecar.daemon.origins.s3 import S3Settings
-    from sidecar.daemon.server import parse_listen
     from sidecar.daemon.settings import ServeSettings
+    from wire.names import parse_listen
 
     listen = tuple(args.listen or ["tcp://127.0.0.1:8600"])
     for address in listen:

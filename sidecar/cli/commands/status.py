@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,7 +37,7 @@ exit status: 0 everything answered; 1 --job not found; 69 a daemon or master cou
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     from sidecar.cli.commands.warmup import add_daemon_flag
 
     parser = sub.add_parser(
@@ -68,10 +67,10 @@ def _served(stats: dict[str, Any]) -> float:
 
 def daemon_report(url: str, label: str, interval: float) -> dict[str, Any]:
     """Stats of one daemon, with throughput measured over ``interval`` seconds."""
-    from sidecar.cli.control import DaemonClient, DaemonClientError
+    from sidecar.cli.control import ControlClient, DaemonClientError
 
     report: dict[str, Any] = {"daemon": label, "url": url, "error": None, "unreachable": False}
-    with DaemonClient(url, timeout=10.0) as client:
+    with ControlClient(url, timeout=10.0) as client:
         try:
             first = client.stats()
             began = time.monotonic()
@@ -98,24 +97,27 @@ def daemon_report(url: str, label: str, interval: float) -> dict[str, Any]:
 
 
 def master_report(urls: list[str], job: str | None) -> dict[str, Any]:
-    """Each master's role, and the jobs as the leader (or any answering master) reports them."""
-    from sidecar.cli.control import DaemonAPIError, DaemonClient, DaemonClientError
+    """Each master's role, and the jobs as the leader (or any answering master) reports them.
+
+    Each master is asked on its own, once (``retry_deadline_s=0``): status reports what answers
+    now, where a trainer's client would keep retrying and following the leader."""
+    from loader.master import MasterClient, MasterError, MasterUnavailable, NoSuchJob
 
     masters: list[dict[str, Any]] = []
     source: str | None = None
     for url in urls:
         entry: dict[str, Any] = {"master": url, "role": None, "leader": None, "error": None}
-        with DaemonClient(url, timeout=10.0) as client:
+        with MasterClient(url, timeout_s=10.0, retry_deadline_s=0) as client:
             try:
-                leader = client.call("GET", "/v1/leader")
+                leader = client.leader()
                 entry["role"], entry["leader"] = leader.get("role"), leader.get("leader")
                 if entry["role"] == "leader" or (source is None and entry["role"] not in ("standby",)):
                     source = url
-            except DaemonAPIError as exc:
-                entry["error"] = str(exc)
-            except DaemonClientError as exc:
-                entry["error"] = str(exc)
+            except MasterUnavailable as exc:
+                entry["error"] = _reason(exc)
                 entry["unreachable"] = True
+            except MasterError as exc:
+                entry["error"] = str(exc)
         masters.append(entry)
     jobs: list[dict[str, Any]] = []
     missing_job = False
@@ -124,28 +126,39 @@ def master_report(urls: list[str], job: str | None) -> dict[str, Any]:
         leaders = [m["leader"] for m in masters if m.get("leader")]
         source = leaders[0] if leaders else None
     if source is not None:
-        with DaemonClient(source, timeout=10.0) as client:
+        with MasterClient(source, timeout_s=10.0, retry_deadline_s=0) as client:
             try:
-                if job:
-                    jobs = [client.call("GET", "/v1/jobs/" + urllib.parse.quote(job, safe=""))]
-                else:
-                    jobs = client.call("GET", "/v1/jobs")["jobs"]
-            except DaemonAPIError as exc:
-                if exc.status == 404 and job:
-                    missing_job = True
+                jobs = [client.status(job)] if job else client.jobs()
+            except NoSuchJob as exc:
+                missing_job = True
                 error = str(exc)
-            except DaemonClientError as exc:
+            except MasterUnavailable as exc:
+                error = _reason(exc)
+            except MasterError as exc:
                 error = str(exc)
     elif urls:
         error = "no master answered"
     return {"masters": masters, "jobs": jobs, "jobs_from": source, "error": error, "missing_job": missing_job}
 
 
+def _reason(exc: BaseException) -> str:
+    """The root cause of an unreachable master, as the daemon table words it ("connection refused")."""
+    cause = exc.__cause__ or exc
+    message = getattr(cause, "message", None) or str(cause)
+    return str(message)
+
+
 def _master_urls(given: list[str] | None) -> list[str]:
+    from wire.errors import InvalidName
+    from wire.names import parse_connect
+
     urls = [part.strip().rstrip("/") for value in (given or []) for part in value.split(",") if part.strip()]
     for url in urls:
-        if not url.startswith(("http://", "unix://")):
-            raise UserError(f"invalid master address {url!r}: use http://host:port or unix:///path.sock")
+        try:
+            # What the master client accepts, and nothing it would read differently.
+            parse_connect(url, schemes=("http", "https"), base_path=True)
+        except InvalidName as exc:
+            raise UserError(f"invalid master address {url!r}: {exc}") from None
     return urls
 
 

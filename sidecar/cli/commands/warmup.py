@@ -28,10 +28,11 @@ from sidecar.cli.util import (
     add_flag,
     parse_size,
 )
+from wire.names import split_origin_path, warmup_id
 
 if TYPE_CHECKING:
-    from sidecar.cli.control import DaemonAddress, DaemonClient
-    from sidecar.cli.datasets import DatasetURL
+    from sidecar.cli.control import ControlClient, DaemonAddress
+    from wire.dataset import DatasetURL
 
 __all__ = [
     "PlannedShard",
@@ -72,7 +73,7 @@ exit status: 0 all shards verified in cache; 1 some failed (listed); 2 usage;
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "warmup",
         help="fill node daemons' caches with a dataset (progress, verify, resumable)",
@@ -148,11 +149,12 @@ class PlannedShard:
 def load_shards(dataset: DatasetURL, s3_endpoint: str | None) -> tuple[list[PlannedShard], str]:
     """The dataset's shards from its manifest (with checksums), else from a listing of ``*.tar``."""
     from sidecar.cli.commands.index import dataset_errors
-    from sidecar.cli.datasets import MANIFEST_NAME, list_shards, open_store, parse_manifest
+    from sidecar.cli.datasets import list_shards, open_store
+    from wire.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
 
     with dataset_errors():
         store = open_store(dataset, s3_endpoint)
-        data = store.read_small(MANIFEST_NAME, 256 << 20)
+        data = store.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
         if data is not None:
             try:
                 entries = parse_manifest(data, dataset.object_url(MANIFEST_NAME))
@@ -194,10 +196,10 @@ def map_dataset(dataset: DatasetURL, origin_url: str) -> tuple[str, str]:
         return dataset.bucket, dataset.prefix
     if not origin_url.startswith("file://"):
         raise ValueError(f"serves origin {origin_url}, not a directory: warm it with an s3:// URL")
-    root = origin_url[len("file://"):].rstrip("/") + "/"
-    if not dataset.path.startswith(root):
+    split = split_origin_path(dataset.path, origin_url[len("file://"):])
+    if split is None:
         raise ValueError(f"serves origin {origin_url}; {dataset.url} is not under it")
-    bucket, _, prefix = dataset.path[len(root):].partition("/")
+    bucket, prefix = split
     if not bucket:
         raise ValueError(f"{dataset.url} names no bucket under {origin_url} (the first directory is the bucket)")
     return bucket, prefix
@@ -237,7 +239,7 @@ class Target:
     """One daemon and its part of the warm-up."""
 
     address: DaemonAddress
-    client: DaemonClient
+    client: ControlClient
     bucket: str = ""
     prefix: str = ""
     shards: list[PlannedShard] = field(default_factory=list)
@@ -327,8 +329,8 @@ def build_options(args: argparse.Namespace) -> WarmupOptions:
 
 def run(args: argparse.Namespace) -> int:
     from sidecar.cli.commands.index import quiet_libraries
-    from sidecar.cli.control import DaemonClient, warmup_id
-    from sidecar.cli.datasets import parse_dataset_url
+    from sidecar.cli.control import ControlClient
+    from wire.dataset import parse_dataset_url
 
     quiet_libraries()
     try:
@@ -339,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
 
     addresses = daemon_addresses(args.daemon)
     shards, source = load_shards(dataset, args.s3_endpoint)
-    targets = [Target(address, DaemonClient(address.url, timeout=10.0)) for address in addresses]
+    targets = [Target(address, ControlClient(address.url, timeout=10.0)) for address in addresses]
     try:
         _connect(targets, dataset)
         live = [t for t in targets if t.problem is None]

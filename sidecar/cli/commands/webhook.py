@@ -6,10 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_flag, parse_size
 from sidecar.cli.commands.inject import add_injection_flags, injection_config
+from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_flag, parse_size
+from wire.errors import InvalidName
+from wire.names import parse_listen
 
-__all__ = ["register", "run", "settings_from_args", "parse_listen"]
+__all__ = ["register", "run", "settings_from_args", "webhook_listen"]
 
 EXAMPLES = """\
 examples:
@@ -29,18 +31,18 @@ failurePolicy (the Helm chart does). TLS files are re-read when they change (cer
 """
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` (``[::]:8443`` for IPv6) → (host, port)."""
-    raw = text.strip()
-    if not raw.startswith("tcp://"):
-        raise UserError(f"invalid --listen {text!r}: use tcp://HOST:PORT, e.g. tcp://0.0.0.0:8443")
-    hostport = raw[len("tcp://") :]
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535 or not host:
-        raise UserError(f"invalid --listen {text!r}: use tcp://HOST:PORT with a port between 1 and 65535")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
+def webhook_listen(text: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` (``[::]:8443`` for IPv6) → (host, port): TLS over TCP only, since the
+    API server calls the webhook through a Service, never a unix socket."""
+    try:
+        address = parse_listen(text)
+    except InvalidName:
+        address = None
+    if address is None or address.kind != "tcp" or not address.host:
+        raise UserError(
+            f"invalid --listen {text!r}: use tcp://HOST:PORT with a port between 1 and 65535, e.g. tcp://0.0.0.0:8443"
+        )
+    return address.host, address.port
 
 
 def register(subparsers: Any) -> None:
@@ -60,7 +62,8 @@ def register(subparsers: Any) -> None:
         help="answer for a pod that cannot be injected: admit unchanged with a warning (ignore) or refuse (fail)",
     )
     add_flag(parser, "--max-request-size", default="8MiB", metavar="SIZE", help="largest AdmissionReview accepted (413 beyond)")
-    add_flag(parser, "--tls-reload-interval", default=30.0, type=float, metavar="SECONDS", help="how often to check the TLS files for a renewed certificate")
+    add_flag(parser, "--tls-reload-interval", default=30.0, type=float, metavar="SECONDS",
+             help="how often to check the TLS files for a renewed certificate")
     add_injection_flags(parser)
     parser.set_defaults(func=run)
 
@@ -68,7 +71,7 @@ def register(subparsers: Any) -> None:
 def settings_from_args(args: argparse.Namespace) -> Any:
     from sidecar.k8s.webhook import WebhookSettings
 
-    host, port = parse_listen(args.listen)
+    host, port = webhook_listen(args.listen)
     max_bytes = parse_size(args.max_request_size)
     if not 64 * 1024 <= max_bytes <= 256 * 1024 * 1024:
         raise UserError(f"invalid --max-request-size {args.max_request_size!r}: use between 64KiB and 256MiB")
@@ -87,7 +90,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sidecar.k8s.webhook import WebhookError, run as serve
+    from sidecar.k8s.webhook import WebhookError
+    from sidecar.k8s.webhook import run as serve
 
     settings = settings_from_args(args)
     try:

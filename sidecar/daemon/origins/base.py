@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any, TypeVar
-from xml.sax.saxutils import escape
 
 import xxhash
 
 from sidecar.errors import AccessDenied, BadRequest, BucketNotFound, InvalidRange, ObjectNotFound
-from wire.names import validate_bucket, validate_key, validate_prefix
+from wire.names import origin_object_path, validate_bucket, validate_prefix
+from wire.s3xml import ListedObject, ListPage, iso_time, list_page_xml
 
-__all__ = ["Body", "ObjectInfo", "Origin", "FileOrigin", "list_xml"]
+__all__ = ["Body", "ObjectInfo", "Origin", "FileOrigin"]
 
 READ_CHUNK = 1024 * 1024
 
@@ -60,7 +60,7 @@ class Body(abc.ABC):
         """Release it (a kept-alive connection goes back to its pool when the body was read to
         its end). Idempotent."""
 
-    def abort(self) -> None:
+    def abort(self) -> None:  # noqa: B027 - optional: a body that cannot block needs no abort
         """Make a ``readinto`` blocked on another thread return; may be called from any thread."""
 
 
@@ -133,7 +133,7 @@ class Origin(abc.ABC):
 
     async def read(
         self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[bytes | bytearray]:
         """Bytes ``[start, end)`` as chunks of up to 1 MiB, for streaming without caching."""
         body = await self.call(self.open, bucket, key, start, end, etag)
         try:
@@ -150,7 +150,7 @@ class Origin(abc.ABC):
             self.release(body)
 
 
-def _close_late_body(future: "asyncio.Future[Any]") -> None:
+def _close_late_body(future: asyncio.Future[Any]) -> None:
     if future.cancelled() or future.exception() is not None:
         return
     result = future.result()
@@ -162,52 +162,6 @@ def _close_late_body(future: "asyncio.Future[Any]") -> None:
 
 def _http_date(ts: float) -> str:
     return formatdate(ts, usegmt=True)
-
-
-def list_xml(
-    bucket: str,
-    prefix: str,
-    contents: list[tuple[str, int, str, float]],
-    common_prefixes: list[str],
-    max_keys: int,
-    truncated: bool,
-    next_token: str | None,
-    delimiter: str | None,
-    continuation_token: str | None,
-    start_after: str | None,
-) -> bytes:
-    """Render a ListObjectsV2 answer (for origins that are not S3 themselves)."""
-    parts = [
-        '<?xml version="1.0" encoding="UTF-8"?>',
-        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">',
-        f"<Name>{escape(bucket)}</Name><Prefix>{escape(prefix)}</Prefix>",
-        f"<KeyCount>{len(contents) + len(common_prefixes)}</KeyCount><MaxKeys>{max_keys}</MaxKeys>",
-        f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>",
-    ]
-    if delimiter:
-        parts.append(f"<Delimiter>{escape(delimiter)}</Delimiter>")
-    if continuation_token:
-        parts.append(f"<ContinuationToken>{escape(continuation_token)}</ContinuationToken>")
-    if start_after:
-        parts.append(f"<StartAfter>{escape(start_after)}</StartAfter>")
-    if next_token:
-        parts.append(f"<NextContinuationToken>{escape(next_token)}</NextContinuationToken>")
-    for key, size, etag, mtime in contents:
-        modified = _iso(mtime)
-        parts.append(
-            f"<Contents><Key>{escape(key)}</Key><LastModified>{modified}</LastModified>"
-            f"<ETag>{escape(etag)}</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass></Contents>"
-        )
-    for common in common_prefixes:
-        parts.append(f"<CommonPrefixes><Prefix>{escape(common)}</Prefix></CommonPrefixes>")
-    parts.append("</ListBucketResult>")
-    return "".join(parts).encode()
-
-
-def _iso(ts: float) -> str:
-    import datetime
-
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
 
 
 class FileOrigin(Origin):
@@ -226,11 +180,7 @@ class FileOrigin(Origin):
         self.description = f"file://{self.root}"
 
     def _path(self, bucket: str, key: str) -> Path:
-        validate_bucket(bucket)
-        validate_key(key)
-        bucket_dir = self.root / bucket
-        path = bucket_dir / key
-        return path
+        return Path(origin_object_path(str(self.root), bucket, key))
 
     def _checked(self, bucket: str, key: str) -> tuple[Path, os.stat_result]:
         """Resolve and stat, refusing anything that escapes the bucket (symlinks included)."""
@@ -323,7 +273,7 @@ class FileOrigin(Origin):
                     if stat_mod.S_ISREG(st.st_mode):
                         items.append((rel, st))
         items.sort(key=lambda item: item[0])
-        contents: list[tuple[str, int, str, float]] = []
+        contents: list[ListedObject] = []
         commons: list[str] = []
         last_key = None
         truncated = False
@@ -339,13 +289,13 @@ class FileOrigin(Origin):
                         commons.append(common)
                     last_key = rel
                     continue
-            contents.append((rel, st.st_size, self._etag(st), st.st_mtime))
+            contents.append(ListedObject(rel, st.st_size, self._etag(st), iso_time(st.st_mtime)))
             last_key = rel
         next_token = base64.urlsafe_b64encode(last_key.encode()).decode() if truncated and last_key else None
-        return list_xml(
-            bucket, prefix, contents, commons, max_keys, truncated, next_token, delimiter, token,
+        return list_page_xml(ListPage(
+            bucket, prefix, tuple(contents), tuple(commons), max_keys, truncated, next_token, delimiter, token,
             params.get("start-after"),
-        )
+        ))
 
 
 class _FileBody(Body):

@@ -58,7 +58,7 @@ class HTTPPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def request(self, method: str, url: str, headers: Mapping[str, str] | None = None) -> "Response":
+    def request(self, method: str, url: str, headers: Mapping[str, str] | None = None) -> Response:
         """Send a request without a body and return the response once its headers arrived."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -75,7 +75,7 @@ class HTTPPool:
                 if reused and attempt == 0:
                     continue  # the server closed it while idle: one fresh connection
                 raise OriginUnavailable(f"{method} {parts.hostname}:{key[2]}: connection lost: {exc}") from exc
-            except (TimeoutError, socket.timeout) as exc:
+            except TimeoutError as exc:
                 conn.close()
                 raise OriginUnavailable(
                     f"{method} {parts.hostname}:{key[2]}: no answer within {self.read_timeout_s:g} s"
@@ -116,7 +116,7 @@ class HTTPPool:
             conn = http.client.HTTPConnection(host, port, timeout=self.connect_timeout_s)
         try:
             conn.connect()
-        except (TimeoutError, socket.timeout) as exc:
+        except TimeoutError as exc:
             conn.close()
             raise OriginUnavailable(f"connecting to {host}:{port} timed out after {self.connect_timeout_s:g} s") from exc
         except OSError as exc:
@@ -175,7 +175,7 @@ class Response:
         read that failed because :meth:`abort` shut the socket ends quietly instead."""
         try:
             yield
-        except (TimeoutError, socket.timeout) as exc:
+        except TimeoutError as exc:
             self._broken = True
             raise OriginBadResponse(f"origin stalled: no byte for {self._pool.read_timeout_s:g} s") from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:

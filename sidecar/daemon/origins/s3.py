@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.daemon.origins.base import Body, EmptyBody, ObjectInfo, Origin
+from sidecar.daemon.origins.httppool import HTTPPool, Response
 from sidecar.errors import (
     AccessDenied,
     BadRequest,
@@ -27,20 +29,31 @@ from sidecar.errors import (
     InvalidRange,
     ObjectNotFound,
     OriginBadResponse,
-    OriginError,
     OriginThrottled,
     OriginUnavailable,
+    SidecarError,
 )
-from sidecar.daemon.origins.httppool import HTTPPool, Response
 from wire.names import validate_bucket, validate_key
-from sidecar.daemon.origins.base import Body, EmptyBody, ObjectInfo, Origin
+from wire.s3errors import S3ErrorAnswer, S3ErrorKind, from_client_error, from_http
+from wire.s3xml import MAX_ERROR_BYTES, MAX_LISTING_BYTES
 
 __all__ = ["S3Origin", "Boto3S3Origin", "S3Settings"]
 
-_ERROR_BODY_LIMIT = 64 * 1024
-_LISTING_LIMIT = 64 * 1024 * 1024  # 1,000 keys of 1 KiB each are ~1.3 MB of XML
-_CODE_RE = re.compile(rb"<Code>([^<]{1,64})</Code>")
 _RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+# What each kind of S3 error answer becomes here, and its message: the origin's one error map.
+# A request the origin rejects for an unexpected reason counts as the origin failing (retried).
+_ERRORS: dict[S3ErrorKind, tuple[type[SidecarError], str]] = {
+    S3ErrorKind.NOT_FOUND_BUCKET: (BucketNotFound, "bucket {bucket!r} does not exist"),
+    S3ErrorKind.NOT_FOUND_KEY: (ObjectNotFound, "{what} does not exist"),
+    S3ErrorKind.ACCESS_DENIED: (AccessDenied, "{what}: access denied by the origin ({detail})"),
+    S3ErrorKind.INVALID_RANGE: (InvalidRange, "{what}: requested range not satisfiable"),
+    S3ErrorKind.PRECONDITION_FAILED: (ObjectNotFound, "{what} changed while it was being read"),
+    S3ErrorKind.BAD_REQUEST: (BadRequest, "{what}: origin rejected the request ({detail})"),
+    S3ErrorKind.THROTTLED: (OriginThrottled, "{what}: origin is throttling ({detail})"),
+    S3ErrorKind.UNAVAILABLE: (OriginUnavailable, "{what}: origin answered {status} {code}"),
+    S3ErrorKind.UNEXPECTED: (OriginUnavailable, "{what}: origin answered {status} {code}"),
+}
 
 
 @dataclass(frozen=True)
@@ -133,31 +146,19 @@ class S3Origin(Origin):
             body = b""
             if method != "HEAD":
                 with contextlib.suppress(OriginBadResponse):
-                    body = resp.read(_ERROR_BODY_LIMIT)
+                    body = resp.read(MAX_ERROR_BYTES)
             resp.close()
-            raise self._error(resp.status, body, params)
+            raise self._error(from_http(resp.status, body), params)
         return resp
 
     @staticmethod
-    def _error(status: int, body: bytes, params: dict[str, Any]) -> OriginError:
-        match = _CODE_RE.search(body)
-        code = match.group(1).decode(errors="replace") if match else ""
-        what = f"{params.get('Bucket')}/{params.get('Key', '')}"
-        if code == "NoSuchBucket":
-            return BucketNotFound(f"bucket {params.get('Bucket')!r} does not exist")
-        if status == 404 or code == "NoSuchKey":
-            return ObjectNotFound(f"{what} does not exist")
-        if status == 403:
-            return AccessDenied(f"{what}: access denied by the origin ({code or status})")
-        if status == 416:
-            return InvalidRange(f"{what}: requested range not satisfiable")
-        if status == 412:
-            return ObjectNotFound(f"{what} changed while it was being read")
-        if status == 400:
-            return BadRequest(f"{what}: origin rejected the request ({code or status})")
-        if status == 503 or code == "SlowDown":
-            return OriginThrottled(f"{what}: origin is throttling ({code or status})")
-        return OriginUnavailable(f"{what}: origin answered {status} {code}")
+    def _error(answer: S3ErrorAnswer, params: dict[str, Any]) -> SidecarError:
+        exc_type, template = _ERRORS[answer.kind]
+        message = template.format(
+            bucket=params.get("Bucket"), what=f"{params.get('Bucket')}/{params.get('Key', '')}",
+            detail=answer.detail, status=answer.status, code=answer.code,
+        )
+        return exc_type(message)
 
     async def head(self, bucket: str, key: str) -> ObjectInfo:
         return await self.call(self._head, bucket, key)
@@ -239,13 +240,13 @@ class S3Origin(Origin):
                     call[mapping[name]] = value
         resp = self._request("GET", "list_objects_v2", call)
         try:
-            data = resp.read(_LISTING_LIMIT + 1)
+            data = resp.read(MAX_LISTING_BYTES + 1)
         except OriginBadResponse as exc:
             raise OriginBadResponse(f"listing {bucket}: {exc}") from exc
         finally:
             resp.close()
-        if len(data) > _LISTING_LIMIT:
-            raise OriginBadResponse(f"listing {bucket}: answer larger than {_LISTING_LIMIT} bytes")
+        if len(data) > MAX_LISTING_BYTES:
+            raise OriginBadResponse(f"listing {bucket}: answer larger than {MAX_LISTING_BYTES} bytes")
         return data
 
 
@@ -342,9 +343,7 @@ class Boto3S3Origin(S3Origin):
         try:
             return getattr(self._client, op)(**params)
         except ClientError as exc:
-            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 500))
-            code = exc.response.get("Error", {}).get("Code", "")
-            raise self._error(status, f"<Code>{code}</Code>".encode(), params) from exc
+            raise self._error(from_client_error(exc), params) from exc
         except BotoCoreError as exc:
             raise OriginUnavailable(f"S3 {op} failed: {exc}") from exc
 

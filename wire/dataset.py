@@ -1,0 +1,184 @@
+"""Datasets as both sides name them: the dataset URL and the ``manifest.json`` format.
+
+A dataset is a prefix, ``s3://bucket/prefix/`` or ``file:///root/bucket/prefix/``, holding
+WebDataset ``*.tar`` shards and, ideally, a ``manifest.json`` listing them (the **contract**
+format, written by ``shardcache index``, read by the CLI and by trainers)::
+
+    {"version": 1, "format": "webdataset",
+     "shards": [{"key": "train-000000.tar", "size": 123, "xxh3_128": "<hex>", "samples": 100}, ...]}
+
+Keys are relative to the dataset prefix; ``size``, ``xxh3_128`` and ``samples`` may be null or
+absent. The writer emits lower-case digests; the reader accepts either case and normalises.
+
+Problems are :class:`~wire.errors.InvalidName` (the URL) and :class:`~wire.errors.ManifestError`
+(the manifest, :class:`~wire.errors.EmptyManifest` when it lists no shards); each side wraps them
+into its own errors at its boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from wire.errors import EmptyManifest, InvalidName, ManifestError
+from wire.names import is_xxh3_128
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "DatasetURL",
+    "ManifestShard",
+    "check_key",
+    "parse_dataset_url",
+    "parse_manifest",
+]
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+MANIFEST_FORMAT = "webdataset"
+MAX_MANIFEST_BYTES = 256 << 20
+"""A 200k-shard manifest is tens of MiB; anything far larger is not a manifest."""
+
+_URL_HINT = "use s3://bucket/prefix/ or file:///root/bucket/prefix/"
+
+
+# -- where a dataset is ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetURL:
+    """A dataset prefix. ``url`` is canonical (it ends with ``/`` unless it is a bucket's root).
+
+    ``s3``: ``bucket`` and the key ``prefix`` ("" or ending with ``/``). ``file``: ``path``, the
+    absolute directory with a trailing ``/`` (which part of it is the bucket only a daemon knows,
+    from its origin root: :func:`wire.names.split_origin_path`).
+    """
+
+    url: str
+    scheme: Literal["s3", "file"]
+    bucket: str = ""
+    prefix: str = ""
+    path: str = ""
+
+    def object_url(self, key: str) -> str:
+        return self.url + key
+
+
+def parse_dataset_url(url: object) -> DatasetURL:
+    """``s3://bucket/prefix/`` or ``file:///abs/root/bucket/prefix/`` → :class:`DatasetURL`; a
+    prefix without its trailing slash is still a prefix."""
+    if not isinstance(url, str) or not url:
+        raise InvalidName(f"dataset URL must be a non-empty string like s3://bucket/train/: {_URL_HINT}")
+    if "\x00" in url:
+        raise InvalidName(f"dataset URL {url!r} contains a NUL byte")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "s3":
+        bucket = parts.netloc
+        if not bucket:
+            raise InvalidName(f"dataset URL {url!r} has no bucket: use s3://bucket/prefix/")
+        prefix = parts.path.lstrip("/")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        _check_relative(prefix.rstrip("/"), f"dataset URL {url!r}", InvalidName, allow_empty=True)
+        return DatasetURL(f"s3://{bucket}/{prefix}", "s3", bucket=bucket, prefix=prefix)
+    if parts.scheme == "file":
+        path = urllib.parse.unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+            raise InvalidName(f"dataset URL {url!r}: file URLs need an absolute path, file:///root/bucket/prefix/")
+        if not path.endswith("/"):
+            path += "/"
+        _check_relative(path.strip("/"), f"dataset URL {url!r}", InvalidName, allow_empty=True)
+        return DatasetURL("file://" + path, "file", path=path)
+    raise InvalidName(f"unsupported dataset URL {url!r}: {_URL_HINT}")
+
+
+# -- shard keys -----------------------------------------------------------------------------------
+
+
+def _check_relative(path: str, where: str, error: type[Exception], allow_empty: bool = False) -> None:
+    if not path:
+        if allow_empty:
+            return
+        raise error(f"{where}: empty key")
+    if "\x00" in path or "\\" in path:
+        raise error(f"{where}: key {path!r} contains a NUL byte or a backslash")
+    if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
+        raise error(f"{where}: key {path!r} must be a plain relative path (no '..', '.', '//' or leading '/')")
+
+
+def check_key(key: object, where: str = "shard") -> str:
+    """A shard key stays inside its dataset prefix: a relative path, no traversal, no NUL."""
+    if not isinstance(key, str):
+        raise ManifestError(f"{where}: key must be a string, not {type(key).__name__}")
+    _check_relative(key, where, ManifestError)
+    return key
+
+
+# -- the manifest ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ManifestShard:
+    """One entry of a manifest; ``xxh3_128`` is lower case."""
+
+    key: str
+    size: int | None
+    xxh3_128: str | None
+    samples: int | None
+
+
+def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
+    """Validate a version-1 WebDataset manifest; every problem is one clear ManifestError.
+
+    A manifest that lists no shards is an error (:class:`EmptyManifest`): ``shardcache index``
+    never writes one, and training on nothing is never what was meant.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: must be a JSON object with version, format and shards")
+    if doc.get("version") != MANIFEST_VERSION:
+        raise ManifestError(
+            f"{where}: unsupported version {doc.get('version')!r} (this shardcache reads version {MANIFEST_VERSION}; "
+            "rebuild it with `shardcache index`)"
+        )
+    if doc.get("format", MANIFEST_FORMAT) != MANIFEST_FORMAT:
+        raise ManifestError(f"{where}: unsupported format {doc.get('format')!r} (this shardcache reads {MANIFEST_FORMAT})")
+    entries = doc.get("shards")
+    if not isinstance(entries, list):
+        raise ManifestError(f"{where}: 'shards' must be a list")
+    if not entries:
+        raise EmptyManifest(f"{where}: manifest lists no shards; run `shardcache index` on the dataset")
+    shards: list[ManifestShard] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        at = f"{where}: shards[{i}]"
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{at} must be an object")
+        key = check_key(entry.get("key"), at)
+        if key in seen:
+            raise ManifestError(f"{at}: key {key!r} is listed twice")
+        seen.add(key)
+        size = _opt_count(entry.get("size"), f"{at}.size")
+        samples = _opt_count(entry.get("samples"), f"{at}.samples")
+        digest = entry.get("xxh3_128")
+        if digest is not None and not is_xxh3_128(digest):
+            raise ManifestError(f"{at}.xxh3_128 must be 32 hex digits")
+        shards.append(ManifestShard(key, size, digest.lower() if digest else None, samples))
+    return shards
+
+
+def _opt_count(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{where} must be a non-negative integer or null, not {value!r}")
+    return value
