@@ -5,8 +5,9 @@
 Public API (the rest is internal)::
 
     from sidecar.daemon import ServeSettings, build_app, serve_forever
-"""
 
+Its errors are :mod:`sidecar.errors` (``from sidecar import OriginError``).
+"""
 
 from sidecar.daemon.app import build_app
 from sidecar.daemon.fills import FetchSettings
@@ -14,18 +15,6 @@ from sidecar.daemon.origins.base import FileOrigin, ObjectInfo, Origin
 from sidecar.daemon.origins.s3 import S3Origin, S3Settings
 from sidecar.daemon.server import serve_forever
 from sidecar.daemon.settings import ServeSettings
-from sidecar.errors import (
-    AccessDenied,
-    BadRequest,
-    BucketNotFound,
-    InvalidRange,
-    ObjectNotFound,
-    OriginBadResponse,
-    OriginError,
-    OriginThrottled,
-    OriginUnavailable,
-    SidecarError,
-)
 
 __all__ = [
     "ServeSettings",
@@ -37,14 +26,4 @@ __all__ = [
     "FileOrigin",
     "S3Origin",
     "ObjectInfo",
-    "SidecarError",
-    "BadRequest",
-    "OriginError",
-    "ObjectNotFound",
-    "BucketNotFound",
-    "AccessDenied",
-    "InvalidRange",
-    "OriginUnavailable",
-    "OriginThrottled",
-    "OriginBadResponse",
 ]

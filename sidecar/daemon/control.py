@@ -17,7 +17,7 @@ from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SETTINGS, 
 from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_value
 from sidecar.daemon.prefetch import PrefetchItem, QueueFull
 from sidecar.daemon.priority import priority_value
-from sidecar.errors import BadRequest, OriginBadResponse
+from sidecar.errors import BadRequest, Busy, OriginBadResponse
 from wire.names import parse_object_url, validate_bucket, validate_key, validate_prefix, validate_xxh3_128
 from wire.s3xml import S3XMLError, parse_list_page
 from wire.web import read_json_object
@@ -69,7 +69,7 @@ async def prefetch_handler(request: web.Request) -> web.Response:
     try:
         accepted = request.app[PREFETCHER].submit(items, priority)
     except QueueFull as exc:
-        return web.json_response({"error": "SlowDown", "message": f"{exc}; retry later"}, status=503)
+        raise Busy(f"{exc}; retry later", retry_after=1) from exc
     return web.json_response({"accepted": accepted, "requested": len(items)}, status=202)
 
 

@@ -146,3 +146,15 @@ def test_expected_checksum_header_is_validated(file_daemon):
     status, body, _ = raw(file_daemon, "GET", "/bk/train/0.tar", headers={"x-shardcache-xxh3-128": "0" * 32})
     assert status == 502 and b"BadDigest" in body  # the bytes do not match: not cached, error to caller
     assert file_daemon.stats()["cache"]["items"] == 0
+
+
+def test_a_full_prefetch_queue_is_a_slowdown_with_retry_after(tmp_path, start_daemon):
+    root = tmp_path / "origin"
+    (root / "bk").mkdir(parents=True)
+    daemon = start_daemon(make_settings(tmp_path / "cache", f"file://{root}", prefetch_queue_max=2))
+    body = json.dumps({"objects": [{"bucket": "bk", "key": f"{i}.tar"} for i in range(3)]}).encode()
+    status, answer, headers = raw(daemon, "POST", "/_shardcache/prefetch", body, {"Content-Type": "application/json"})
+    assert status == 503, answer
+    assert json.loads(answer)["error"] == "SlowDown" and "retry later" in json.loads(answer)["message"]
+    assert int(headers["Retry-After"]) >= 1
+    assert sum(daemon.stats()["prefetch"]["queued"].values()) == 0
