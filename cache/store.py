@@ -5,7 +5,8 @@ Layout under ``settings.root``::
     v1/LOCK                    flock'ed by the owning process
     v1/tmp/<random>.part       fills in progress (discarded at start-up)
     v1/data/<id[:2]>/<id>      published object bytes, exactly the object (read-only, 0444)
-    v1/meta/<id[:2]>/<id>.json what the bytes are: bucket, key, etag, size, xxh3-128
+    v1/meta/<id[:2]>/<id>.json what the bytes are: bucket, key, etag, size, xxh3-128, and the
+                               origin's Last-Modified and stored object headers
 
 An entry exists only once both its data file and its meta file are in place. Publishing renames
 the (fsync'ed) data file first and then atomically writes the meta file, so a crash at any moment
@@ -36,7 +37,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 _LAYOUT = "v1"
 _HASH_CHUNK = 4 * 1024 * 1024
+# An entry's object headers, as a sanity bound on what a meta file may hold (the daemon refuses
+# far less from an origin; this only keeps a tampered meta file from being loaded or replayed).
+_MAX_HEADER_BYTES = 64 * 1024
 
 
 def entry_id(namespace: str, bucket: str, key: str, etag: str) -> str:
@@ -98,6 +102,12 @@ class Entry:
     created: float
     last_access: float = 0.0
     pins: int = field(default=0, compare=False)
+    # What the origin answered with the bytes, answered again on every hit: its Last-Modified
+    # (an HTTP date) and the headers S3 stores with an object (Content-Type, x-amz-meta-*, ...).
+    # Meta files written before the daemon kept them have neither: such entries load with
+    # ``None`` and ``()``, and are answered without them until they are refetched.
+    last_modified: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
 
     def meta(self) -> dict[str, object]:
         data = asdict(self)
@@ -119,13 +129,18 @@ class Writer:
     """A fill in progress: bytes land in a temp file at any offset (parallel ranged GETs), the
     checksum advances over the contiguous prefix, and :meth:`commit` publishes atomically."""
 
-    def __init__(self, store: Store, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None) -> None:
+    def __init__(
+        self, store: Store, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None,
+        last_modified: str | None = None, headers: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self.store = store
         self.bucket = bucket
         self.key = key
         self.etag = etag
         self.size = size
         self.expected_xxh3 = expected_xxh3
+        self.last_modified = last_modified
+        self.headers = _checked_headers([list(pair) for pair in headers])
         self.path = store._tmp_dir / f"{secrets.token_hex(8)}.part"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._hasher = xxhash.xxh3_128()
@@ -304,6 +319,9 @@ class Store:
             entry = Entry(
                 id=str(meta["id"]), bucket=str(meta["bucket"]), key=str(meta["key"]), etag=str(meta["etag"]),
                 size=int(meta["size"]), xxh3_128=str(meta["xxh3_128"]), created=float(meta["created"]),
+                # Both absent in entries written by older daemons (see Entry).
+                last_modified=_checked_text(meta.get("last_modified")),
+                headers=_checked_headers(meta.get("headers", [])),
             )
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("discarding unreadable cache meta %s", meta_path)
@@ -445,9 +463,16 @@ class Store:
             and self._disk_free_after(size)
         )
 
-    def begin(self, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None = None) -> Writer | None:
+    def begin(
+        self, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None = None,
+        last_modified: str | None = None, headers: Sequence[tuple[str, str]] = (),
+    ) -> Writer | None:
         """Reserve room for a new entry and start filling it, or ``None`` if the policy does not
-        admit it now (no room under ``hold``, or everything evictable is in use)."""
+        admit it now (no room under ``hold``, or everything evictable is in use). ``last_modified``
+        and ``headers`` are kept with the entry as given (raises ``ValueError`` if they could not
+        be answered again as headers)."""
+        headers = _checked_headers([list(pair) for pair in headers])
+        _checked_text(last_modified)
         with self._lock:
             if size > self.settings.capacity_bytes or time.monotonic() < self._no_space_until:
                 self._counters["rejected_full"] += 1
@@ -457,7 +482,7 @@ class Store:
                     self._counters["rejected_full"] += 1
                     return None
             try:
-                writer = Writer(self, bucket, key, etag, size, expected_xxh3)
+                writer = Writer(self, bucket, key, etag, size, expected_xxh3, last_modified, headers)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     self._counters["no_space"] += 1
@@ -488,7 +513,7 @@ class Store:
         now = time.time()
         entry = Entry(
             id=ident, bucket=writer.bucket, key=writer.key, etag=writer.etag, size=writer.size,
-            xxh3_128=digest, created=now, last_access=now,
+            xxh3_128=digest, created=now, last_access=now, last_modified=writer.last_modified, headers=writer.headers,
         )
         data_path = self._data_path(ident)
         meta_path = self._meta_path(ident)
@@ -575,6 +600,35 @@ class Store:
                 "min_free_ratio": self.settings.min_free_ratio,
                 **self._counters,
             }
+
+
+def _checked_text(value: object) -> str | None:
+    """A header value fit to be sent again: text without line breaks or other control characters
+    (a tampered meta file must not inject headers into answers)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F for c in value):
+        raise ValueError(f"not a header value: {value!r}")
+    return value
+
+
+def _checked_headers(value: object) -> tuple[tuple[str, str], ...]:
+    """``[[name, value], ...]`` (as JSON holds them) as pairs, or ``ValueError``."""
+    if not isinstance(value, list):
+        raise ValueError("headers must be a list of [name, value] pairs")
+    pairs: list[tuple[str, str]] = []
+    total = 0
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"not a [name, value] pair: {pair!r}")
+        name, text = _checked_text(pair[0]), _checked_text(pair[1])
+        if not name or text is None or any(c in name for c in " \t:"):
+            raise ValueError(f"not a header: {pair!r}")
+        total += len(name) + len(text)
+        if total > _MAX_HEADER_BYTES:
+            raise ValueError(f"more than {_MAX_HEADER_BYTES} bytes of headers")
+        pairs.append((name, text))
+    return tuple(pairs)
 
 
 def _fsync_dir(path: Path) -> None:

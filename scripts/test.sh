@@ -15,6 +15,16 @@ if [ ! -x /usr/bin/etcd ]; then
     fi
 fi
 
+# rclone, one of the real S3 clients tests/clients reads through the cache with (Debian's package).
+if ! command -v rclone >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rclone >/dev/null
+    else
+        echo "scripts/test.sh: rclone missing; install it (sudo apt-get install rclone)" >&2
+    fi
+fi
+
 # torch pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels); the bench
 # extra brings the peers the benchmark suite's smoke test runs (s3fs, webdataset,
 # mosaicml-streaming, s3torchconnector); constraints.txt keeps their versions resolvable.

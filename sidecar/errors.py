@@ -12,6 +12,7 @@ from wire.errors import BodyTooLarge, InvalidBody, InvalidName
 __all__ = [
     "SidecarError",
     "BadRequest",
+    "PreconditionFailed",
     "OriginError",
     "ObjectNotFound",
     "BucketNotFound",
@@ -34,6 +35,16 @@ class SidecarError(Exception):
 
 class BadRequest(SidecarError, ValueError):
     """The request is malformed or hostile (traversal, NUL, bad JSON); nothing was touched."""
+
+
+class PreconditionFailed(SidecarError):
+    """An ``If-Match`` or ``If-Unmodified-Since`` of the request does not hold for the object
+    (:func:`wire.s3headers.precondition`); ``condition`` names the header, as S3's error
+    document does in its ``<Condition>``."""
+
+    def __init__(self, message: str, condition: str) -> None:
+        super().__init__(message)
+        self.condition = condition
 
 
 class WarmupConflict(SidecarError, ValueError):
@@ -89,6 +100,7 @@ class OriginBadResponse(OriginError, IOError):
 # exception type -> (HTTP status, S3 error code). The only place errors become HTTP answers.
 S3_ERRORS: list[tuple[type[BaseException], int, str]] = [
     (BadRequest, 400, "InvalidArgument"),
+    (PreconditionFailed, 412, "PreconditionFailed"),
     (InvalidName, 400, "InvalidArgument"),
     (BodyTooLarge, 413, "BodyTooLarge"),
     (InvalidBody, 400, "InvalidArgument"),

@@ -7,7 +7,7 @@ report it as a configuration error.
 
 from __future__ import annotations
 
-__all__ = ["WireError", "InvalidName", "ManifestError", "EmptyManifest", "InvalidBody", "BodyTooLarge"]
+__all__ = ["WireError", "InvalidName", "ManifestError", "EmptyManifest", "InvalidBody", "BodyTooLarge", "HeadersTooLarge"]
 
 
 class WireError(Exception):
@@ -37,3 +37,8 @@ class BodyTooLarge(InvalidBody):
     def __init__(self, message: str, limit: int) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class HeadersTooLarge(WireError, ValueError):
+    """An origin's answer carries more object headers than S3 could ever have stored with an
+    object (:data:`wire.s3headers.MAX_OBJECT_HEADER_BYTES`): nothing of it is kept or forwarded."""

@@ -65,9 +65,10 @@ def _check_text(text: str, what: str, allow_empty: bool) -> None:
 
 
 def validate_key(key: str) -> str:
+    # A key may end with '/': S3 folder markers (the console, s3fs and rclone write them) are
+    # objects like any other. On a file:// origin such a key names a directory, which is no
+    # object there (404 NoSuchKey at the origin's boundary), not a malformed request.
     _check_text(key, "object key", allow_empty=False)
-    if key.endswith("/"):
-        raise InvalidName("object key must not end with '/'")
     return key
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from wire.s3xml import parse_error
 
-__all__ = ["S3ErrorKind", "S3ErrorAnswer", "TRANSIENT", "classify", "from_client_error", "from_http"]
+__all__ = ["S3ErrorKind", "S3ErrorAnswer", "S3_MESSAGES", "TRANSIENT", "classify", "from_client_error", "from_http"]
 
 
 class S3ErrorKind(enum.Enum):
@@ -37,6 +37,16 @@ class S3ErrorKind(enum.Enum):
 
 TRANSIENT = frozenset({S3ErrorKind.THROTTLED, S3ErrorKind.UNAVAILABLE})
 """The kinds a later attempt may not get."""
+
+S3_MESSAGES = {
+    "NoSuchKey": "The specified key does not exist.",
+    "NoSuchBucket": "The specified bucket does not exist",
+    "InvalidRange": "The requested range is not satisfiable",
+    "PreconditionFailed": "At least one of the pre-conditions you specified did not hold",
+}
+"""S3's own ``<Message>`` for the errors a cache answers in the origin's place. Clients show it
+as it is (``aws s3 cp``: "An error occurred (NoSuchKey) ...: The specified key does not exist."),
+so an answer through the cache reads as the origin's; the daemon's own detail goes to its log."""
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 # Refused credentials are answered 403 by S3, but ExpiredToken comes with a 400; and a HEAD (no

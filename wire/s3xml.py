@@ -1,4 +1,5 @@
-"""S3's XML, as both sides speak it: ListObjectsV2 pages and error bodies (stdlib only).
+"""S3's XML, as both sides speak it: listing pages (ListObjectsV2 and v1), the bucket location and
+error bodies (stdlib only).
 
 The daemon builds listings for origins that are not S3 themselves (``file://``) and error bodies
 for every S3 answer it refuses; it parses the origin's listings (``/_shardcache/cached``) and the
@@ -17,6 +18,7 @@ import datetime
 import re
 import urllib.parse
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from wire.errors import WireError
@@ -30,7 +32,9 @@ __all__ = [
     "ListPage",
     "ErrorBody",
     "iso_time",
+    "s3_url_encode",
     "list_page_xml",
+    "location_xml",
     "parse_list_page",
     "error_xml",
     "parse_error",
@@ -43,6 +47,8 @@ MAX_ERROR_BYTES = 64 * 1024
 """Error bodies are read and parsed up to this many bytes."""
 
 _DECLARATION = '<?xml version="1.0" encoding="UTF-8"?>'
+# Names of the detail elements an error body may carry: ASCII words, never request text.
+_ELEMENT = re.compile(r"[A-Z][A-Za-z]{0,63}", re.ASCII)
 # For error bodies that are cut off or not XML at all: the code is still worth reporting.
 _CODE_RE = re.compile(r"<Code>([^<]{1,64})</Code>")
 _MESSAGE_RE = re.compile(r"<Message>([^<]{0,1024})</Message>")
@@ -72,9 +78,11 @@ class ListedObject:
 
 @dataclass(frozen=True)
 class ListPage:
-    """One ListObjectsV2 answer. ``next_token`` continues a truncated listing. Keys, prefixes,
-    the delimiter and ``start_after`` are always the names themselves: an answer with
-    ``<EncodingType>url</EncodingType>`` is decoded when parsed, and pages are built unencoded."""
+    """One listing answer, ListObjectsV2 or v1 (ListObjects). ``next_token`` continues a truncated
+    v2 listing, ``next_marker`` a v1 one (S3 sends it only with a delimiter; without one the last
+    key is the next marker). Keys, prefixes, the delimiter, ``start_after`` and the markers are
+    always the names themselves: an answer with ``<EncodingType>url</EncodingType>`` is decoded
+    when parsed, and :func:`list_page_xml` encodes them only when asked to."""
 
     bucket: str
     prefix: str = ""
@@ -86,6 +94,8 @@ class ListPage:
     delimiter: str | None = None
     continuation_token: str | None = None
     start_after: str | None = None
+    marker: str | None = None
+    next_marker: str | None = None
 
     @property
     def key_count(self) -> int:
@@ -105,34 +115,66 @@ def iso_time(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z")
 
 
-def list_page_xml(page: ListPage) -> bytes:
-    """Render a ListObjectsV2 answer (for origins that are not S3 themselves)."""
+def s3_url_encode(name: str) -> str:
+    """A name as S3 writes it in a listing asked for with ``encoding-type=url``: UTF-8 percent
+    encoding of all but letters, digits and ``-_.*/``, a space as ``+`` (so ``+`` is ``%2B``),
+    ``~`` encoded too. :func:`urllib.parse.unquote_plus` (what botocore and :func:`parse_list_page`
+    decode with) gives the name back."""
+    return urllib.parse.quote_plus(name, safe="/*").replace("~", "%7E")
+
+
+def list_page_xml(page: ListPage, *, v1: bool = False, encoding_type: str | None = None) -> bytes:
+    """Render a ListObjectsV2 answer, or with ``v1`` a ListObjects one (for origins that are not
+    S3 themselves). With ``encoding_type="url"`` the names are encoded as S3 encodes them, in
+    the elements S3 encodes (Key, Prefix, Delimiter, StartAfter, Marker, NextMarker and the
+    common prefixes; never the tokens), and the page says ``<EncodingType>url</EncodingType>``."""
+    encode = encoding_type == "url"
+
+    def name(text: str) -> str:
+        return _escape(s3_url_encode(text) if encode else text)
+
     parts = [
         _DECLARATION,
         f'<ListBucketResult xmlns="{NAMESPACE}">',
-        f"<Name>{_escape(page.bucket)}</Name><Prefix>{_escape(page.prefix)}</Prefix>",
-        f"<KeyCount>{page.key_count}</KeyCount><MaxKeys>{page.max_keys}</MaxKeys>",
-        f"<IsTruncated>{'true' if page.truncated else 'false'}</IsTruncated>",
+        f"<Name>{_escape(page.bucket)}</Name><Prefix>{name(page.prefix)}</Prefix>",
     ]
+    if v1:
+        parts.append(f"<Marker>{name(page.marker or '')}</Marker>")
+        if page.next_marker:
+            parts.append(f"<NextMarker>{name(page.next_marker)}</NextMarker>")
+    else:
+        parts.append(f"<KeyCount>{page.key_count}</KeyCount>")
+    parts.append(f"<MaxKeys>{page.max_keys}</MaxKeys>")
     if page.delimiter:
-        parts.append(f"<Delimiter>{_escape(page.delimiter)}</Delimiter>")
-    if page.continuation_token:
-        parts.append(f"<ContinuationToken>{_escape(page.continuation_token)}</ContinuationToken>")
-    if page.start_after:
-        parts.append(f"<StartAfter>{_escape(page.start_after)}</StartAfter>")
-    if page.next_token:
-        parts.append(f"<NextContinuationToken>{_escape(page.next_token)}</NextContinuationToken>")
+        parts.append(f"<Delimiter>{name(page.delimiter)}</Delimiter>")
+    if encode:
+        parts.append("<EncodingType>url</EncodingType>")
+    parts.append(f"<IsTruncated>{'true' if page.truncated else 'false'}</IsTruncated>")
+    if not v1:
+        if page.continuation_token:
+            parts.append(f"<ContinuationToken>{_escape(page.continuation_token)}</ContinuationToken>")
+        if page.start_after:
+            parts.append(f"<StartAfter>{name(page.start_after)}</StartAfter>")
+        if page.next_token:
+            parts.append(f"<NextContinuationToken>{_escape(page.next_token)}</NextContinuationToken>")
     for obj in page.contents:
-        parts.append(f"<Contents><Key>{_escape(obj.key)}</Key>")
+        parts.append(f"<Contents><Key>{name(obj.key)}</Key>")
         if obj.last_modified is not None:
             parts.append(f"<LastModified>{_escape(obj.last_modified)}</LastModified>")
         if obj.etag is not None:
             parts.append(f"<ETag>{_escape(obj.etag)}</ETag>")
         parts.append(f"<Size>{obj.size}</Size><StorageClass>STANDARD</StorageClass></Contents>")
     for common in page.common_prefixes:
-        parts.append(f"<CommonPrefixes><Prefix>{_escape(common)}</Prefix></CommonPrefixes>")
+        parts.append(f"<CommonPrefixes><Prefix>{name(common)}</Prefix></CommonPrefixes>")
     parts.append("</ListBucketResult>")
     return "".join(parts).encode()
+
+
+def location_xml(region: str | None) -> bytes:
+    """A GetBucketLocation answer; ``None`` (or ``us-east-1``) is S3's empty constraint."""
+    if not region or region == "us-east-1":
+        return f'{_DECLARATION}<LocationConstraint xmlns="{NAMESPACE}"/>'.encode()
+    return f'{_DECLARATION}<LocationConstraint xmlns="{NAMESPACE}">{_escape(region)}</LocationConstraint>'.encode()
 
 
 def _document(data: bytes, limit: int, what: str) -> ET.Element:
@@ -181,7 +223,7 @@ def _count(text: str | None, name: str, what: str) -> int | None:
 
 
 def parse_list_page(data: bytes, *, limit: int = MAX_LISTING_BYTES, what: str = "ListObjectsV2 answer") -> ListPage:
-    """A ListObjectsV2 answer as a :class:`ListPage`; :class:`S3XMLError` if it is not one."""
+    """A ListObjectsV2 (or v1) answer as a :class:`ListPage`; :class:`S3XMLError` if it is not one."""
     root = _document(data, limit, what)
     if _local(root.tag) != "ListBucketResult":
         raise S3XMLError(f"{what}: the document is a <{_local(root.tag)[:40]}>, not a <ListBucketResult>")
@@ -217,14 +259,38 @@ def parse_list_page(data: bytes, *, limit: int = MAX_LISTING_BYTES, what: str = 
         delimiter=name(_text(top, "Delimiter")) or None,
         continuation_token=_text(top, "ContinuationToken") or None,
         start_after=name(_text(top, "StartAfter")) or None,
+        marker=name(_text(top, "Marker")) or None,
+        next_marker=name(_text(top, "NextMarker")) or None,
     )
 
 
-def error_xml(code: str, message: str, resource: str = "", request_id: str = "") -> bytes:
-    """An S3 error body."""
+# What an XML 1.0 document cannot carry, even as a character reference (C0 controls but tab, LF
+# and CR; lone surrogates; U+FFFE and U+FFFF), plus what a parser would silently change (CR, and
+# CR LF, become LF) or a reader cannot see (the other controls, DEL, C1).
+_UNSAFE_RE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def _percent(match: re.Match[str]) -> str:
+    return "".join(f"%{byte:02X}" for byte in match.group().encode("utf-8", "surrogatepass"))
+
+
+def _echo(text: str) -> str:
+    """Text an error body echoes (a request path, a key in a message) as XML character data:
+    escaped, with what XML cannot carry percent-encoded as in a URL (``\\n`` is ``%0A``), so the
+    body always parses and a client always reads its ``<Code>``."""
+    return _escape(_UNSAFE_RE.sub(_percent, text))
+
+
+def error_xml(
+    code: str, message: str, resource: str = "", request_id: str = "", details: Mapping[str, str] | None = None
+) -> bytes:
+    """An S3 error body. ``details`` are the code's own elements after ``<Message>``, as S3 sends
+    them (``<Key>`` with NoSuchKey, ``<BucketName>``, ``<Condition>``, ``<RangeRequested>``...).
+    Every field may echo the request: see :func:`_echo`."""
+    extra = "".join(f"<{name}>{_echo(value)}</{name}>" for name, value in (details or {}).items() if _ELEMENT.fullmatch(name))
     return (
-        f"{_DECLARATION}<Error><Code>{_escape(code)}</Code><Message>{_escape(message)}</Message>"
-        f"<Resource>{_escape(resource)}</Resource><RequestId>{_escape(request_id)}</RequestId></Error>"
+        f"{_DECLARATION}<Error><Code>{_echo(code)}</Code><Message>{_echo(message)}</Message>{extra}"
+        f"<Resource>{_echo(resource)}</Resource><RequestId>{_echo(request_id)}</RequestId></Error>"
     ).encode()
 
 

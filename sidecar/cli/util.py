@@ -95,3 +95,33 @@ def parse_ratio(text: str | float) -> float:
     if not 0 <= value < 1:
         raise UserError(f"invalid ratio {text!r}: must be between 0% and 100%")
     return value
+
+
+def add_connection_flags(parser: argparse.ArgumentParser, max_connections: int) -> None:
+    """The flags of a server's :class:`wire.web.ConnectionLimits` (daemon, master, webhook)."""
+    add_flag(parser, "--header-timeout", default="30", metavar="SECONDS",
+             help="close a connection that has not sent its first request's headers within this time")
+    add_flag(parser, "--idle-timeout", default="75", metavar="SECONDS",
+             help="close a kept-alive connection idle (or half-way through a request head) this long")
+    add_flag(parser, "--max-connections", default=str(max_connections), metavar="N",
+             help="connections served at once; beyond, new ones get 503 and are closed")
+
+
+def connection_limits(args: argparse.Namespace) -> Any:
+    """The ``ConnectionLimits`` of :func:`add_connection_flags`' flags, or :class:`UserError`."""
+    from wire.web import ConnectionLimits  # aiohttp: only once a server runs
+
+    def number(text: str, flag: str, cast: type) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise UserError(f"{flag} must be a {'whole ' if cast is int else ''}number, not {text!r}") from None
+        if not value > 0:
+            raise UserError(f"{flag} must be positive, not {text!r}")
+        return value
+
+    return ConnectionLimits(
+        header_timeout_s=number(args.header_timeout, "--header-timeout", float),
+        idle_timeout_s=number(args.idle_timeout, "--idle-timeout", float),
+        max_connections=number(args.max_connections, "--max-connections", int),
+    )

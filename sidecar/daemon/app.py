@@ -28,8 +28,9 @@ from sidecar.daemon.prefetch import Prefetcher
 from sidecar.daemon.s3api import s3_handler
 from sidecar.daemon.s3xml import error_response
 from sidecar.daemon.settings import ServeSettings
-from sidecar.errors import SidecarError, s3_error_for
+from sidecar.errors import PreconditionFailed, SidecarError, s3_error_for
 from wire.errors import WireError
+from wire.s3errors import S3_MESSAGES
 from wire.web import error_middleware, http_code
 
 __all__ = ["build_app", "count_requests", "error_answer", "make_origin"]
@@ -76,7 +77,29 @@ def error_answer(request: web.Request, exc: Exception) -> web.Response:
     size = getattr(exc, "size", None)
     if code == "InvalidRange" and size is not None:
         headers["Content-Range"] = f"bytes */{size}"
-    return error_response(status, code, message, request.path, headers=headers)
+    if code in S3_MESSAGES:
+        # The origin's words, as S3 sends them; ours (which bucket, which key) go to the log.
+        log.debug("%s %s: %s: %s", request.method, request.path[:200], code, message)
+        message = S3_MESSAGES[code]
+    return error_response(status, code, message, request.path, headers=headers, details=_details(request, code, exc))
+
+
+def _details(request: web.Request, code: str, exc: Exception) -> dict[str, str]:
+    """The elements S3 adds to an error body after ``<Message>``, for the codes that have them."""
+    bucket, _, key = request.match_info.get("path", "").partition("/")
+    if code == "NoSuchKey" and key:
+        return {"Key": key}
+    if code == "NoSuchBucket" and bucket:
+        return {"BucketName": bucket}
+    if code == "PreconditionFailed" and isinstance(exc, PreconditionFailed):
+        return {"Condition": exc.condition}
+    if code == "InvalidRange":
+        details = {"RangeRequested": request.headers.get("Range", "")}
+        size = getattr(exc, "size", None)
+        if size is not None:
+            details["ActualObjectSize"] = str(size)
+        return details
+    return {}
 
 
 @web.middleware
@@ -133,5 +156,7 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
     app.router.add_get(CONTROL + "stats", control.stats_handler)
     app.router.add_get(CONTROL + "cached", control.cached_handler)
     warmups.setup(app)
-    app.router.add_route("*", "/{path:.*}", s3_handler)
+    # Every path, newlines included: "." does not match "\n", which made a key with %0A a 404
+    # instead of the 400 every other control character gets from wire.names.
+    app.router.add_route("*", "/{path:[\\s\\S]*}", s3_handler)
     return app

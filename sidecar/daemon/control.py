@@ -121,7 +121,8 @@ async def cached_handler(request: web.Request) -> web.Response:
     missing: list[str] = []
     token: str | None = None
     for _page in range(10_000):  # bounded: 10M objects
-        params = {"list-type": "2", "prefix": prefix}
+        # Encoded names: a key S3 allows but XML 1.0 cannot carry raw still parses (decoded there).
+        params = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
         if token:
             params["continuation-token"] = token
         body = await retrying(fetch_settings, metrics, f"list {bucket}", origin.list_objects_v2, bucket, params)

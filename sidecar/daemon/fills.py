@@ -426,8 +426,10 @@ class Fetcher:
         writer: Writer | None = None
         if self.store is not None:
             try:
+                # The entry keeps what the origin said about the object, to answer it on hits.
                 writer = await asyncio.to_thread(
-                    self.store.begin, fill.bucket, fill.key, info.etag, info.size, fill.expected_xxh3
+                    self.store.begin, fill.bucket, fill.key, info.etag, info.size, fill.expected_xxh3,
+                    info.last_modified, info.headers,
                 )
             except OSError as exc:
                 log.warning("cannot cache %s/%s: %s", fill.bucket, fill.key, exc)

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from wire.errors import InvalidName
 from wire.names import DAEMON_PORT, parse_connect
@@ -85,10 +86,14 @@ class Upstream:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         data = await request.read() if request.can_read_body else None
+        # The request target exactly as the pod sent it: the decoded, dot-resolved ``rel_url``
+        # would turn ``/bk/%2e%2e/other/key`` into bucket ``other`` and ``a%252Fb`` into ``a/b``.
+        # ``encoded=True`` keeps yarl from normalising it again; the node daemon then applies its
+        # own checks to the very bytes it would have got directly (a traversal is its 400).
+        url = URL(self.base + request.raw_path, encoded=True)
         try:
             upstream = await self._session.request(
-                request.method, self.base + request.rel_url.path_qs, headers=headers, data=data,
-                allow_redirects=False,
+                request.method, url, headers=headers, data=data, allow_redirects=False,
             )
         except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
             log.info("upstream %s unreachable (%s); serving from the standalone cache", self.address, exc)
@@ -121,7 +126,9 @@ async def forward_middleware(request: web.Request, handler: Any) -> web.StreamRe
         # Ready either way: through the node daemon, or standalone when it is absent.
         up = await upstream.ready()
         return web.json_response({"ready": True, "mode": "sidecar", "upstream": up})
-    if request.path in _LOCAL_ONLY or not upstream.believed_up:
+    # An absolute-form target (``GET http://host/x``) cannot be appended to the upstream's base;
+    # the sidecar's own handlers answer it (and refuse it the way the node daemon would).
+    if request.path in _LOCAL_ONLY or not upstream.believed_up or not request.raw_path.startswith("/"):
         return await handler(request)
     response = await upstream.forward(request)
     if response is None:

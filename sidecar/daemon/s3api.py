@@ -1,5 +1,6 @@
 """The daemon's S3 read API: GET/HEAD object (hits with sendfile, misses joined to one fill),
-ListObjectsV2 passed to the origin, and 405 for writes.
+ListObjectsV2, ListObjects (v1), HeadBucket and GetBucketLocation passed to the origin, and 405
+for writes.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, STORE
 from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.priority import DEMAND
 from sidecar.daemon.s3xml import error_response, parse_range
-from sidecar.errors import BadRequest, OriginError
+from sidecar.errors import BadRequest, OriginError, PreconditionFailed
 from wire.names import validate_bucket, validate_key, validate_prefix, validate_xxh3_128
+from wire.s3headers import ObjectHeaders, not_modified_headers, precondition
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +58,31 @@ class _SendfileResponse(web.StreamResponse):
             self._fd = -1
 
 
-def _object_headers(size: int, etag: str, cache: str, last_modified: str | None = None) -> dict[str, str]:
-    headers = {"ETag": etag, "Accept-Ranges": "bytes", "x-shardcache-cache": cache}
-    if last_modified:
-        headers["Last-Modified"] = last_modified
+def _object_headers(obj: Entry | ObjectInfo, cache: str, stored: ObjectHeaders | None = None) -> dict[str, str]:
+    """What every answer about an object says, hit or miss alike: what the origin said about it
+    (Last-Modified, Content-Type, x-amz-meta-*, ...; ``stored`` instead of its stored headers)
+    and its ETag. An entry cached by an older daemon has no Last-Modified nor stored headers."""
+    headers: dict[str, str] = {}
+    for name, value in obj.headers if stored is None else stored:
+        # One value per name: a repeated header means the values joined, as HTTP defines it.
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    headers.update({"ETag": obj.etag, "Accept-Ranges": "bytes", "x-shardcache-cache": cache})
+    if obj.last_modified:
+        headers["Last-Modified"] = obj.last_modified
     return headers
+
+
+def _conditional(request: web.Request, obj: Entry | ObjectInfo, cache: str) -> web.Response | None:
+    """The answer to a conditional request whose condition decides it (304, or 412 raised),
+    else ``None``: answer the object. Evaluated before ``Range``, as S3 does."""
+    status = precondition(request.headers, obj.etag, obj.last_modified)
+    if status == 412:
+        # If-Match decides alone when present, so it is the one that failed if it was sent.
+        failed = "If-Match" if request.headers.get("If-Match", "").strip() else "If-Unmodified-Since"
+        raise PreconditionFailed("At least one of the pre-conditions you specified did not hold", failed)
+    if status == 304:
+        return web.Response(status=304, headers=_object_headers(obj, cache, not_modified_headers(obj.headers)))
+    return None
 
 
 def _range_headers(headers: dict[str, str], rng: tuple[int, int] | None, size: int) -> tuple[int, int, int]:
@@ -94,8 +116,8 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
         )
     if not key:
         if request.method == "HEAD":
-            return web.Response(status=200)
-        return await _list(request, bucket)
+            return await _head_bucket(request, bucket)
+        return await _bucket_get(request, bucket)
     validate_key(key)
     expected = request.headers.get("x-shardcache-xxh3-128")
     if expected is not None:
@@ -109,24 +131,61 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
     return await _get(request, store, bucket, key, expected)
 
 
-async def _list(request: web.Request, bucket: str) -> web.Response:
-    if request.query.get("list-type") != "2":
-        raise BadRequest("only ListObjectsV2 is supported: add list-type=2 to the query")
-    validate_prefix(request.query.get("prefix", ""))
-    origin = request.app[ORIGIN]
+# Bucket subresources S3 answers with documents of their own: a listing in their place would be
+# a wrong answer that parses, so they are refused. ``location`` is answered (s3fs asks for it).
+_SUBRESOURCES = frozenset({
+    "accelerate", "acl", "analytics", "cors", "encryption", "intelligent-tiering", "inventory",
+    "lifecycle", "logging", "metadataTable", "metrics", "notification", "object-lock",
+    "ownershipControls", "policy", "policyStatus", "publicAccessBlock", "replication",
+    "requestPayment", "tagging", "uploads", "versioning", "versions", "website",
+})
+
+
+async def _origin_call(request: web.Request, op: str, what: str, fn: Any, *args: Any) -> Any:
     metrics = request.app[METRICS]
     began = time.perf_counter()
-    body = await retrying(
-        request.app[FETCHER].settings, metrics, f"list {bucket}", origin.list_objects_v2, bucket, dict(request.query)
-    )
-    metrics.origin_latency.labels(op="list").observe(time.perf_counter() - began)
+    result = await retrying(request.app[FETCHER].settings, metrics, what, fn, *args)
+    metrics.origin_latency.labels(op=op).observe(time.perf_counter() - began)
+    return result
+
+
+async def _head_bucket(request: web.Request, bucket: str) -> web.Response:
+    """HeadBucket: 200 when the origin has the bucket, 404 NoSuchBucket (no body) when not."""
+    region = await _origin_call(request, "head_bucket", f"head {bucket}", request.app[ORIGIN].head_bucket, bucket)
+    return web.Response(status=200, headers={"x-amz-bucket-region": region} if region else None)
+
+
+async def _bucket_get(request: web.Request, bucket: str) -> web.Response:
+    """GetBucketLocation, ListObjectsV2 (``list-type=2``) or ListObjects (v1: no ``list-type``;
+    rclone's default and older SDKs), each passed to the origin with the client's query."""
+    query = request.query
+    origin = request.app[ORIGIN]
+    if "location" in query:
+        body = await _origin_call(request, "location", f"location of {bucket}", origin.bucket_location, bucket)
+        return web.Response(body=body, content_type="application/xml")
+    refused = sorted(set(query) & _SUBRESOURCES)
+    if refused:
+        raise BadRequest(f"?{refused[0]} is not supported: shardcache serves object reads and listings only")
+    list_type = query.get("list-type")
+    if list_type not in (None, "2"):
+        raise BadRequest("list-type must be 2 (ListObjectsV2), or absent (ListObjects)")
+    if query.get("encoding-type", "url") != "url":
+        raise BadRequest("Invalid Encoding Method specified in Request: encoding-type can only be url")
+    max_keys = query.get("max-keys")
+    if max_keys is not None and not (max_keys.isascii() and max_keys.isdigit()):
+        raise BadRequest("max-keys must be a non-negative integer")
+    validate_prefix(query.get("prefix", ""))
+    lister = origin.list_objects_v2 if list_type == "2" else origin.list_objects
+    body = await _origin_call(request, "list", f"list {bucket}", lister, bucket, dict(query))
     return web.Response(body=body, content_type="application/xml")
 
 
 async def _head(request: web.Request, store: Store | None, bucket: str, key: str, expected: str | None) -> web.Response:
     entry = store.lookup(bucket, key, xxh3_128=expected) if store is not None else None
     if entry is not None:
-        headers = _object_headers(entry.size, entry.etag, "hit")
+        if (answer := _conditional(request, entry, "hit")) is not None:
+            return answer
+        headers = _object_headers(entry, "hit")
         headers["Content-Length"] = str(entry.size)
         return web.Response(status=200, headers=headers)
     metrics = request.app[METRICS]
@@ -135,7 +194,9 @@ async def _head(request: web.Request, store: Store | None, bucket: str, key: str
         request.app[FETCHER].settings, metrics, f"head {bucket}/{key}", request.app[ORIGIN].head, bucket, key
     )
     metrics.origin_latency.labels(op="head").observe(time.perf_counter() - began)
-    headers = _object_headers(info.size, info.etag, "miss", info.last_modified)
+    if (answer := _conditional(request, info, "miss")) is not None:
+        return answer
+    headers = _object_headers(info, "miss")
     headers["Content-Length"] = str(info.size)
     return web.Response(status=200, headers=headers)
 
@@ -153,6 +214,9 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
     short_circuit = request.headers.get("x-shardcache-short-circuit") == "1"
     if store is not None:
         entry = store.lookup(bucket, key, xxh3_128=expected)
+        if entry is not None and (answer := _conditional(request, entry, "hit")) is not None:
+            metrics.cache_lookups.labels(result="hit").inc()
+            return answer
         if entry is not None and short_circuit and store.known_good(entry):
             # The caller reads the file itself: no open, no executor hop, just the path.
             store.touch_in_memory(entry)
@@ -174,6 +238,9 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
     state = "miss" if created else "coalesced"
     metrics.cache_lookups.labels(result=state).inc()
     info = await fill.wait_info()
+    # The fill goes on whatever the condition says: the object is wanted, in this version.
+    if (answer := _conditional(request, info, state)) is not None:
+        return answer
 
     if short_circuit and fill.cacheable and store is not None:
         entry = await fill.wait_done()
@@ -184,7 +251,7 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
                     return await _serve_entry(request, store, entry, opened, state, short_circuit)
 
     rng = parse_range(request.headers.get("Range"), info.size)
-    headers = _object_headers(info.size, info.etag, state, info.last_modified)
+    headers = _object_headers(info, state)
     status, start, end = _range_headers(headers, rng, info.size)
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
@@ -217,8 +284,10 @@ async def _passthrough_get(request: web.Request, bucket: str, key: str) -> web.S
     info: ObjectInfo = await retrying(
         fetcher.settings, metrics, f"head {bucket}/{key}", request.app[ORIGIN].head, bucket, key
     )
+    if (answer := _conditional(request, info, "miss")) is not None:
+        return answer
     rng = parse_range(request.headers.get("Range"), info.size)
-    headers = _object_headers(info.size, info.etag, "miss", info.last_modified)
+    headers = _object_headers(info, "miss")
     status, start, end = _range_headers(headers, rng, info.size)
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
@@ -269,7 +338,7 @@ async def _send_fill(
 
 
 def _short_circuit_answer(request: web.Request, store: Store, entry: Entry, state: str) -> web.Response:
-    headers = _object_headers(entry.size, entry.etag, state)
+    headers = _object_headers(entry, state)
     headers["x-shardcache-path"] = str(store.data_path(entry))
     headers["x-shardcache-size"] = str(entry.size)
     request.app[METRICS].served_bytes.labels(source="short_circuit").inc(entry.size)
@@ -281,7 +350,7 @@ async def _serve_entry(
 ) -> web.StreamResponse:
     fd, _ = opened
     metrics = request.app[METRICS]
-    headers = _object_headers(entry.size, entry.etag, state)
+    headers = _object_headers(entry, state)
     if short_circuit:
         os.close(fd)
         return _short_circuit_answer(request, store, entry, state)

@@ -15,22 +15,44 @@ from wire.s3xml import error_xml
 
 __all__ = ["error_response", "parse_range"]
 
-_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.ASCII)  # ASCII: "\d" is not every Unicode digit
+_MAX_DIGITS = 19
+_BEYOND = 10**_MAX_DIGITS
 
 
-def error_response(status: int, code: str, message: str, resource: str = "", headers: dict[str, str] | None = None) -> web.Response:
+def error_response(
+    status: int, code: str, message: str, resource: str = "", headers: dict[str, str] | None = None,
+    details: dict[str, str] | None = None,
+) -> web.Response:
     request_id = uuid.uuid4().hex[:16].upper()
     all_headers = {"x-amz-request-id": request_id}
     all_headers.update(headers or {})
-    body = error_xml(code, message, resource, request_id)
+    body = error_xml(code, message, resource, request_id, details)
     return web.Response(status=status, body=body, content_type="application/xml", headers=all_headers)
+
+
+def _position(digits: str) -> int:
+    """A byte position as the number it is, or one past every object for a longer number.
+
+    ``int()`` refuses strings of more than 4,300 digits (a ValueError, which was a 500); a number
+    of more than 19 digits is past any object's size (2**63), so its exact value does not matter.
+    """
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _MAX_DIGITS else _BEYOND
+
+
+def _before(a: str, b: str) -> bool:
+    """Whether the decimal ``a`` is less than ``b``, exactly, however long they are."""
+    a, b = a.lstrip("0"), b.lstrip("0")
+    return (len(a), a) < (len(b), b)
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """``Range`` → ``(start, end_exclusive)``, ``None`` for the whole object.
 
-    Like S3: syntactically invalid or multi-range headers are ignored (whole object); a range that
-    starts at or beyond the end is 416.
+    Like S3: syntactically invalid or multi-range headers (and ``last < first``) are ignored
+    (whole object); a range that starts at or beyond the end is 416; an end or a suffix past the
+    end is clamped to the object. Numbers of any length are compared exactly.
     """
     if not header:
         return None
@@ -41,14 +63,15 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if not first and not last:
         return None
     if not first:  # suffix: the last N bytes
-        length = int(last)
+        length = _position(last)
         if length == 0:
             raise InvalidRange("suffix range of zero bytes", size)
         return max(size - length, 0), size
-    start = int(first)
-    end = size if not last else min(int(last) + 1, size)
-    if last and int(last) < start:
+    if last and _before(last, first):
         return None
+    start = _position(first)
+    end = size if not last else min(_position(last) + 1, size)
     if start >= size:
-        raise InvalidRange(f"range start {start} is beyond the object's {size} bytes", size)
+        shown = first if len(first) <= 40 else f"{first[:20]}...({len(first)} digits)"
+        raise InvalidRange(f"range start {shown} is beyond the object's {size} bytes", size)
     return start, end

@@ -16,6 +16,7 @@ from sidecar.daemon.app import build_app
 from sidecar.daemon.forward import UPSTREAM, Upstream, forward_middleware
 from sidecar.daemon.settings import ServeSettings
 from wire.names import parse_listen
+from wire.web import ConnectionGuard, GuardedSite
 
 __all__ = ["run_daemon", "serve_forever", "make_app", "start_sites"]
 
@@ -56,19 +57,20 @@ def make_app(settings: ServeSettings) -> web.Application:
     return app
 
 
-async def start_sites(runner: web.AppRunner, listen: tuple[str, ...]) -> list[str]:
+async def start_sites(runner: web.AppRunner, listen: tuple[str, ...], guard: ConnectionGuard) -> list[str]:
+    """Listen on every address; ``guard`` bounds the connections of all of them together."""
     bound: list[str] = []
     for address in listen:
         where = parse_listen(address)
         if where.kind == "unix":
             path = Path(where.path)
             await asyncio.to_thread(_prepare_socket_path, path)
-            site: web.BaseSite = web.UnixSite(runner, str(path))
+            site = GuardedSite(runner, guard, path=str(path))
             await site.start()
             # Pods run as other users; the socket directory's mount is what guards access.
             await asyncio.to_thread(os.chmod, path, 0o666)
         else:
-            site = web.TCPSite(runner, where.host or "0.0.0.0", where.port, reuse_address=True)
+            site = GuardedSite(runner, guard, host=where.host or "0.0.0.0", port=where.port, reuse_address=True)
             await site.start()
         bound.append(address)
         log.info("listening on %s", address)
@@ -84,11 +86,12 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
         shutdown_timeout=settings.shutdown_timeout_s,
         max_line_size=MAX_LINE,
         max_field_size=MAX_FIELD,
+        **settings.connections.runner_args(),
     )
     await runner.setup()
     stop = stop or asyncio.Event()
     try:
-        await start_sites(runner, settings.listen)
+        await start_sites(runner, settings.listen, ConnectionGuard(settings.connections, log))
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from cache import StoreSettings
 from sidecar.daemon.fills import FetchSettings
 from sidecar.daemon.origins.s3 import S3Settings
+from wire.web import ConnectionLimits
 
 __all__ = ["ServeSettings", "MODES"]
 
@@ -45,6 +46,9 @@ class ServeSettings:
 
     shutdown_timeout_s: float = 10.0
     """On SIGTERM, seconds to let requests in progress finish."""
+
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    """Header-read and idle timeouts and connections at once, every listener together."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -97,10 +97,16 @@ SOCKET_NAME = "daemon.sock"
 # The standalone cache must stay below the emptyDir sizeLimit, or the kubelet evicts the pod.
 POD_CACHE_FILL = Decimal("0.9")
 
-_CPU_RE = re.compile(r"^(\d+(\.\d+)?|\.\d+)m?$")
-_MEMORY_RE = re.compile(r"^(\d+(\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}$")
+# Every pattern is applied with fullmatch() and written in ASCII classes: `$` also matches before a
+# trailing newline and `\d` matches any Unicode digit ("８６００"), and the API server refuses both
+# in the injected pod. Digit runs are bounded so int()/Decimal never see a hostile length.
+_CPU_RE = re.compile(r"([0-9]{1,18}(\.[0-9]{1,9})?|\.[0-9]{1,9})m?", re.ASCII)
+_MEMORY_RE = re.compile(r"([0-9]{1,18}(\.[0-9]{1,9})?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?", re.ASCII)
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}", re.ASCII)
+_PORT_RE = re.compile(r"[0-9]{1,5}", re.ASCII)
+# Longest annotation value quoted back in an error (CLI line, webhook warning).
+_SHOWN_CHARS = 60
 _MEMORY_UNITS = {
     None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
@@ -193,8 +199,8 @@ class InjectConfig:
         if not 1 <= self.startup_timeout_seconds <= 3600:
             raise InjectionError("startup timeout must be between 1 and 3600 seconds")
         for name, _ in self.env:
-            if not _ENV_NAME_RE.match(name):
-                raise InjectionError(f"invalid sidecar environment variable name {name!r}")
+            if not isinstance(name, str) or not _ENV_NAME_RE.fullmatch(name):
+                raise InjectionError(f"invalid sidecar environment variable name {_shown(name)}")
 
 
 @dataclass(frozen=True)
@@ -258,7 +264,7 @@ def inject(obj: Any, config: InjectConfig, *, require_label: bool = True) -> tup
         labels = _string_map(template_meta, "labels", f"{where}metadata")
         value = labels.get(INJECT_LABEL, owner_labels.get(INJECT_LABEL) if where else None)
         if value != "true" and (require_label or value is not None):
-            skipped.append(f"label {INJECT_LABEL} is {value!r}" if value is not None else f"no {INJECT_LABEL}=true label")
+            skipped.append(f"label {INJECT_LABEL} is {_shown(value)}" if value is not None else f"no {INJECT_LABEL}=true label")
             continue
         if _inject_template(template, config, where):
             changed += 1
@@ -317,15 +323,15 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str) -
     prefix = f"{where}metadata.annotations[{{}}]"
 
     def bad(key: str, expected: str) -> InjectionError:
-        return InjectionError(f"{prefix.format(key)}: invalid value {annotations[key]!r}: {expected}")
+        return InjectionError(f"{prefix.format(key)}: invalid value {_shown(annotations[key])}: {expected}")
 
     if ANN_IMAGE in annotations:
-        if not _IMAGE_RE.match(annotations[ANN_IMAGE]):
+        if not _IMAGE_RE.fullmatch(annotations[ANN_IMAGE]):
             raise bad(ANN_IMAGE, "expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
         changes["image"] = annotations[ANN_IMAGE]
     if ANN_PORT in annotations:
         raw = annotations[ANN_PORT].strip()
-        if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        if not _PORT_RE.fullmatch(raw) or not 1 <= int(raw) <= 65535:
             raise bad(ANN_PORT, "expected a port number between 1 and 65535")
         changes["port"] = int(raw)
     if ANN_SHORT_CIRCUIT in annotations:
@@ -334,7 +340,7 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str) -
             raise bad(ANN_SHORT_CIRCUIT, 'expected "true" or "false"')
         changes["short_circuit"] = raw == "true"
     if ANN_POD_CACHE_SIZE in annotations:
-        if not _MEMORY_RE.match(annotations[ANN_POD_CACHE_SIZE]):
+        if not _MEMORY_RE.fullmatch(annotations[ANN_POD_CACHE_SIZE]):
             raise bad(ANN_POD_CACHE_SIZE, "expected a size like 20Gi")
         changes["pod_cache_size"] = annotations[ANN_POD_CACHE_SIZE]
     for key, attr, pattern, example in (
@@ -347,7 +353,7 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str) -
             raw = annotations[key].strip()
             if raw == "":
                 changes[attr] = None  # empty value: no request/limit of that kind
-            elif not pattern.match(raw):
+            elif not pattern.fullmatch(raw):
                 raise bad(key, f'expected a Kubernetes quantity like {example}, or "" for none')
             else:
                 changes[attr] = raw
@@ -416,14 +422,14 @@ def _check_conflicts(containers: list[dict[str, Any]], volumes: list[dict[str, A
     for volume in volumes:
         if volume.get("name") in OUR_VOLUMES:
             raise InjectionError(
-                f"{where}spec.volumes: a volume named {volume['name']!r} exists but the {SIDECAR_NAME!r} "
+                f"{where}spec.volumes: a volume named {_shown(volume['name'])} exists but the {SIDECAR_NAME!r} "
                 "sidecar does not: rename the volume (the shardcache-* names are reserved)"
             )
     for container in containers:
         for port in container.get("ports") or []:
             if isinstance(port, Mapping) and port.get("containerPort") == config.port:
                 raise InjectionError(
-                    f"{where}container {container.get('name')!r} uses port {config.port}, the sidecar's port: "
+                    f"{where}container {_shown(container.get('name'))} uses port {config.port}, the sidecar's port: "
                     f"set the annotation {ANN_PORT} to a free port"
                 )
 
@@ -595,8 +601,8 @@ def _type_name(value: Any) -> str:
 
 
 def _check_image(value: str, what: str) -> None:
-    if not _IMAGE_RE.match(value):
-        raise InjectionError(f"invalid {what} {value!r}: expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
+    if not isinstance(value, str) or not _IMAGE_RE.fullmatch(value):
+        raise InjectionError(f"invalid {what} {_shown(value)}: expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
 
 
 def _check_port(value: int, what: str) -> None:
@@ -605,12 +611,19 @@ def _check_port(value: int, what: str) -> None:
 
 
 def _check_quantity(value: str, pattern: re.Pattern[str], what: str) -> None:
-    if not isinstance(value, str) or not pattern.match(value):
-        raise InjectionError(f"invalid {what} {value!r}: expected a Kubernetes quantity like 500m, 2 or 10Gi")
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise InjectionError(f"invalid {what} {_shown(value)}: expected a Kubernetes quantity like 500m, 2 or 10Gi")
+
+
+def _shown(value: Any) -> str:
+    """A value quoted in an error: ASCII and one line (newlines and foreign digits visible as
+    escapes), cut short so a hostile value is not echoed back whole."""
+    text = ascii(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}...{text[-1]} ({len(str(value))} characters)"
 
 
 def _memory_bytes(quantity: str) -> int:
-    match = _MEMORY_RE.match(quantity)
+    match = _MEMORY_RE.fullmatch(quantity)
     if not match:
         raise InjectionError(f"invalid size {quantity!r}")
     try:
@@ -680,8 +693,96 @@ def _escape(key: str) -> str:
 # ----------------------------------------------------------------------------- YAML documents
 
 
+# Bounds of what a document may make the loader build. Kubernetes objects nest a few dozen levels
+# at most (CRD schemas included); deeper input only exhausts the recursive composer, deepcopy and
+# dumper. Anchors and aliases are shared when loaded but written out in full (kubectl users read
+# the output, and the API server would expand them too), so a few hundred bytes of nested aliases
+# ("billion laughs") become megabytes: what aliases add is counted and bounded. Helm and kustomize
+# output with a few anchors adds hundreds of units, far below the bound.
+MAX_YAML_DEPTH = 100
+MAX_ALIAS_EXPANSION = 100_000
+"""Nodes plus scalar characters that aliases may add to one document."""
+MAX_INT_CHARS = 100
+"""Kubernetes integers are 64-bit; a longer literal is a mistake (or a CPU bomb for int())."""
+
+
+class _Refused(yaml.composer.ComposerError):
+    """A document the loader will not build (past a bound above); valid YAML, so not "invalid"."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(None, None, problem, mark)
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that keeps timestamps as strings: Kubernetes fields are strings, not dates."""
+    """SafeLoader that keeps timestamps as strings (Kubernetes fields are strings, not dates) and
+    refuses documents past the bounds above, with the line and column of where it stopped."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._expanded = 0
+        # Expanded size of each node composed so far in this document (keyed by identity: nodes
+        # do not define equality). An anchor missing here is still open: a recursive alias.
+        self._sizes: dict[yaml.Node, int] = {}
+
+    def compose_document(self) -> yaml.Node | None:
+        self._expanded = 0
+        self._sizes = {}
+        return super().compose_document()
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            target = self.anchors.get(event.anchor)
+            if target is not None:  # an undefined alias is PyYAML's own error
+                size = self._sizes.get(target)
+                if size is None:
+                    raise _Refused(
+                        f"alias *{_shown(event.anchor)[1:-1]} is used inside its own anchor (a recursive "
+                        "structure no Kubernetes object has): write the value out",
+                        event.start_mark,
+                    )
+                self._expanded += size
+                if self._expanded > MAX_ALIAS_EXPANSION:
+                    raise _Refused(
+                        f"YAML aliases expand this document past {MAX_ALIAS_EXPANSION} nodes and characters "
+                        "(an alias bomb?): if it is meant to be this large, expand its aliases first "
+                        "(yq 'explode(.)') and inject the result",
+                        event.start_mark,
+                    )
+            return super().compose_node(parent, index)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _Refused(
+                f"collections nested more than {MAX_YAML_DEPTH} levels deep: no Kubernetes object is; "
+                "check the document",
+                event.start_mark,
+            )
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if node is not None:
+            self._sizes[node] = self._size(node)
+        return node
+
+    def _size(self, node: yaml.Node) -> int:
+        # Children (aliases included) were composed first, so their sizes are known.
+        if isinstance(node, yaml.ScalarNode):
+            return 1 + len(node.value)
+        if isinstance(node, yaml.MappingNode):
+            return 1 + sum(self._sizes[key] + self._sizes[value] for key, value in node.value)
+        return 1 + sum(self._sizes[item] for item in node.value)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > MAX_INT_CHARS:
+            raise yaml.constructor.ConstructorError(
+                None, None,
+                f"integer of {len(node.value)} characters (Kubernetes integers are 64-bit): "
+                'quote it ("...") if it is meant as a string',
+                node.start_mark,
+            )
+        return super().construct_yaml_int(node)
 
 
 # A private copy: the inherited table is SafeLoader's, shared by every yaml.safe_load in the process.
@@ -689,6 +790,7 @@ _Loader.yaml_implicit_resolvers = {
     first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -714,7 +816,8 @@ def load_documents(text: str, source: str = "<stdin>") -> list[Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InjectionError(f"{where}: invalid YAML: {problem}") from exc
+        what = "refused YAML" if isinstance(exc, _Refused) else "invalid YAML"
+        raise InjectionError(f"{where}: {what}: {' '.join(str(problem).split())}") from exc
 
 
 def dump_documents(docs: list[Any]) -> str:

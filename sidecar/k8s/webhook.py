@@ -23,6 +23,7 @@ import base64
 import hashlib
 import json
 import logging
+import signal
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from sidecar.errors import SidecarError
 from sidecar.k8s.inject import InjectConfig, InjectionError, inject, json_patch
 from wire.errors import BodyTooLarge, InvalidBody
-from wire.web import decode_json_object, error_middleware, read_body
+from wire.web import ConnectionGuard, ConnectionLimits, GuardedSite, decode_json_object, error_middleware, read_body
 
 __all__ = [
     "WebhookSettings",
@@ -46,6 +47,7 @@ __all__ = [
     "build_app",
     "review",
     "run",
+    "serve",
 ]
 
 log = logging.getLogger("shardcache.webhook")
@@ -81,6 +83,9 @@ class WebhookSettings:
     """Seconds between checks of the TLS files for a renewed certificate."""
     inject: InjectConfig = field(default_factory=InjectConfig)
     """How pods are injected."""
+    connections: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(max_connections=256))
+    """Header-read (and TLS handshake) and idle timeouts and connections at once: only the API
+    servers connect, a few each."""
 
 
 # ----------------------------------------------------------------------------- the pure part
@@ -160,7 +165,14 @@ def _describe(request: dict[str, Any]) -> str:
     return f"{str(kind_info.get('kind') or 'object').lower()} {namespace + '/' if namespace else ''}{name}"
 
 
+def _printable(text: str) -> str:
+    """``text`` as one line of printable ASCII: ``kubectl`` prints warnings to a terminal, and the
+    object's names reach us before the API server validates them (``generateName``)."""
+    return "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _refuse_or_warn(uid: str, kind: str, what: str, reason: str, policy: FailurePolicy) -> Verdict:
+    what, reason = _printable(what), _printable(reason)
     log.warning("cannot inject %s: %s", what, reason)
     if policy == "fail":
         response = {
@@ -366,24 +378,38 @@ def build_app(settings: WebhookSettings, tls: TLSReloader | None = None) -> web.
     return app
 
 
+async def serve(settings: WebhookSettings, tls: TLSReloader, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set, then answer the requests in flight (up to 10 s)."""
+    app = build_app(settings, tls)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=10,
+                           **settings.connections.runner_args())
+    await runner.setup()
+    try:
+        site = GuardedSite(runner, ConnectionGuard(settings.connections, log), host=settings.host,
+                           port=settings.port, ssl_context=tls.server_context, reuse_address=True)
+        await site.start()
+        log.info(
+            "admission webhook listening on https://%s:%d/mutate (failure policy %s, %s sidecar, image %s)",
+            settings.host,
+            site.port,
+            settings.failure_policy,
+            "native" if settings.inject.native_sidecar else "container",
+            settings.inject.image,
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
 def run(settings: WebhookSettings) -> None:
     """Serve until SIGTERM/SIGINT (graceful: requests in flight are answered)."""
     tls = TLSReloader(settings.tls_cert, settings.tls_key)
-    app = build_app(settings, tls)
-    log.info(
-        "admission webhook listening on https://%s:%d/mutate (failure policy %s, %s sidecar, image %s)",
-        settings.host,
-        settings.port,
-        settings.failure_policy,
-        "native" if settings.inject.native_sidecar else "container",
-        settings.inject.image,
-    )
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        ssl_context=tls.server_context,
-        access_log=None,
-        print=None,
-        shutdown_timeout=10,
-    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(settings, tls, stop)
+
+    asyncio.run(main())

@@ -16,8 +16,18 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.helpers import free_port
 from wire.errors import BodyTooLarge, InvalidBody, WireError
-from wire.web import decode_json_object, error_middleware, http_code, read_body, read_json_object
+from wire.web import (
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedSite,
+    decode_json_object,
+    error_middleware,
+    http_code,
+    read_body,
+    read_json_object,
+)
 
 LIMIT = 64 * 1024
 log = logging.getLogger("tests.wire.web")
@@ -268,3 +278,202 @@ def test_an_answer_already_under_way_is_not_followed_by_another() -> None:
             assert resp.status == 500
 
     run(scenario)
+
+
+# -- connection limits ---------------------------------------------------------------------------
+
+# Short bounds, so that a test waits for them in well under a second each.
+SHORT = ConnectionLimits(header_timeout_s=0.5, idle_timeout_s=0.5, max_connections=3)
+
+
+@asynccontextmanager
+async def guarded(limits: ConnectionLimits = SHORT, unix: str | None = None) -> AsyncIterator[tuple[ConnectionGuard, int]]:
+    runner = web.AppRunner(make_app(), access_log=None, **limits.runner_args())
+    await runner.setup()
+    guard = ConnectionGuard(limits, log)
+    site = GuardedSite(runner, guard, path=unix) if unix else GuardedSite(runner, guard, host="127.0.0.1", port=0)
+    await site.start()
+    try:
+        yield guard, site.port
+    finally:
+        await runner.cleanup()
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """What the server sends before it closes the connection, failing if it is still open."""
+    return await asyncio.wait_for(reader.read(), seconds)
+
+
+async def wait_for(predicate: Callable[[], bool], seconds: float = 10.0) -> None:
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), seconds)
+
+
+async def get_size(port: int, body: bytes = b"x") -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /size HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    return int(json.loads(answer.split(b"\r\n\r\n", 1)[1])["size"])
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /size HTTP/1.1\r\nHost: x\r\nX-Half: "], ids=["nothing", "half-headers"])
+def test_a_connection_without_a_whole_request_head_is_closed_within_the_bound(sent: bytes) -> None:
+    async def main() -> None:
+        async with guarded() as (guard, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(sent)
+                await writer.drain()
+                await wait_for(lambda: guard.active == 1)
+                assert await closed_within(reader, 5) == b""  # closed, nothing answered
+            finally:
+                writer.close()
+            await wait_for(lambda: guard.active == 0)
+            assert guard.timed_out == 1
+            assert await get_size(port) == 1
+
+    asyncio.run(main())
+
+
+def test_a_head_trickled_in_pieces_is_served_and_the_header_timer_stops() -> None:
+    async def main() -> None:
+        async with guarded(ConnectionLimits(header_timeout_s=0.5, idle_timeout_s=30, max_connections=3)) as (guard, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                # The blank line split across writes, then a body longer than the header bound.
+                for piece in (b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r", b"\n\r", b"\n", b"ab"):
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.7)  # past the header bound: the head is in, the timer is off
+                writer.write(b"cd")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                assert guard.timed_out == 0
+            finally:
+                writer.close()
+
+    asyncio.run(main())
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_idle_bound() -> None:
+    async def main() -> None:
+        async with guarded() as (guard, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200") and b"close" not in head.lower()
+                await asyncio.wait_for(reader.readuntil(b"}"), 10)  # the body: {"size": 2}
+                writer.write(b"POST /size HTTP/1.1\r\nHost: x\r\n")  # and half of the next head
+                assert await closed_within(reader, 5) == b""
+            finally:
+                writer.close()
+            await wait_for(lambda: guard.active == 0)
+
+    asyncio.run(main())
+
+
+def test_connections_beyond_the_limit_are_refused_until_the_slow_ones_go() -> None:
+    async def main() -> None:
+        limits = ConnectionLimits(header_timeout_s=1.0, idle_timeout_s=1.0, max_connections=3)
+        async with guarded(limits) as (guard, port):
+            slow = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            try:
+                await wait_for(lambda: guard.active == 3)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                answer = await closed_within(reader, 5)
+                writer.close()
+                assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer
+                assert guard.refused == 1 and guard.active == 3
+                # The slow ones are closed by the header bound; then everyone is served again.
+                for slow_reader, _ in slow:
+                    assert await closed_within(slow_reader, 5) == b""
+                await wait_for(lambda: guard.active == 0)
+                sizes = await asyncio.gather(*(get_size(port, b"y" * n) for n in (1, 2, 3)))
+                assert sizes == [1, 2, 3]
+            finally:
+                for _, slow_writer in slow:
+                    slow_writer.close()
+
+    asyncio.run(main())
+
+
+def test_a_guarded_unix_socket_serves_and_bounds_the_same(tmp_path: Any) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "s.sock")
+        async with guarded(unix=path) as (guard, _):
+            reader, writer = await asyncio.open_unix_connection(path)
+            writer.write(b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200")
+            writer.close()
+            reader, writer = await asyncio.open_unix_connection(path)
+            try:
+                writer.write(b"GET /size HTTP/1.1\r\n")
+                assert await closed_within(reader, 5) == b""
+            finally:
+                writer.close()
+            assert guard.timed_out == 1
+
+    asyncio.run(main())
+
+
+def test_limits_are_validated() -> None:
+    for bad in ({"header_timeout_s": 0}, {"idle_timeout_s": -1}, {"max_connections": 0}):
+        with pytest.raises(ValueError):
+            ConnectionLimits(**bad)
+    assert ConnectionLimits().runner_args() == {"keepalive_timeout": 75.0}
+
+
+# -- the other two servers: deep JSON is a 400, and the master's listeners are guarded -----------
+
+DEEP = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+DEEP_SMALL = b'{"a": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # within the master's 64 KiB small-body limit
+
+
+def test_the_master_answers_deep_json_with_400_and_closes_slow_connections(tmp_path: Any) -> None:
+    from loader.master.server.app import serve
+    from loader.master.server.settings import MasterSettings
+
+    async def main() -> None:
+        port = free_port()
+        settings = MasterSettings(listen=(f"tcp://127.0.0.1:{port}",), state=f"sqlite://{tmp_path}/m.db", connections=SHORT)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(serve(settings, stop=stop, on_ready=ready.set))
+        try:
+            await asyncio.wait_for(ready.wait(), 30)
+            async with aiohttp.ClientSession() as session:
+                for path, deep in (("/v1/jobs", DEEP), ("/v1/jobs/j/leases", DEEP_SMALL)):
+                    status, body = await post(session, f"http://127.0.0.1:{port}{path}", deep)
+                    assert status == 400 and "nested too deeply" in body["message"], (path, body)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(b"GET /healthz HTTP/1.1\r\nHo")
+                assert await closed_within(reader, 5) == b""
+            finally:
+                writer.close()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    asyncio.run(main())
+
+
+def test_the_webhook_answers_deep_json_with_400() -> None:
+    from sidecar.k8s.webhook import WebhookSettings
+    from sidecar.k8s.webhook import build_app as webhook_app
+
+    async def scenario(url: str, port: int, session: aiohttp.ClientSession) -> None:
+        status, body = await post(session, url + "/mutate", DEEP)
+        assert status == 400 and "nested too deeply" in json.dumps(body), body
+
+    run(scenario, webhook_app(WebhookSettings()))

@@ -38,7 +38,7 @@ from loader.master.server.state import (
     validate_lease_id,
 )
 from wire import errors as wire_errors
-from wire.web import error_middleware, http_code, read_json_object
+from wire.web import ConnectionGuard, GuardedSite, error_middleware, http_code, read_json_object
 
 __all__ = ["build_app", "serve", "run_forever", "SERVICE_KEY", "SETTINGS_KEY"]
 
@@ -266,16 +266,17 @@ async def serve(
     """Run the master until ``stop`` is set (or SIGTERM/SIGINT when serving from the CLI)."""
     stop = stop or asyncio.Event()
     app = build_app(settings, clock=clock)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, **settings.connections.runner_args())
     await runner.setup()
+    guard = ConnectionGuard(settings.connections, log)  # one bound for every listener
     try:
         for address in settings.listen:
             listen = listen_address(address)
             if listen.kind == "unix":
                 await asyncio.to_thread(Path(listen.path).parent.mkdir, parents=True, exist_ok=True)
-                site: web.BaseSite = web.UnixSite(runner, listen.path)
+                site = GuardedSite(runner, guard, path=listen.path)
             else:
-                site = web.TCPSite(runner, listen.host or None, listen.port, reuse_address=True)
+                site = GuardedSite(runner, guard, host=listen.host or None, port=listen.port, reuse_address=True)
             await site.start()
             log.info("master listening on %s", address)
         if on_ready is not None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from wire.errors import InvalidName
 from wire.names import Address, parse_listen
+from wire.web import ConnectionLimits
 
 __all__ = ["MasterSettings", "listen_address", "parse_state"]
 
@@ -59,6 +60,10 @@ class MasterSettings:
     snapshot_min_events: int = 10_000
     """Snapshot the state after at least this many logged events (and at least twice the shard
     count, so snapshots cost O(1) per event), then drop the log below it."""
+
+    connections: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(max_connections=4096))
+    """Header-read and idle timeouts and connections at once; every trainer process keeps one
+    connection, hence the higher limit."""
 
     def __post_init__(self) -> None:
         for address in self.listen:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_flag
+from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_connection_flags, add_flag, connection_limits
 
 __all__ = ["register", "run"]
 
@@ -54,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(parser, "--snapshot-events", default="10000", metavar="N",
              help="snapshot the state (and drop the log below it) after at least N logged changes "
              "and twice the total shard count")
+    add_connection_flags(parser, max_connections=4096)
     parser.set_defaults(func=run)
 
 
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
             max_batch=int(_number(args.max_batch, "--max-batch", int)),
             max_body_bytes=parse_size(args.max_body),
             snapshot_min_events=int(_number(args.snapshot_events, "--snapshot-events", int)),
+            connections=connection_limits(args),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

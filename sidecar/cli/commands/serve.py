@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_flag, parse_ratio, parse_size
+from sidecar.cli.util import (
+    EXIT_UNAVAILABLE,
+    RawDefaultsFormatter,
+    UserError,
+    add_connection_flags,
+    add_flag,
+    connection_limits,
+    parse_ratio,
+    parse_size,
+)
 
 EXAMPLES = """\
 examples:
@@ -55,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--origin-concurrency", default="32", help="origin requests in flight in total")
     add_flag(parser, "--retries", default="4", help="retries per origin request after the first attempt")
     add_flag(parser, "--prefetch-workers", default="4", help="background fills at once for prefetch/warm-up")
+    add_connection_flags(parser, max_connections=1024)
     parser.set_defaults(func=run)
 
 
@@ -114,6 +124,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         mode=args.mode,
         upstream=args.upstream,
         prefetch_workers=_int(args.prefetch_workers, "--prefetch-workers", 1),
+        connections=connection_limits(args),
     )
 
 

@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.cli.commands.inject import add_injection_flags, injection_config
-from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_flag, parse_size
+from sidecar.cli.util import (
+    EXIT_UNAVAILABLE,
+    RawDefaultsFormatter,
+    UserError,
+    add_connection_flags,
+    add_flag,
+    connection_limits,
+    parse_size,
+)
 from wire.errors import InvalidName
 from wire.names import parse_listen
 
@@ -64,6 +72,7 @@ def register(subparsers: Any) -> None:
     add_flag(parser, "--max-request-size", default="8MiB", metavar="SIZE", help="largest AdmissionReview accepted (413 beyond)")
     add_flag(parser, "--tls-reload-interval", default=30.0, type=float, metavar="SECONDS",
              help="how often to check the TLS files for a renewed certificate")
+    add_connection_flags(parser, max_connections=256)
     add_injection_flags(parser)
     parser.set_defaults(func=run)
 
@@ -86,6 +95,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_request_bytes=max_bytes,
         tls_reload_interval=float(args.tls_reload_interval),
         inject=injection_config(args),
+        connections=connection_limits(args),
     )
 
 

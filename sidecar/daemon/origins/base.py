@@ -17,10 +17,11 @@ import abc
 import asyncio
 import base64
 import contextlib
+import errno
 import os
 import stat as stat_mod
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from email.utils import formatdate
@@ -30,8 +31,10 @@ from typing import Any, TypeVar
 import xxhash
 
 from sidecar.errors import AccessDenied, BadRequest, BucketNotFound, InvalidRange, ObjectNotFound
-from wire.names import origin_object_path, validate_bucket, validate_prefix
-from wire.s3xml import ListedObject, ListPage, iso_time, list_page_xml
+from wire.errors import InvalidName
+from wire.names import origin_object_path, validate_bucket, validate_key, validate_prefix
+from wire.s3headers import DEFAULT_CONTENT_TYPE, ObjectHeaders
+from wire.s3xml import ListedObject, ListPage, iso_time, list_page_xml, location_xml
 
 __all__ = ["Body", "ObjectInfo", "Origin", "FileOrigin"]
 
@@ -42,9 +45,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ObjectInfo:
+    """What an origin says about an object version; the cache entry keeps all of it, and every
+    answer about the object (hit, miss, coalesced, passthrough) repeats it."""
+
     size: int
     etag: str
     last_modified: str | None = None  # RFC 7231 date, as S3 sends it
+    headers: ObjectHeaders = ()
+    """The headers S3 stores with an object, as the origin sent them (:func:`wire.s3headers.object_headers`)."""
 
 
 class Body(abc.ABC):
@@ -129,7 +137,20 @@ class Origin(abc.ABC):
 
     @abc.abstractmethod
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
-        """A ListObjectsV2 XML document, as S3 would answer it."""
+        """A ListObjectsV2 XML document, as S3 would answer the client's query ``params``
+        (names url-encoded only when it has ``encoding-type=url``)."""
+
+    @abc.abstractmethod
+    async def list_objects(self, bucket: str, params: Mapping[str, str]) -> bytes:
+        """A ListObjects (v1: ``marker``, ``NextMarker``) XML document, as S3 would answer it."""
+
+    @abc.abstractmethod
+    async def head_bucket(self, bucket: str) -> str | None:
+        """The bucket's region, ``None`` where the origin does not say; ``BucketNotFound``."""
+
+    @abc.abstractmethod
+    async def bucket_location(self, bucket: str) -> bytes:
+        """A GetBucketLocation XML document, as S3 would answer it."""
 
     async def read(
         self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
@@ -164,8 +185,64 @@ def _http_date(ts: float) -> str:
     return formatdate(ts, usegmt=True)
 
 
+# What a key no file can have provokes: a component over NAME_MAX, a key below a file (or below
+# a socket or a device), a link loop, a directory. S3 answers NoSuchKey for any key that names no
+# object, and so does the file origin.
+_MISSING_ERRNOS = frozenset({
+    errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV,
+})
+
+
+def _file_error(exc: OSError, what: str) -> OSError:
+    """The origin error for a failed stat or open of ``what``; other errors (EIO, EMFILE) are the
+    daemon's own trouble and stay as they are."""
+    if exc.errno in _MISSING_ERRNOS:
+        return ObjectNotFound(f"{what} does not exist ({os.strerror(exc.errno or 0)})")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return AccessDenied(f"{what}: permission denied")
+    return exc
+
+
+def _is_dir(path: str | Path) -> bool:
+    try:
+        return stat_mod.S_ISDIR(os.stat(path).st_mode)
+    except OSError:  # ENAMETOOLONG, ENOTDIR, ELOOP included: no such directory
+        return False
+
+
+def _opened_path(fd: int) -> str | None:
+    """The kernel's name for the file ``fd`` has open (Linux); None where ``/proc`` is missing."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
 class FileOrigin(Origin):
-    """Objects in a local (or network-mounted) directory tree: ``root/bucket/key``."""
+    """Objects in a local (or network-mounted) directory tree: ``root/bucket/key``.
+
+    The root is the boundary: nothing whose path, after every symlink is resolved, lies outside
+    it is read, listed or described (403 AccessDenied), so a bucket that links to ``/`` or a
+    dataset unpacked with links pointing out serves nothing of the host. Links that stay inside
+    the root keep working, for reads and stats (a bucket that links to another, a file linked
+    into two datasets). Listings resolve the bucket and the directory the prefix names, then walk
+    without following directory links below it (no cycles, no key listed twice); a file link is
+    listed when it resolves to a regular file inside the root.
+
+    Check and use are the same file: the path is resolved (``realpath``) and checked, the resolved
+    path opened with ``O_NOFOLLOW | O_NONBLOCK`` (a swapped-in last link fails, a FIFO cannot
+    hang the thread), and the descriptor itself checked: its kernel name (``/proc/self/fd``)
+    must lie inside the root and ``fstat`` must say regular file. A link swapped into the path
+    between the check and the open is caught for one ``readlink`` per open, cheaper than walking
+    each component with ``openat(O_NOFOLLOW)`` and resolving links by hand (Python has no
+    ``openat2(RESOLVE_BENEATH)``). Where ``/proc`` is not mounted the descriptor's inode must be
+    the one the check stat-ed, which leaves a window between ``realpath`` and the open. Stats
+    (HEAD) open the file too, so they describe exactly what a read would return.
+
+    The errors a hostile key provokes from the file system (a component over 255 bytes, a key
+    below a file, a link loop) are missing objects, 404 NoSuchKey, as S3 answers for any key
+    that names no object; permission errors are 403 AccessDenied.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -182,40 +259,71 @@ class FileOrigin(Origin):
     def _path(self, bucket: str, key: str) -> Path:
         return Path(origin_object_path(str(self.root), bucket, key))
 
-    def _checked(self, bucket: str, key: str) -> tuple[Path, os.stat_result]:
-        """Resolve and stat, refusing anything that escapes the bucket (symlinks included)."""
-        path = self._path(bucket, key)
-        bucket_dir = self.root / bucket
-        if not bucket_dir.is_dir():
+    def _inside(self, real: str) -> bool:
+        root = str(self.root)
+        return real == root or real.startswith(root.rstrip("/") + "/")
+
+    def _open_checked(self, bucket: str, key: str) -> tuple[int, os.stat_result]:
+        """A descriptor on the regular file ``bucket``/``key`` names, inside the root after every
+        link is resolved, and its ``fstat``; the caller closes it."""
+        path = self._path(bucket, key)  # names validated: no traversal by the name itself
+        if not _is_dir(self.root / bucket):
             raise BucketNotFound(f"bucket {bucket!r} does not exist under {self.root}")
-        real = Path(os.path.realpath(path))
-        if not real.is_relative_to(bucket_dir.resolve()):
-            raise AccessDenied(f"{bucket}/{key} resolves outside its bucket")
+        real = os.path.realpath(path)
+        if not self._inside(real):
+            raise AccessDenied(f"{bucket}/{key} resolves outside the origin's root")
+        return self._open_real(real, f"{bucket}/{key}")
+
+    def _open_real(self, real: str, what: str) -> tuple[int, os.stat_result]:
+        """Open the resolved path ``real`` and check the descriptor (see the class docstring)."""
         try:
-            st = os.stat(real)
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise ObjectNotFound(f"{bucket}/{key} does not exist") from exc
-        except PermissionError as exc:
-            raise AccessDenied(f"{bucket}/{key}: permission denied") from exc
-        if not stat_mod.S_ISREG(st.st_mode):
-            raise ObjectNotFound(f"{bucket}/{key} is not a file")
-        return real, st
+            before = os.stat(real, follow_symlinks=False)
+        except OSError as exc:
+            raise _file_error(exc, what) from exc
+        if not stat_mod.S_ISREG(before.st_mode):  # not opened at all: no device, no FIFO
+            raise ObjectNotFound(f"{what} is not a file")
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _file_error(exc, what) from exc
+        try:
+            st = os.fstat(fd)
+            opened = _opened_path(fd)
+            if opened is not None and not self._inside(opened):
+                raise AccessDenied(f"{what} resolves outside the origin's root")
+            if opened is None and (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                raise ObjectNotFound(f"{what} changed while it was being opened")
+            if not stat_mod.S_ISREG(st.st_mode):
+                raise ObjectNotFound(f"{what} is not a file")
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def _stat(self, bucket: str, key: str) -> os.stat_result:
+        fd, st = self._open_checked(bucket, key)
+        os.close(fd)
+        return st
 
     @staticmethod
     def _etag(st: os.stat_result) -> str:
         return '"' + xxhash.xxh64_hexdigest(f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}".encode()) + '"'
 
     def _info(self, st: os.stat_result) -> ObjectInfo:
-        return ObjectInfo(size=st.st_size, etag=self._etag(st), last_modified=_http_date(st.st_mtime))
+        # A file has no stored headers but its type; S3 answers its own default for an object put
+        # without one, and so does this origin, so a client sees no difference between the two.
+        return ObjectInfo(
+            size=st.st_size, etag=self._etag(st), last_modified=_http_date(st.st_mtime),
+            headers=(("Content-Type", DEFAULT_CONTENT_TYPE),),
+        )
 
     async def head(self, bucket: str, key: str) -> ObjectInfo:
-        _, st = await self.call(self._checked, bucket, key)
+        st = await self.call(self._stat, bucket, key)
         return self._info(st)
 
     def _open(self, bucket: str, key: str, etag: str | None) -> tuple[int, os.stat_result]:
-        path, _ = self._checked(bucket, key)
-        fd = os.open(path, os.O_RDONLY)
-        st = os.fstat(fd)
+        fd, st = self._open_checked(bucket, key)
         if etag is not None and self._etag(st) != etag:
             os.close(fd)
             raise ObjectNotFound(f"{bucket}/{key} changed while it was being read")
@@ -234,68 +342,141 @@ class FileOrigin(Origin):
         return self._info(st), _FileBody(fd, 0, st.st_size)
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
-        return await self.call(self._list, bucket, dict(params))
+        return await self.call(self._list, bucket, dict(params), False)
 
-    def _list(self, bucket: str, params: dict[str, str]) -> bytes:
+    async def list_objects(self, bucket: str, params: Mapping[str, str]) -> bytes:
+        return await self.call(self._list, bucket, dict(params), True)
+
+    async def head_bucket(self, bucket: str) -> str | None:
+        await self.call(self._bucket_dir, bucket)
+        return None  # a directory has no region: S3's default, as GetBucketLocation says
+
+    async def bucket_location(self, bucket: str) -> bytes:
+        await self.call(self._bucket_dir, bucket)
+        return location_xml(None)
+
+    def _bucket_dir(self, bucket: str) -> Path:
         validate_bucket(bucket)
         bucket_dir = self.root / bucket
-        if not bucket_dir.is_dir():
+        if not _is_dir(bucket_dir):
             raise BucketNotFound(f"bucket {bucket!r} does not exist under {self.root}")
+        if not self._inside(os.path.realpath(bucket_dir)):
+            raise AccessDenied(f"bucket {bucket!r} resolves outside the origin's root")
+        return bucket_dir
+
+    def _list(self, bucket: str, params: dict[str, str], v1: bool) -> bytes:
+        """A listing page built as S3 builds it: keys after the marker (v1), the decoded token or
+        ``start-after`` (v2) in UTF-8 order; with a delimiter, keys that hold it after the prefix
+        roll up into one common prefix each, which counts once towards ``max-keys`` and is never
+        listed again on a later page (a token or marker that names it skips all its keys)."""
+        self._bucket_dir(bucket)
         prefix = validate_prefix(params.get("prefix", ""))
         delimiter = params.get("delimiter") or None
         try:
             max_keys = min(max(int(params.get("max-keys", "1000")), 0), 1000)
         except ValueError as exc:
             raise BadRequest("max-keys must be an integer") from exc
-        token = params.get("continuation-token")
-        start_after = params.get("start-after") or ""
-        if token:
+        token = params.get("continuation-token") or None
+        start_after = params.get("start-after") or None
+        marker = params.get("marker") or None
+        if v1:
+            start = marker or ""
+        elif token:
             try:
-                start_after = base64.urlsafe_b64decode(token.encode()).decode()
+                start = base64.urlsafe_b64decode(token.encode()).decode()
             except (ValueError, UnicodeDecodeError) as exc:
                 raise BadRequest("invalid continuation-token") from exc
+        else:
+            start = start_after or ""
         # Walk only below the deepest directory the prefix names.
         base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        walk_root = bucket_dir / base_rel
-        items: list[tuple[str, os.stat_result]] = []
-        if walk_root.is_dir():
-            for dirpath, dirnames, filenames in os.walk(walk_root):
-                dirnames.sort()
-                for name in filenames:
-                    full = Path(dirpath) / name
-                    rel = full.relative_to(bucket_dir).as_posix()
-                    if not rel.startswith(prefix) or rel <= start_after:
-                        continue
-                    try:
-                        st = full.stat()
-                    except OSError:
-                        continue
-                    if stat_mod.S_ISREG(st.st_mode):
-                        items.append((rel, st))
-        items.sort(key=lambda item: item[0])
+        items = sorted(
+            (rel, st) for rel, st in self._walk(bucket, base_rel)
+            if rel.startswith(prefix) and rel > start and _listable(rel)
+        )
         contents: list[ListedObject] = []
         commons: list[str] = []
-        last_key = None
+        last: str | None = None
         truncated = False
         for rel, st in items:
+            cut = rel.find(delimiter, len(prefix)) if delimiter else -1
+            common = rel[: cut + len(delimiter)] if delimiter and cut >= 0 else None
+            if common is not None and (common <= start or (commons and commons[-1] == common)):
+                continue  # listed already, on this page or an earlier one
             if len(contents) + len(commons) >= max_keys:
-                truncated = True
+                truncated = max_keys > 0  # max-keys=0 asks for nothing, not for a page to follow
                 break
-            if delimiter:
-                cut = rel.find(delimiter, len(prefix))
-                if cut >= 0:
-                    common = rel[: cut + len(delimiter)]
-                    if not commons or commons[-1] != common:
-                        commons.append(common)
-                    last_key = rel
-                    continue
-            contents.append(ListedObject(rel, st.st_size, self._etag(st), iso_time(st.st_mtime)))
-            last_key = rel
-        next_token = base64.urlsafe_b64encode(last_key.encode()).decode() if truncated and last_key else None
-        return list_page_xml(ListPage(
-            bucket, prefix, tuple(contents), tuple(commons), max_keys, truncated, next_token, delimiter, token,
-            params.get("start-after"),
-        ))
+            if common is None:
+                contents.append(ListedObject(rel, st.st_size, self._etag(st), iso_time(st.st_mtime)))
+            else:
+                commons.append(common)
+            last = rel if common is None else common
+        next_token = base64.urlsafe_b64encode(last.encode()).decode() if truncated and last and not v1 else None
+        page = ListPage(
+            bucket, prefix, tuple(contents), tuple(commons), max_keys, truncated, next_token, delimiter,
+            None if v1 else token, None if v1 else start_after,
+            marker=marker if v1 else None,
+            # S3 names the next marker only when a delimiter is given; without one the last key is it.
+            next_marker=last if v1 and truncated and delimiter else None,
+        )
+        return list_page_xml(page, v1=v1, encoding_type=params.get("encoding-type"))
+
+    def _walk(self, bucket: str, base_rel: str) -> Iterator[tuple[str, os.stat_result]]:
+        """(key, stat) of each object below ``bucket/base_rel``: the directory is resolved and
+        opened once, checked by its descriptor, then walked by descriptor (``os.fwalk``) without
+        following directory links, so no directory can be swapped for a link mid-walk."""
+        top = os.path.realpath(os.path.join(self.root, bucket, base_rel))
+        if not self._inside(top):
+            return
+        try:
+            # O_DIRECTORY: a file, a FIFO or a link swapped in fails here instead of being opened.
+            topfd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # no such directory (missing, below a file, a name too long): no keys
+            return
+        try:
+            opened = _opened_path(topfd)
+            if opened is not None and not self._inside(opened):
+                return
+            for dirpath, _dirnames, filenames, dirfd in os.fwalk(".", dir_fd=topfd, follow_symlinks=False):
+                sub = dirpath[2:]  # "" for the top ("."), "a/b" below it ("./a/b")
+                for name in filenames:
+                    st = self._listed_stat(name, dirfd, os.path.join(top, sub, name))
+                    if st is not None:
+                        yield "/".join(part for part in (base_rel, sub, name) if part), st
+        finally:
+            os.close(topfd)
+
+    def _listed_stat(self, name: str, dirfd: int, full: str) -> os.stat_result | None:
+        """The stat a read of this entry would see, or None if it is no object of the origin: a
+        file link is followed only to a regular file inside the root, and checked as a read is."""
+        try:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        except OSError:
+            return None
+        if stat_mod.S_ISREG(st.st_mode):
+            return st
+        if not stat_mod.S_ISLNK(st.st_mode):
+            return None
+        real = os.path.realpath(full)
+        if not self._inside(real):
+            return None
+        try:
+            fd, st = self._open_real(real, full)
+        except OSError:  # ObjectNotFound and AccessDenied are OSErrors too
+            return None
+        os.close(fd)
+        return st
+
+
+def _listable(key: str) -> bool:
+    """Whether a file's name is a key a listing can carry: UTF-8 (a name that is not decodes to
+    lone surrogates) and a name the daemon serves, so every listed key can be read."""
+    try:
+        key.encode("utf-8")
+        validate_key(key)
+    except (UnicodeEncodeError, InvalidName):
+        return False
+    return True
 
 
 class _FileBody(Body):

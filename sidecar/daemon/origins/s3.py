@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +33,10 @@ from sidecar.errors import (
     OriginUnavailable,
     SidecarError,
 )
+from wire.errors import HeadersTooLarge
 from wire.names import validate_bucket, validate_key
 from wire.s3errors import S3ErrorAnswer, S3ErrorKind, from_client_error, from_http
+from wire.s3headers import object_headers
 from wire.s3xml import MAX_ERROR_BYTES, MAX_LISTING_BYTES
 
 __all__ = ["S3Origin", "Boto3S3Origin", "S3Settings"]
@@ -124,7 +126,7 @@ class S3Origin(Origin):
                 region_name=self.settings.region,
                 config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
             )
-        return client
+        return _plain_listings(client)
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -167,11 +169,7 @@ class S3Origin(Origin):
         params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
         resp = self._request("HEAD", "head_object", params)
         try:
-            return ObjectInfo(
-                size=int(resp.headers.get("Content-Length", "0")),
-                etag=resp.headers.get("ETag", ""),
-                last_modified=resp.headers.get("Last-Modified"),
-            )
+            return _info(resp.headers.items(), int(resp.headers.get("Content-Length", "0")), f"{bucket}/{key}")
         finally:
             resp.close()
 
@@ -210,22 +208,41 @@ class S3Origin(Origin):
             size = int(match.group(3))
         else:  # 200: the origin ignored the range and sends the whole object
             size = expected
-        info = ObjectInfo(size=size, etag=resp.headers.get("ETag", ""), last_modified=resp.headers.get("Last-Modified"))
+        try:
+            info = _info(resp.headers.items(), size, f"{bucket}/{key}")
+        except BaseException:
+            resp.close()
+            raise
         return info, _HTTPBody(resp, expected, f"{bucket}/{key}")
 
+    # Listings pass through: the client's query goes to the origin as it is (its encoding-type
+    # too, and only if it sent one: see _plain_listings) and the origin's XML comes back as it
+    # is. Parsing and re-rendering the page would drop what the daemon does not model and the
+    # client may ask for (Owner with fetch-owner, StorageClass, ChecksumAlgorithm, RestoreStatus,
+    # elements S3 adds later) and turn the origin's own tokens, markers and KeyCount into ours.
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
-        return await self.call(self._list, bucket, dict(params))
+        return await self.call(self._list, bucket, dict(params), "list_objects_v2", _LIST_V2_PARAMS)
 
-    def _list(self, bucket: str, params: dict[str, str]) -> bytes:
-        mapping = {
-            "prefix": "Prefix",
-            "delimiter": "Delimiter",
-            "max-keys": "MaxKeys",
-            "continuation-token": "ContinuationToken",
-            "start-after": "StartAfter",
-            "encoding-type": "EncodingType",
-            "fetch-owner": "FetchOwner",
-        }
+    async def list_objects(self, bucket: str, params: Mapping[str, str]) -> bytes:
+        return await self.call(self._list, bucket, dict(params), "list_objects", _LIST_V1_PARAMS)
+
+    async def head_bucket(self, bucket: str) -> str | None:
+        return await self.call(self._head_bucket, bucket)
+
+    def _head_bucket(self, bucket: str) -> str | None:
+        try:
+            resp = self._request("HEAD", "head_bucket", {"Bucket": validate_bucket(bucket)})
+        except ObjectNotFound as exc:  # a HEAD has no body: S3's 404 carries no NoSuchBucket code
+            raise BucketNotFound(f"bucket {bucket!r} does not exist") from exc
+        try:
+            return resp.headers.get("x-amz-bucket-region")
+        finally:
+            resp.close()
+
+    async def bucket_location(self, bucket: str) -> bytes:
+        return await self.call(self._read_xml, "get_bucket_location", {"Bucket": validate_bucket(bucket)}, bucket)
+
+    def _list(self, bucket: str, params: dict[str, str], op: str, mapping: dict[str, str]) -> bytes:
         call: dict[str, Any] = {"Bucket": validate_bucket(bucket)}
         for name, value in params.items():
             if name in mapping:
@@ -238,16 +255,63 @@ class S3Origin(Origin):
                     call["FetchOwner"] = value.lower() == "true"
                 else:
                     call[mapping[name]] = value
-        resp = self._request("GET", "list_objects_v2", call)
+        return self._read_xml(op, call, bucket)
+
+    def _read_xml(self, op: str, call: dict[str, Any], bucket: str) -> bytes:
+        """The XML body of a bucket-level GET, bounded like a listing."""
+        resp = self._request("GET", op, call)
         try:
             data = resp.read(MAX_LISTING_BYTES + 1)
         except OriginBadResponse as exc:
-            raise OriginBadResponse(f"listing {bucket}: {exc}") from exc
+            raise OriginBadResponse(f"{op} {bucket}: {exc}") from exc
         finally:
             resp.close()
         if len(data) > MAX_LISTING_BYTES:
-            raise OriginBadResponse(f"listing {bucket}: answer larger than {MAX_LISTING_BYTES} bytes")
+            raise OriginBadResponse(f"{op} {bucket}: answer larger than {MAX_LISTING_BYTES} bytes")
         return data
+
+
+def _info(headers: Iterable[tuple[str, str]], size: int, what: str) -> ObjectInfo:
+    """An object's info from the headers of a HEAD or GET answer (names in any case: the http
+    client keeps the origin's, botocore lower-cases them)."""
+    pairs = list(headers)
+    lower = {name.lower(): value for name, value in pairs}
+    try:
+        stored = object_headers(pairs, what)
+    except HeadersTooLarge as exc:
+        # The origin's fault, told as one: 502, and nothing of the object is cached.
+        raise OriginBadResponse(str(exc)) from exc
+    return ObjectInfo(size=size, etag=lower.get("etag", ""), last_modified=lower.get("last-modified"), headers=stored)
+
+
+# Query parameter -> boto3 parameter, of each listing.
+_LIST_V2_PARAMS = {
+    "prefix": "Prefix",
+    "delimiter": "Delimiter",
+    "max-keys": "MaxKeys",
+    "continuation-token": "ContinuationToken",
+    "start-after": "StartAfter",
+    "encoding-type": "EncodingType",
+    "fetch-owner": "FetchOwner",
+}
+_LIST_V1_PARAMS = {
+    "prefix": "Prefix",
+    "delimiter": "Delimiter",
+    "max-keys": "MaxKeys",
+    "marker": "Marker",
+    "encoding-type": "EncodingType",
+}
+
+
+def _plain_listings(client: Any) -> Any:
+    """``client`` without botocore's habit of adding ``encoding-type=url`` to every listing it
+    signs: the origin must be asked exactly what the client asked (S3 encodes names only then),
+    and the parameter is signed, so it cannot be taken out of a presigned URL afterwards."""
+    from botocore.handlers import set_list_objects_encoding_type_url
+
+    for op in ("ListObjects", "ListObjectsV2"):
+        client.meta.events.unregister(f"before-parameter-build.s3.{op}", set_list_objects_encoding_type_url)
+    return client
 
 
 def _content_length(resp: Response) -> int:
@@ -349,8 +413,9 @@ class Boto3S3Origin(S3Origin):
 
     def _head(self, bucket: str, key: str) -> ObjectInfo:
         resp = self._call("head_object", Bucket=validate_bucket(bucket), Key=validate_key(key))
-        return ObjectInfo(size=int(resp["ContentLength"]), etag=resp.get("ETag", ""),
-                          last_modified=resp["ResponseMetadata"]["HTTPHeaders"].get("last-modified"))
+        # The raw headers, not boto3's parsed fields: values exactly as sent (Expires is a
+        # datetime there, and metadata keys lose their prefix).
+        return _info(resp["ResponseMetadata"]["HTTPHeaders"].items(), int(resp["ContentLength"]), f"{bucket}/{key}")
 
     def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
         params: dict[str, Any] = {"Bucket": validate_bucket(bucket), "Key": validate_key(key),
@@ -371,15 +436,19 @@ class Boto3S3Origin(S3Origin):
             return info, EmptyBody()
         match = _RANGE_RE.match(resp.get("ContentRange", ""))
         size = int(match.group(3)) if match and match.group(3) != "*" else int(resp["ContentLength"])
-        info = ObjectInfo(size=size, etag=resp.get("ETag", ""),
-                          last_modified=resp["ResponseMetadata"]["HTTPHeaders"].get("last-modified"))
+        try:
+            info = _info(resp["ResponseMetadata"]["HTTPHeaders"].items(), size, f"{bucket}/{key}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                resp["Body"].close()
+            raise
         return info, _Boto3Body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
 
 
 def _rebuild(client: Any, config: Any) -> Any:
     import boto3
 
-    return boto3.session.Session().client(
+    return _plain_listings(boto3.session.Session().client(
         "s3", endpoint_url=client.meta.endpoint_url, region_name=client.meta.region_name,
         config=client.meta.config.merge(config),
-    )
+    ))
