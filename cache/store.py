@@ -131,8 +131,9 @@ class Writer:
 
     def __init__(
         self, store: Store, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None,
-        last_modified: str | None = None, headers: Sequence[tuple[str, str]] = (),
+        last_modified: str | None = None, headers: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """Made by :meth:`Store.begin`, which has checked ``last_modified`` and ``headers``."""
         self.store = store
         self.bucket = bucket
         self.key = key
@@ -140,7 +141,7 @@ class Writer:
         self.size = size
         self.expected_xxh3 = expected_xxh3
         self.last_modified = last_modified
-        self.headers = _checked_headers([list(pair) for pair in headers])
+        self.headers = headers
         self.path = store._tmp_dir / f"{secrets.token_hex(8)}.part"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._hasher = xxhash.xxh3_128()

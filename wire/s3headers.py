@@ -21,6 +21,7 @@ __all__ = [
     "ObjectHeaders",
     "object_headers",
     "not_modified_headers",
+    "failed_condition",
     "precondition",
 ]
 
@@ -75,23 +76,29 @@ def precondition(headers: Mapping[str, str], etag: str, last_modified: str | Non
     S3's precedence: ``If-Match`` decides alone when present (true wins over a false
     ``If-Unmodified-Since``); so does ``If-None-Match`` over ``If-Modified-Since`` (a matching
     ``If-None-Match`` is 304 even if the object was modified since). A malformed date is ignored,
-    as HTTP says."""
-    modified = _http_date(last_modified)
+    as HTTP says. Every read asks: one without conditions costs four header lookups, and dates
+    are parsed only for a date condition that decides."""
     if_match = _present(headers, "If-Match")
     if if_match is not None:
         if not _matches(if_match, etag, weak=False):
             return 412
     else:
         since = _http_date(_present(headers, "If-Unmodified-Since"))
-        if since is not None and modified is not None and modified > since:
+        if since is not None and (modified := _http_date(last_modified)) is not None and modified > since:
             return 412
     if_none_match = _present(headers, "If-None-Match")
     if if_none_match is not None:
         return 304 if _matches(if_none_match, etag, weak=True) else 200
     since = _http_date(_present(headers, "If-Modified-Since"))
-    if since is not None and modified is not None and modified <= since:
+    if since is not None and (modified := _http_date(last_modified)) is not None and modified <= since:
         return 304
     return 200
+
+
+def failed_condition(headers: Mapping[str, str]) -> str:
+    """The header a 412 from :func:`precondition` failed on, for S3's ``<Condition>``:
+    ``If-Match`` decides alone when present, so it is the one whenever it was sent."""
+    return "If-Match" if _present(headers, "If-Match") is not None else "If-Unmodified-Since"
 
 
 def _present(headers: Mapping[str, str], name: str) -> str | None:

@@ -87,7 +87,9 @@ _USER_AGENT = "shardcache-master-client/1"
 _MAX_ANSWER = 64 << 20
 
 
-def _split_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
+def split_master_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
+    """One master URL or several (a list, or comma-separated) as the client uses them; every one
+    checked, :class:`BadRequest` naming the first that is not a master address."""
     raw = master.split(",") if isinstance(master, str) else list(master)
     urls = [u.strip().rstrip("/") for u in raw if u and u.strip()]
     if not urls:
@@ -101,7 +103,7 @@ def _address(url: str) -> Address:
     try:
         return parse_connect(url, schemes=("http", "https"), base_path=True)
     except InvalidName:
-        raise BadRequest(f"invalid master URL {url!r}: use http://host:port or unix:///path/to.sock") from None
+        raise BadRequest(f"invalid master address {url!r}: use http://host:port, https://host:port or unix:///path/to.sock") from None
 
 
 class MasterClient:
@@ -119,7 +121,7 @@ class MasterClient:
         """``master``: one URL or several (list, or comma-separated string).
         ``timeout_s``: per HTTP exchange. ``retry_deadline_s``: how long one call keeps retrying
         connection errors and 503 answers before raising :class:`MasterUnavailable`."""
-        self._urls = _split_urls(master)
+        self._urls = split_master_urls(master)
         self._timeout = float(timeout_s)
         self._long_poll = True
         self._deadline = float(retry_deadline_s)
@@ -251,7 +253,7 @@ class MasterClient:
         with self._lock:
             if leader not in self._urls:
                 try:
-                    _split_urls(leader)
+                    split_master_urls(leader)
                 except BadRequest:
                     return False
                 self._urls.append(leader)

@@ -30,10 +30,6 @@ __all__ = ["prefetch_handler", "stats", "stats_handler", "cached_handler", "metr
 MAX_CONTROL_BODY = 8 * 1024 * 1024
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    return await read_json_object(request, MAX_CONTROL_BODY)
-
-
 def _prefetch_items(request: web.Request, body: dict[str, Any]) -> list[PrefetchItem]:
     settings = request.app[SETTINGS]
     origin_root = file_root(settings)
@@ -60,7 +56,7 @@ def _prefetch_items(request: web.Request, body: dict[str, Any]) -> list[Prefetch
 
 
 async def prefetch_handler(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await read_json_object(request, MAX_CONTROL_BODY)
     try:
         priority = priority_value(str(body.get("priority", "lease")))
     except ValueError as exc:

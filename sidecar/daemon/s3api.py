@@ -21,7 +21,7 @@ from sidecar.daemon.priority import DEMAND
 from sidecar.daemon.s3xml import error_response, parse_range
 from sidecar.errors import BadRequest, OriginError, PreconditionFailed
 from wire.names import validate_bucket, validate_key, validate_prefix, validate_xxh3_128
-from wire.s3headers import ObjectHeaders, not_modified_headers, precondition
+from wire.s3headers import ObjectHeaders, failed_condition, not_modified_headers, precondition
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,8 @@ def _conditional(request: web.Request, obj: Entry | ObjectInfo, cache: str) -> w
     else ``None``: answer the object. Evaluated before ``Range``, as S3 does."""
     status = precondition(request.headers, obj.etag, obj.last_modified)
     if status == 412:
-        # If-Match decides alone when present, so it is the one that failed if it was sent.
-        failed = "If-Match" if request.headers.get("If-Match", "").strip() else "If-Unmodified-Since"
-        raise PreconditionFailed("At least one of the pre-conditions you specified did not hold", failed)
+        raise PreconditionFailed("At least one of the pre-conditions you specified did not hold",
+                                 failed_condition(request.headers))
     if status == 304:
         return web.Response(status=304, headers=_object_headers(obj, cache, not_modified_headers(obj.headers)))
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wire.errors import HeadersTooLarge
-from wire.s3headers import MAX_OBJECT_HEADER_BYTES, not_modified_headers, object_headers, precondition
+from wire.s3headers import MAX_OBJECT_HEADER_BYTES, failed_condition, not_modified_headers, object_headers, precondition
 
 ETAG = '"5d41402abc4b2a76b9719d911017c592"'
 LM = "Tue, 01 Dec 2026 10:48:59 GMT"
@@ -94,3 +94,16 @@ def test_object_headers_are_bounded() -> None:
         object_headers([("x-amz-meta-big", "v" * MAX_OBJECT_HEADER_BYTES)], "b/k")
     # what is not kept does not count
     assert object_headers([("x-amz-request-id", "v" * MAX_OBJECT_HEADER_BYTES)]) == ()
+
+
+@pytest.mark.parametrize(
+    ("conditions", "failed"),
+    [
+        ({"If-Match": '"other"'}, "If-Match"),
+        ({"If-Match": '"other"', "If-Unmodified-Since": BEFORE}, "If-Match"),
+        ({"If-Unmodified-Since": BEFORE}, "If-Unmodified-Since"),
+    ],
+)
+def test_failed_condition_names_the_header_that_decided(conditions: dict[str, str], failed: str) -> None:
+    assert precondition(Headers(conditions), ETAG, LM) == 412
+    assert failed_condition(Headers(conditions)) == failed

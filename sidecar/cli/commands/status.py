@@ -149,17 +149,14 @@ def _reason(exc: BaseException) -> str:
 
 
 def _master_urls(given: list[str] | None) -> list[str]:
-    from wire.errors import InvalidName
-    from wire.names import parse_connect
+    from loader.master.client import split_master_urls
+    from loader.master.errors import BadRequest
 
-    urls = [part.strip().rstrip("/") for value in (given or []) for part in value.split(",") if part.strip()]
-    for url in urls:
-        try:
-            # What the master client accepts, and nothing it would read differently.
-            parse_connect(url, schemes=("http", "https"), base_path=True)
-        except InvalidName as exc:
-            raise UserError(f"invalid master address {url!r}: {exc}") from None
-    return urls
+    values = [value for value in (given or []) if value.strip(",").strip()]
+    try:
+        return split_master_urls(values) if values else []
+    except BadRequest as exc:
+        raise UserError(exc.message) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -267,8 +267,7 @@ class FileOrigin(Origin):
         """A descriptor on the regular file ``bucket``/``key`` names, inside the root after every
         link is resolved, and its ``fstat``; the caller closes it."""
         path = self._path(bucket, key)  # names validated: no traversal by the name itself
-        if not _is_dir(self.root / bucket):
-            raise BucketNotFound(f"bucket {bucket!r} does not exist under {self.root}")
+        self._bucket_dir(bucket)
         real = os.path.realpath(path)
         if not self._inside(real):
             raise AccessDenied(f"{bucket}/{key} resolves outside the origin's root")
