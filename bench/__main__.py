@@ -4,6 +4,7 @@
     python -m bench --smoke              # CI: small dataset, every reader once (< 3 min)
     python -m bench --delay-ms 50 --stream-mbps 100 --size 4GiB
     python -m bench --readers raw,boto3,shardcache_loader
+    python -m bench --store s3rver --far-host-mbps 800 --delay-ms 0   # root: the store on a far host, no proxy
 
 Writes ``bench/results/suite-<UTC time>.json`` (machine facts, versions, every figure),
 ``suite.json``/``suite.md``/``suite.png`` (the latest), ``suite-smoke*`` for ``--smoke``.
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 from bench.common import RESULTS_DIR, STORES, parse_size
 from bench.suite import PEERS, SHARDCACHE_RUNS, SuiteConfig, publish, run_suite
@@ -25,17 +28,23 @@ RUN_NAMES = ("raw", *PEERS, *SHARDCACHE_RUNS, "half_cache_lru", "half_cache_hold
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Benchmark shardcache against boto3, s3fs, webdataset, mosaicml-streaming and s3torchconnector "
-        "on the same generated WebDataset on a moto S3 server behind a latency proxy, and against raw local reads.",
+        description="Benchmark shardcache against boto3 (get_object, download_fileobj), s3fs, webdataset, "
+        "mosaicml-streaming and s3torchconnector on the same generated WebDataset on an S3 server behind a latency "
+        "proxy or a capped network link, and against raw local reads.",
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--smoke", action="store_true", help="small CI run: 192MiB, 16MiB shards, 2 s stall windows")
     parser.add_argument("--size", default=None, help="dataset payload size (default 2GiB; 192MiB with --smoke)")
     parser.add_argument("--shard-size", default=None, help="tar shard size (default 64MiB; 16MiB with --smoke)")
-    parser.add_argument("--delay-ms", type=float, default=20.0, help="per-request delay of the store (default 20)")
+    parser.add_argument("--delay-ms", type=float, default=20.0,
+                        help="per-request delay of the store (default 20); 0 with --far-host-mbps: no proxy at all")
     parser.add_argument("--stream-mbps", type=float, default=None,
                         help="per-connection rate cap of the store in MB/s (default: none, loopback speed)")
+    parser.add_argument("--far-host-mbps", type=float, default=None,
+                        help="run the store on a far host: its own network namespace behind a link of this many "
+                        "Mbit/s (tc tbf, both directions; needs root, ip and tc). With --delay-ms 0 no latency proxy "
+                        "runs: readers and daemons reach the store directly")
     parser.add_argument("--store", choices=STORES, default="moto",
                         help="S3 server behind the proxy: moto (RAM) or s3rver (files; needs node and npm)")
     parser.add_argument("--trainer-rate", type=float, default=1000.0,
@@ -54,7 +63,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"unknown reader(s) {', '.join(sorted(unknown))}; known: {', '.join(RUN_NAMES)}")
     if args.delay_ms < 0 or args.trainer_rate <= 0:
         parser.error("--delay-ms must be >= 0 and --trainer-rate > 0")
+    if args.far_host_mbps is not None:
+        from bench.netbed import FarHostUnavailable, check_available
+
+        if args.far_host_mbps <= 0:
+            parser.error("--far-host-mbps must be > 0")
+        try:
+            check_available()
+        except FarHostUnavailable as exc:
+            parser.error(f"--far-host-mbps: {exc}")
     return args
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cfg = SuiteConfig(
-        size=size, shard_bytes=shard, delay_ms=args.delay_ms, stream_mbps=args.stream_mbps, store=args.store,
+        size=size, shard_bytes=shard, delay_ms=args.delay_ms, stream_mbps=args.stream_mbps,
+        far_host_mbps=args.far_host_mbps, store=args.store,
         trainer_rate=args.trainer_rate,
         stall_cap_s=args.stall_seconds if args.stall_seconds is not None else (2.0 if args.smoke else 10.0),
         seed=args.seed, smoke=args.smoke, readers=tuple(args.readers.split(",")) if args.readers else None,
@@ -74,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         command="python -m bench" + ("" if argv is None and len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:] if argv is None else argv)),
         timeout_s=300.0 if args.smoke else 900.0,
     )
+    if cfg.far_host_mbps:
+        # A network namespace outlives a killed process: SIGTERM unwinds like Ctrl-C, so the far
+        # host and the store in it are torn down.
+        signal.signal(signal.SIGTERM, _interrupt)
     result = run_suite(cfg)
     paths = publish(result, cfg)
     print(paths["md"].read_text())

@@ -223,23 +223,38 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
         proc.wait(timeout=timeout)
 
 
-def port_open(port: int) -> bool:
-    """Whether something accepts connections on loopback ``port`` (raises when nothing does)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=1):
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on ``host:port`` (raises when nothing does)."""
+    with socket.create_connection((host, port), timeout=1):
         return True
 
 
 class ServerProcess:
     """A server in its own process on a free loopback port: ``__enter__`` starts it (with
-    :func:`spawn`) and waits until :meth:`ready`, ``__exit__`` stops it and its children."""
+    :func:`spawn`) and waits until :meth:`ready`, ``__exit__`` stops it and its children.
+
+    :meth:`listen_on` moves it elsewhere before it starts: another address (the far end of a
+    ``bench.netbed.FarHost`` link) and a command prefix that runs it there (``ip netns exec``)."""
 
     name = "server"
 
     def __init__(self, log: Path) -> None:
+        self.host = "127.0.0.1"
         self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{self.host}:{self.port}"
         self.log = log
+        self.launcher: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def listen_on(self, host: str, launcher: list[str]) -> Self:
+        """Listen on ``host`` and start through ``launcher``; call before ``__enter__``. The port
+        stays the one :func:`free_port` found here: a fresh network namespace has every port free."""
+        if self.proc is not None:
+            raise RuntimeError(f"the {self.name} is already running")
+        self.host = host
+        self.endpoint = f"http://{host}:{self.port}"
+        self.launcher = list(launcher)
+        return self
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -248,11 +263,17 @@ class ServerProcess:
         return None
 
     def ready(self) -> bool:
-        return port_open(self.port)
+        return port_open(self.port, self.host)
 
     def __enter__(self) -> Self:
-        self.proc = spawn(self.command(), self.log, self.env())
-        wait_until(self.ready, timeout=60, what=f"the {self.name}")
+        self.proc = spawn(self.launcher + self.command(), self.log, self.env())
+        try:
+            wait_until(self.ready, timeout=60, what=f"the {self.name} at {self.endpoint} (log: {self.log})")
+        except BaseException:
+            # ``with`` does not call __exit__ when __enter__ raises: a server that never became
+            # ready would otherwise outlive the run.
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -286,7 +307,7 @@ class MotoServer(S3Server):
         self.in_memory = in_memory
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
 
     def env(self) -> dict[str, str] | None:
         return {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)} if self.in_memory else None
@@ -328,7 +349,7 @@ class S3rverServer(S3Server):
 
     def command(self) -> list[str]:
         self.data.mkdir(parents=True, exist_ok=True)
-        return [str(self.executable()), "--directory", str(self.data), "--address", "127.0.0.1",
+        return [str(self.executable()), "--directory", str(self.data), "--address", self.host,
                 "--port", str(self.port), "--silent", "--allow-mismatched-signatures"]
 
 

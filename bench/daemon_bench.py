@@ -27,7 +27,10 @@ Methods (MB/s = 10^6 bytes per second, payload bytes over wall time, single read
   GETs on 10 threads), ``daemon_cold`` (boto3 ``get_object`` through a fresh daemon with its default
   settings: one stream per object unless it is slow, bytes moved by aiohttp) and
   ``daemon_cold_boto3`` (the same daemon with ``--s3-client boto3``: boto3 calls on an executor),
-  the measurement behind the daemon's choice of S3 client.
+  the measurement behind the daemon's choice of S3 client; ``daemon_cold_no_md5`` (the same
+  daemon with ``--verify-etag-md5 off``): the benchmark uploads without additional checksums, so
+  the default daemon verifies every fill against the ETag as an MD5 and this one verifies none,
+  the measurement behind that setting's default.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ READ_CHUNK = 1024 * 1024
 RSS_LIMIT_MB = 150.0
 
 WARM_METHODS = ("raw", "short_circuit", "boto3", "aiohttp", "socket", "tcp_ceiling")
-COLD_METHODS = ("origin_get_object", "origin_download_fileobj", "daemon_cold", "daemon_cold_boto3")
+COLD_METHODS = ("origin_get_object", "origin_download_fileobj", "daemon_cold", "daemon_cold_boto3", "daemon_cold_no_md5")
+_COLD_FLAGS = {"daemon_cold": [], "daemon_cold_boto3": ["--s3-client", "boto3"], "daemon_cold_no_md5": ["--verify-etag-md5", "off"]}
 
 # (name, measured, baseline, minimum ratio): the issue's targets, checked on medians.
 TARGETS = (
@@ -477,7 +481,7 @@ class Bench:
             self.cold_start()
             result.add(timed(method, layout.total, lambda: read_download_fileobj(self.origin_client, keys), origin))
             return None
-        extra = [] if method == "daemon_cold" else ["--s3-client", "boto3"]
+        extra = _COLD_FLAGS[method]
         daemon = self.daemon(layout, f"{layout.label}-{rep}-{method}", extra)
         try:
             client = s3_client(daemon.url)
@@ -580,6 +584,8 @@ def summarize(result: LayoutResult) -> dict[str, Any]:
         "daemon_cold_boto3/origin_get_object": ratio(med("daemon_cold_boto3"), med("origin_get_object")),
         "daemon_cold_boto3/origin_download_fileobj": ratio(
             med("daemon_cold_boto3"), med("origin_download_fileobj")),
+        "daemon_cold_no_md5/origin_get_object": ratio(med("daemon_cold_no_md5"), med("origin_get_object")),
+        "daemon_cold/daemon_cold_no_md5": ratio(med("daemon_cold"), med("daemon_cold_no_md5")),
     }
     values = {
         "short_circuit": med("short_circuit"), "raw": raw,

@@ -4,6 +4,9 @@ WebDataset samples (``{"__key__": ..., "jpg": b"...", "cls": b"..."}``) of the s
 - ``raw``: the shards as local files, read sequentially (1 MiB ``readinto``), no parsing: the
   local physical limit (page cache cold, then warm).
 - ``boto3``: ``get_object`` per shard, the body streamed through :mod:`tarfile` (``r|``).
+- ``boto3_transfer``: boto3's managed ``download_fileobj`` per shard into memory (its
+  TransferManager defaults: 8 MiB parts on 10 threads), then the same :mod:`tarfile` parse: the
+  strongest single-reader cold peer where one connection is slower than the link.
 - ``s3fs``: ``S3FileSystem.open`` per shard (its default read-ahead block cache), through tarfile.
 - ``webdataset``: ``wds.WebDataset(urls, cache_dir=...)``: its shard cache; the URLs are
   presigned ``http://`` URLs read by its default ``curl`` handler (its ``pipe:aws s3 cp``
@@ -23,6 +26,7 @@ has its own process, memory peak and CPU account.
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing as mp
 import os
@@ -39,7 +43,7 @@ from cache import aligned_buffer
 
 __all__ = ["READERS", "make_reader", "run_spec", "main"]
 
-READERS = ("raw", "boto3", "s3fs", "webdataset", "streaming", "s3torchconnector", "loader")
+READERS = ("raw", "boto3", "boto3_transfer", "s3fs", "webdataset", "streaming", "s3torchconnector", "loader")
 
 def _raw(spec: dict[str, Any]) -> Any:
     paths = [os.path.join(spec["local_dir"], key) for key in spec["keys"]]
@@ -72,6 +76,32 @@ def _boto3(spec: dict[str, Any]) -> Any:
                 yield from tar_samples(body, f"s3://{bucket}/{prefix}{key}")
             finally:
                 body.close()
+
+    return epoch
+
+
+def _boto3_transfer(spec: dict[str, Any]) -> Any:
+    from boto3.s3.transfer import TransferConfig
+
+    from bench.common import s3_client
+
+    # More pooled connections than the transfer's 10 threads, so none waits for a connection.
+    client = s3_client(spec["endpoint"], max_pool=16)
+    # boto3's defaults (multipart above 8 MiB, 8 MiB parts, 10 threads), with the classic
+    # TransferManager pinned: "auto" would switch to the CRT client on the EC2 types awscrt
+    # optimises for, which is s3torchconnector's client, another peer.
+    config = TransferConfig(preferred_transfer_client="classic")
+    bucket, prefix = spec["bucket"], spec["prefix"]
+
+    def epoch(_index: int) -> Iterator[dict[str, Any]]:
+        for key in spec["keys"]:
+            # A BytesIO, as a user holding a shard in memory writes it: parts land at their
+            # offsets (seek + write) as they complete. The whole shard is there before its first
+            # sample, which the first-sample time shows.
+            buffer = io.BytesIO()
+            client.download_fileobj(bucket, prefix + key, buffer, Config=config)
+            buffer.seek(0)
+            yield from tar_samples(buffer, f"s3://{bucket}/{prefix}{key}")
 
     return epoch
 
@@ -164,7 +194,7 @@ def make_reader(spec: dict[str, Any], rank: int = 0, world: int = 1) -> Any:
         return _loader(spec, rank, world)
     if world != 1:
         raise ValueError(f"reader {name!r} runs in one process")
-    makers = {"raw": _raw, "boto3": _boto3, "s3fs": _s3fs, "webdataset": _webdataset, "streaming": _streaming,
+    makers = {"raw": _raw, "boto3": _boto3, "boto3_transfer": _boto3_transfer, "s3fs": _s3fs, "webdataset": _webdataset, "streaming": _streaming,
               "s3torchconnector": _s3torchconnector}
     if name not in makers:
         raise ValueError(f"unknown reader {name!r}; known: {', '.join(READERS)}")

@@ -14,6 +14,7 @@ __all__ = ["markdown_table", "plot", "LABELS"]
 LABELS = {
     "raw": "local disk, raw read (limit)",
     "boto3": "boto3 get_object",
+    "boto3_transfer": "boto3 download_fileobj (TransferManager)",
     "s3fs": "s3fs",
     "webdataset": "webdataset + cache_dir",
     "streaming": "mosaicml-streaming (MDS)",
@@ -150,7 +151,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     ax2.legend(loc="lower right", fontsize=8)
     ax2.grid(axis="x", alpha=0.3)
     cfg = result["config"]
-    fig.suptitle(f"{result['dataset']['bytes'] / 2**30:.1f} GiB WebDataset, S3 (moto) + {cfg['delay_ms']:g} ms/request, "
+    where = (result.get("setup") or {}).get("description") or f"S3 (moto) + {cfg['delay_ms']:g} ms/request"
+    fig.suptitle(f"{result['dataset']['bytes'] / 2**30:.1f} GiB WebDataset, {where}, "
                  f"{result['machine']['cpu_count']} CPUs", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,15 @@ One generated dataset (WebDataset tar shards of ~110 KB random "JPEG" samples) i
 server in its own process (objects in RAM), and the same samples are converted to MDS for
 mosaicml-streaming. Every remote reader reaches the store through :mod:`bench.latency_proxy`
 (``--delay-ms`` per request, optionally ``--stream-mbps`` per connection), the way a remote object
-store answers. Each reader runs in its own process (:mod:`bench.peers`) for two epochs:
+store answers.
+
+With ``--far-host-mbps N`` the store runs on a far host instead (:class:`bench.netbed.FarHost`: its
+own network namespace behind an N Mbit/s ``tc tbf`` link, both directions), so the network limits
+the readers rather than a proxy spending the same two cores they use; ``--delay-ms 0`` (with no
+``--stream-mbps``) then drops the proxy and readers and daemons talk to the store's address
+directly, a non-zero delay keeps the proxy in front of the link (in the root namespace).
+
+Each reader runs in its own process (:mod:`bench.peers`) for two epochs:
 
 - epoch 1 **cold** (empty caches, data from the store), epoch 2 **warm** (whatever the reader
   cached; readers without a cache read the store again),
@@ -53,6 +61,7 @@ from bench.common import (
     write_results,
 )
 from bench.latency_proxy import LatencyProxy
+from bench.netbed import FarHost
 from bench.peers_common import MB, convert_to_mds, ratio, upload_dir
 
 __all__ = ["SuiteConfig", "run_suite", "PEERS", "SHARDCACHE_RUNS"]
@@ -61,7 +70,7 @@ BUCKET = "bench"
 PREFIX = "train/"
 MDS_PREFIX = "mds/"
 
-PEERS = ("boto3", "s3fs", "webdataset", "streaming", "s3torchconnector")
+PEERS = ("boto3", "boto3_transfer", "s3fs", "webdataset", "streaming", "s3torchconnector")
 
 # name -> (reader spec overrides, daemon extra flags or None for no daemon, needs master)
 SHARDCACHE_RUNS: dict[str, dict[str, Any]] = {
@@ -95,6 +104,10 @@ class SuiteConfig:
     """Per-request delay the proxy adds between every remote reader and the store."""
     stream_mbps: float | None = None
     """Per-connection answer rate cap of the proxy (MB/s); None: loopback speed."""
+    far_host_mbps: float | None = None
+    """Run the store on a far host (``bench.netbed.FarHost``) behind a link of this many Mbit/s
+    (tc tbf, both directions); None: on loopback. With ``delay_ms`` 0 and no ``stream_mbps`` no
+    proxy runs at all."""
     store: str = "moto"
     """The S3 server behind the proxy: ``moto`` (objects in RAM) or ``s3rver`` (objects in files,
     ranges streamed from them; see ``bench.common.S3rverServer``)."""
@@ -189,11 +202,12 @@ class Master:
 
 
 class Runner:
-    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, proxy: LatencyProxy) -> None:
+    def __init__(self, cfg: SuiteConfig, workdir: Path, dataset: Dataset, endpoint: str) -> None:
         self.cfg = cfg
         self.workdir = workdir
         self.dataset = dataset
-        self.proxy = proxy
+        self.endpoint = endpoint
+        """The store as every reader and daemon reaches it: the proxy's, or the far host's address."""
         self.runs: dict[str, dict[str, Any]] = {}
         self.count = 0
 
@@ -202,7 +216,7 @@ class Runner:
 
     def base_spec(self, reader: str) -> dict[str, Any]:
         return {
-            "reader": reader, "endpoint": self.proxy.endpoint, "bucket": BUCKET, "prefix": PREFIX,
+            "reader": reader, "endpoint": self.endpoint, "bucket": BUCKET, "prefix": PREFIX,
             "keys": self.dataset.keys, "samples_per_key": self.dataset.samples_per_key, "mds_prefix": MDS_PREFIX,
             "local_dir": str(self.dataset.local_dir), "seed": self.cfg.seed, "procs": 1,
         }
@@ -270,7 +284,7 @@ class Runner:
     def daemon(self, name: str, cache_size: int, extra: list[str] | None = None) -> Any:
         from bench.daemon_bench import Daemon
 
-        return Daemon(self.workdir, name, self.proxy.endpoint, cache_size, extra or [])
+        return Daemon(self.workdir, name, self.endpoint, cache_size, extra or [])
 
     def shardcache(self, name: str, how: dict[str, Any], stall: bool) -> None:
         if not self.wanted(name):
@@ -382,10 +396,38 @@ def _get(rows: dict[str, Any], name: str, phase: str, figure: str) -> float | No
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def uses_proxy(cfg: SuiteConfig) -> bool:
+    """Whether a latency proxy stands between readers and the store: always on loopback (it is
+    what makes that store remote); on a far host only for a delay or a per-connection cap."""
+    return not cfg.far_host_mbps or cfg.delay_ms > 0 or bool(cfg.stream_mbps)
+
+
+def scenario(cfg: SuiteConfig) -> str:
+    """How far the store is, as the headline targets name it: ``20 ms``, ``800 Mbit/s`` or
+    ``800 Mbit/s + 20 ms``."""
+    if not cfg.far_host_mbps:
+        return f"{cfg.delay_ms:g} ms"
+    return f"{cfg.far_host_mbps:g} Mbit/s" + (f" + {cfg.delay_ms:g} ms" if cfg.delay_ms > 0 else "")
+
+
+def origin_description(cfg: SuiteConfig) -> str:
+    """The store and the path to it, in words (results JSON and the markdown's dataset line)."""
+    store = STORE_DESCRIPTIONS[cfg.store]
+    proxy = (f"bench.latency_proxy ({cfg.delay_ms:g} ms per request"
+             + (f", {cfg.stream_mbps:g} MB/s per connection" if cfg.stream_mbps else "") + ")")
+    if not cfg.far_host_mbps:
+        return f"{store} behind {proxy}"
+    link = f"in its own network namespace behind a tc tbf link of {cfg.far_host_mbps:g} Mbit/s (both directions)"
+    return f"{store} {link}, " + (f"with {proxy} in front" if uses_proxy(cfg) else "no latency proxy (readers reach it directly)")
+
+
 def headline(rows: dict[str, Any], cfg: SuiteConfig) -> dict[str, Any]:
     def best(names: tuple[str, ...], phase: str) -> tuple[str | None, float | None]:
-        found = [(n, _get(rows, n, phase, "mb_s")) for n in names if rows.get(n, {}).get(phase, {}).get("complete")]
-        found = [(n, v) for n, v in found if v is not None]
+        found: list[tuple[str, float]] = []
+        for n in names:
+            value = _get(rows, n, phase, "mb_s")
+            if value is not None and rows.get(n, {}).get(phase, {}).get("complete"):
+                found.append((n, value))
         return max(found, key=lambda item: item[1]) if found else (None, None)
 
     peer_warm_name, peer_warm = best(PEERS, "warm")
@@ -408,8 +450,8 @@ def headline(rows: dict[str, Any], cfg: SuiteConfig) -> dict[str, Any]:
     targets = {
         "warm >= 1.2x fastest peer warm": (ratios["warm_vs_fastest_peer"], 1.2),
         "warm >= 0.9x raw local read (warm)": (ratios["warm_vs_raw_warm"], 0.9),
-        f"cold ({cfg.delay_ms:g} ms) >= 2x boto3 get_object": (ratios["cold_vs_boto3"], 2.0),
-        f"cold ({cfg.delay_ms:g} ms) >= 1.0x fastest peer cold": (ratios["cold_vs_fastest_peer"], 1.0),
+        f"cold ({scenario(cfg)}) >= 2x boto3 get_object": (ratios["cold_vs_boto3"], 2.0),
+        f"cold ({scenario(cfg)}) >= 1.0x fastest peer cold": (ratios["cold_vs_fastest_peer"], 1.0),
         "epoch-2 hit rate, half cache, hold >= 45%": (hold, 0.45),
     }
     checks = {k: {"value": v, "target": t, "met": (v is not None and v >= t)} for k, (v, t) in targets.items()}
@@ -433,25 +475,44 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts(PACKAGES)
     _say(f"work dir {workdir}; {facts['cpu_count']} CPUs, {fmt_size(facts['mem_total_bytes'] or 0)} RAM")
+    far_facts: dict[str, Any] | None = None
     try:
-        with store_server(cfg.store, workdir) as store:
-            dataset = build_dataset(cfg, store, workdir)
-            with LatencyProxy(store.endpoint, cfg.delay_ms, cfg.stream_mbps, workdir / "proxy.log") as proxy:
-                runner = Runner(cfg, workdir, dataset, proxy)
-                _say("raw local read (the limit)")
-                runner.raw()
-                for name in PEERS:
-                    _say(f"peer: {name}")
-                    runner.peer(name)
-                for name, how in SHARDCACHE_RUNS.items():
-                    _say(f"shardcache: {name}")
-                    runner.shardcache(name, how, stall=(name == HEADLINE))
-                for eviction in ("lru", "hold"):
-                    _say(f"half-size cache, --eviction {eviction}")
-                    runner.hit_rate(eviction)
-                from bench.common import _status_kib  # noqa: PLC2701 - same package, the kernel's own peak
+        # Stopped in reverse: the proxy, then the store, then the far host it ran on.
+        with contextlib.ExitStack() as stack:
+            store = store_server(cfg.store, workdir)
+            far = None
+            if cfg.far_host_mbps:
+                far = stack.enter_context(FarHost(cfg.far_host_mbps))
+                far_facts = far.facts()
+                store.listen_on(far.address, far.exec_prefix)
+                _say(f"far host {far.name}: {far.address}, {cfg.far_host_mbps:g} Mbit/s tbf (burst {far.burst}, "
+                     f"latency {far.latency}) on both ends")
+            stack.enter_context(store)
+            # The upload, the MDS copy and the index go to the store's own address; setting up is
+            # not measured, so the far link runs uncapped meanwhile.
+            with far.uncapped() if far is not None else contextlib.nullcontext():
+                dataset = build_dataset(cfg, store, workdir)
+            endpoint = store.endpoint
+            if uses_proxy(cfg):
+                proxy = stack.enter_context(LatencyProxy(store.endpoint, cfg.delay_ms, cfg.stream_mbps,
+                                                         workdir / "proxy.log"))
+                endpoint = proxy.endpoint
+            _say(f"readers and daemons reach the store at {endpoint}")
+            runner = Runner(cfg, workdir, dataset, endpoint)
+            _say("raw local read (the limit)")
+            runner.raw()
+            for name in PEERS:
+                _say(f"peer: {name}")
+                runner.peer(name)
+            for name, how in SHARDCACHE_RUNS.items():
+                _say(f"shardcache: {name}")
+                runner.shardcache(name, how, stall=(name == HEADLINE))
+            for eviction in ("lru", "hold"):
+                _say(f"half-size cache, --eviction {eviction}")
+                runner.hit_rate(eviction)
+            from bench.common import _status_kib  # noqa: PLC2701 - same package, the kernel's own peak
 
-                store_peak = (_status_kib(store.pid, "VmHWM") or 0) / 1024
+            store_peak = (_status_kib(store.pid, "VmHWM") or 0) / 1024
         rows = summarize(runner)
         facts["loadavg_end"] = __import__("os").getloadavg()
         result = {
@@ -460,9 +521,12 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
             "machine": facts,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                        if k not in ("workdir", "results_dir", "keep")},
+            "setup": {"store": cfg.store, "far_host": far_facts, "link_mbit": cfg.far_host_mbps,
+                      "delay_ms": cfg.delay_ms, "stream_mbps": cfg.stream_mbps, "latency_proxy": uses_proxy(cfg),
+                      "endpoint": endpoint, "description": origin_description(cfg)},
             "dataset": {"shards": len(dataset.keys), "bytes": dataset.bytes, "samples": dataset.samples,
                         "mean_sample_bytes": round(dataset.bytes / max(1, dataset.samples)), "mds": dataset.mds,
-                        "origin": f"{STORE_DESCRIPTIONS[cfg.store]} behind bench.latency_proxy",
+                        "origin": origin_description(cfg),
                         "store_peak_rss_mb": round(store_peak, 1)},
             "units": {"mb_s": "10^6 bytes of tar shards per second (streaming reads the same samples as MDS)",
                       "cpu_s_per_gb": "reader processes + daemon CPU seconds per 10^9 bytes (origin and proxy excluded)",
@@ -478,15 +542,38 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _far_host_markdown(table: str, result: dict[str, Any]) -> str:
+    """``bench.plot.markdown_table`` describes the loopback set-up (a store behind a proxy); on a
+    far host its dataset line says where the store really was, and "through the proxy" goes
+    where no proxy ran."""
+    setup = result.get("setup") or {}
+    if not setup.get("far_host"):
+        return table
+    ds, cfg = result["dataset"], result["config"]
+    dataset_line = (f"Dataset: {ds['shards']} WebDataset shards, {ds['bytes'] / 2**30:.2f} GiB, {ds['samples']} samples "
+                    f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), on {setup['description']}. Link: tc tbf "
+                    f"{setup['far_host']['tbf']['rate']}, burst {setup['far_host']['tbf']['burst']}, latency "
+                    f"{setup['far_host']['tbf']['latency']} on both veth ends. Simulated trainer: "
+                    f"{cfg['trainer_rate']:g} samples/s.")
+    lines = [dataset_line if line.startswith("Dataset: ") else line for line in table.split("\n")]
+    out = "\n".join(lines)
+    if not setup.get("latency_proxy"):
+        out = out.replace("data from the store through the proxy", "data from the store across the capped link")
+    return out
+
+
 def publish(result: dict[str, Any], cfg: SuiteConfig) -> dict[str, Path]:
     """The JSON of this run (timestamped) plus the latest table and chart."""
     from bench.plot import markdown_table, plot
 
     tag = "suite-smoke" if cfg.smoke else "suite"
-    # A non-default store or a bandwidth cap is another scenario: its latest table and chart are
-    # kept beside the default one (suite-s3rver-90mbps.md), not over it.
+    # A non-default store, a far host or a bandwidth cap is another scenario: its latest table and
+    # chart are kept beside the default one (suite-s3rver-90mbps.md, suite-s3rver-netns-800mbit.md),
+    # not over it.
     if cfg.store != "moto":
         tag += f"-{cfg.store}"
+    if cfg.far_host_mbps:
+        tag += f"-netns-{cfg.far_host_mbps:g}mbit" + (f"-{cfg.delay_ms:g}ms" if cfg.delay_ms > 0 else "")
     if cfg.stream_mbps:
         tag += f"-{cfg.stream_mbps:g}mbps"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -499,6 +586,6 @@ def publish(result: dict[str, Any], cfg: SuiteConfig) -> dict[str, Path]:
     except Exception as exc:  # a missing matplotlib must not lose the measurements
         _say(f"chart not drawn: {exc}")
     md = cfg.results_dir / f"{tag}.md"
-    md.write_text(markdown_table(result, png.name if "png" in paths else None))
+    md.write_text(_far_host_markdown(markdown_table(result, png.name if "png" in paths else None), result))
     paths["md"] = md
     return paths

@@ -6,13 +6,14 @@ No HTTP and no asyncio here: the daemon (``sidecar``) drives it from an executor
 
 from cache.errors import CacheError, CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace
 from cache.settings import EVICTION_POLICIES, StoreSettings
-from cache.store import Entry, Store, Writer, aligned_buffer, entry_id, hash_file
+from cache.store import Entry, Store, Verifier, Writer, aligned_buffer, entry_id, hash_file
 
 __all__ = [
     "Store",
     "StoreSettings",
     "Entry",
     "Writer",
+    "Verifier",
     "entry_id",
     "aligned_buffer",
     "hash_file",

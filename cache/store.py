@@ -40,13 +40,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import xxhash
 
 from cache.errors import CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace
 from cache.settings import StoreSettings
 
-__all__ = ["Store", "Entry", "Writer", "entry_id", "hash_file"]
+__all__ = ["Store", "Entry", "Writer", "Verifier", "entry_id", "hash_file"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,12 @@ class Entry:
     # ``None`` and ``()``, and are answered without them until they are refetched.
     last_modified: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    # How the origin vouched for the bytes when they were filled: the checksum algorithm they
+    # were verified against (``crc32``, ``md5``, ...), or "" when the origin vouched for nothing
+    # checkable (the entry is *unverified*), and the checksum headers it sent, answered again to
+    # clients that ask. Older meta files have neither: unverified.
+    verified: str = ""
+    checksums: tuple[tuple[str, str], ...] = ()
 
     def meta(self) -> dict[str, object]:
         data = asdict(self)
@@ -115,6 +122,19 @@ class Entry:
         data.pop("last_access")
         data["layout"] = _LAYOUT
         return data
+
+
+class Verifier(Protocol):
+    """A check of an object's bytes the caller brings to a fill (the origin's checksum): fed every
+    byte in order as the hashed prefix grows, asked once at the end."""
+
+    algorithm: str
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def matches(self) -> bool: ...
+
+    def actual(self) -> str: ...
 
 
 @dataclass
@@ -132,6 +152,7 @@ class Writer:
     def __init__(
         self, store: Store, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None,
         last_modified: str | None = None, headers: tuple[tuple[str, str], ...] = (),
+        verifier: Verifier | None = None, checksums: tuple[tuple[str, str], ...] = (),
     ) -> None:
         """Made by :meth:`Store.begin`, which has checked ``last_modified`` and ``headers``."""
         self.store = store
@@ -142,6 +163,9 @@ class Writer:
         self.expected_xxh3 = expected_xxh3
         self.last_modified = last_modified
         self.headers = headers
+        self.verifier = verifier
+        self.checksums = checksums
+        self.digest: str | None = None  # the xxh3-128, once sealed
         self.path = store._tmp_dir / f"{secrets.token_hex(8)}.part"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._hasher = xxhash.xxh3_128()
@@ -180,8 +204,18 @@ class Writer:
         with self._hash_lock:
             if offset == self._hashed:
                 for chunk in chunks:
-                    self._hasher.update(chunk)
+                    self._feed(chunk)
                 self._hashed += total
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        self._hasher.update(data)
+        if self.verifier is not None:
+            self.verifier.update(data)
+
+    @property
+    def hashed(self) -> int:
+        """How far the checksums have got (the contiguous prefix they have seen)."""
+        return self._hashed
 
     def hash_upto(self, end: int) -> None:
         """Advance the checksum over ``[hashed, end)``, which the caller knows is written."""
@@ -190,19 +224,36 @@ class Writer:
                 chunk = os.pread(self.fd, min(_HASH_CHUNK, end - self._hashed), self._hashed)
                 if not chunk:
                     raise IntegrityError(f"temp file shorter than {end} bytes")
-                self._hasher.update(chunk)
+                self._feed(chunk)
                 self._hashed += len(chunk)
 
+    def seal(self) -> str:
+        """Hash what is left and check the bytes: against ``expected_xxh3`` and the verifier.
+        Returns the xxh3-128. Raises :class:`IntegrityError` on a mismatch (the caller aborts);
+        the temp file is still open and unpublished either way: readers of a fill in progress
+        may go on once it is sealed, before the fsync of :meth:`commit`."""
+        if self.digest is not None:
+            return self.digest
+        self.hash_upto(self.size)
+        digest = self._hasher.hexdigest()
+        if self.expected_xxh3 and digest != self.expected_xxh3.lower():
+            self.store._count("integrity_failures")
+            raise IntegrityError(
+                f"{self.bucket}/{self.key}: xxh3-128 {digest} does not match expected {self.expected_xxh3}"
+            )
+        if self.verifier is not None and not self.verifier.matches():
+            self.store._count("integrity_failures")
+            raise IntegrityError(
+                f"{self.bucket}/{self.key}: the origin sent bytes whose {self.verifier.algorithm} is "
+                f"{self.verifier.actual()}, not the {self.verifier.algorithm} it vouches for"
+            )
+        self.digest = digest
+        return digest
+
     def commit(self) -> Entry:
-        """Verify, fsync and publish. On any failure the temp file is removed and nothing is published."""
+        """Seal (verify), fsync and publish. On any failure the temp file is removed and nothing is published."""
         try:
-            self.hash_upto(self.size)
-            digest = self._hasher.hexdigest()
-            if self.expected_xxh3 and digest != self.expected_xxh3.lower():
-                self.store._counters["integrity_failures"] += 1
-                raise IntegrityError(
-                    f"{self.bucket}/{self.key}: xxh3-128 {digest} does not match expected {self.expected_xxh3}"
-                )
+            digest = self.seal()
             os.fchmod(self.fd, 0o444)
             try:
                 os.fsync(self.fd)
@@ -244,7 +295,12 @@ class Store:
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
         self._by_name: dict[tuple[str, str], str] = {}
         self._verified: dict[str, _Stamp] = {}
+        # When each entry's bytes were last hashed in full (monotonic), oldest first, and the
+        # entries not hashed since this process loaded them: the scrubber's work list.
+        self._hashed_at: OrderedDict[str, float] = OrderedDict()
+        self._never_hashed: set[str] = set()
         self._used = 0
+        self._unverified = [0, 0]  # entries and bytes with Entry.verified == ""
         self._reserved = 0
         self._writers: set[Writer] = set()
         self._lock_fd: int | None = None
@@ -311,7 +367,8 @@ class Store:
             for entry in found:
                 self._entries[entry.id] = entry
                 self._index_name(entry)
-                self._used += entry.size
+                self._account(entry, 1)
+                self._never_hashed.add(entry.id)
         log.info("cache %s: %d entries, %d bytes", self.settings.root, len(found), self._used)
 
     def _load_meta(self, meta_path: Path) -> Entry | None:
@@ -323,6 +380,8 @@ class Store:
                 # Both absent in entries written by older daemons (see Entry).
                 last_modified=_checked_text(meta.get("last_modified")),
                 headers=_checked_headers(meta.get("headers", [])),
+                verified=_checked_text(meta.get("verified")) or "",
+                checksums=_checked_headers(meta.get("checksums", [])),
             )
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("discarding unreadable cache meta %s", meta_path)
@@ -390,8 +449,9 @@ class Store:
             with self._lock:
                 entry.pins -= 1
 
-    def open_verified(self, entry: Entry) -> tuple[int, os.stat_result]:
-        """Open a published entry for reading, re-hashing it first if it is not known good.
+    def open_verified(self, entry: Entry, force: bool = False) -> tuple[int, os.stat_result]:
+        """Open a published entry for reading, re-hashing it first if it is not known good (or
+        with ``force``, whatever its stamp says).
 
         Returns ``(fd, stat)``; the caller closes the fd. Raises :class:`CorruptEntry` (and removes
         the entry) when the bytes no longer match, :class:`EntryNotFound` if it vanished.
@@ -405,28 +465,66 @@ class Store:
         try:
             stat = os.fstat(fd)
             stamp = _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-            if self._verified.get(entry.id) != stamp:
+            if force or self._verified.get(entry.id) != stamp:
                 digest = None
                 if stat.st_size == entry.size:
                     with contextlib.suppress(IntegrityError):
                         digest = hash_file(fd, entry.size)
                 if digest != entry.xxh3_128:
-                    self._counters["corrupt_removed"] += 1
+                    self._count("corrupt_removed")
                     log.error("cache entry %s/%s (%s) is corrupt; removing it", entry.bucket, entry.key, entry.id)
                     self.remove(entry)
                     raise CorruptEntry(f"cached copy of {entry.bucket}/{entry.key} is corrupt and was removed")
-                self._verified[entry.id] = stamp
+                self._mark_hashed(entry.id, stamp)
             self.touch(entry)
             return fd, stat
         except BaseException:
             os.close(fd)
             raise
 
-    def known_good(self, entry: Entry) -> bool:
-        """Whether this process verified the entry's file and nothing has changed it since as far
-        as the index knows (no stat: cheap enough for the event loop)."""
+    def _mark_hashed(self, ident: str, stamp: _Stamp) -> None:
         with self._lock:
-            return entry.id in self._verified and entry.id in self._entries
+            if ident not in self._entries:
+                return
+            self._verified[ident] = stamp
+            self._never_hashed.discard(ident)
+            self._hashed_at[ident] = time.monotonic()
+            self._hashed_at.move_to_end(ident)
+
+    def stamp_matches(self, entry: Entry, stat: os.stat_result) -> bool:
+        """Whether ``stat`` (of the entry's data file) is the file as this process last verified it:
+        the same inode, size, mtime and ctime (ctime moves on any write, and cannot be set back)."""
+        stamp = _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        with self._lock:
+            return self._verified.get(entry.id) == stamp
+
+    def scrub_one(self, min_age_s: float) -> int:
+        """Re-hash the entry whose bytes were hashed longest ago (first those not hashed since
+        start-up), if that was more than ``min_age_s`` ago; removes it if it no longer matches.
+        Catches what the stamp check cannot: bytes that changed on the disk with no write (bit
+        rot, a fault below the file system). Returns the bytes hashed (0: nothing due)."""
+        with self._lock:
+            ident = next(iter(self._never_hashed), None)
+            if ident is None and self._hashed_at:
+                oldest, at = next(iter(self._hashed_at.items()))
+                if time.monotonic() - at >= min_age_s:
+                    ident = oldest
+            entry = self._entries.get(ident) if ident is not None else None
+            if entry is None:
+                if ident is not None:
+                    self._never_hashed.discard(ident)
+                    self._hashed_at.pop(ident, None)
+                return 0
+            entry.pins += 1
+        try:
+            fd, _ = self.open_verified(entry, force=True)
+            os.close(fd)
+        except (CorruptEntry, EntryNotFound):
+            pass
+        finally:
+            with self._lock:
+                entry.pins -= 1
+        return entry.size
 
     def touch_in_memory(self, entry: Entry) -> None:
         """Refresh LRU recency without touching the disk (the on-disk recency is refreshed by
@@ -467,12 +565,15 @@ class Store:
     def begin(
         self, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None = None,
         last_modified: str | None = None, headers: Sequence[tuple[str, str]] = (),
+        verifier: Verifier | None = None, checksums: Sequence[tuple[str, str]] = (),
     ) -> Writer | None:
         """Reserve room for a new entry and start filling it, or ``None`` if the policy does not
         admit it now (no room under ``hold``, or everything evictable is in use). ``last_modified``
         and ``headers`` are kept with the entry as given (raises ``ValueError`` if they could not
-        be answered again as headers)."""
+        be answered again as headers), and so are ``checksums`` (the origin's checksum headers);
+        ``verifier`` checks the bytes at :meth:`Writer.seal`."""
         headers = _checked_headers([list(pair) for pair in headers])
+        checksums = _checked_headers([list(pair) for pair in checksums])
         _checked_text(last_modified)
         with self._lock:
             if size > self.settings.capacity_bytes or time.monotonic() < self._no_space_until:
@@ -483,7 +584,7 @@ class Store:
                     self._counters["rejected_full"] += 1
                     return None
             try:
-                writer = Writer(self, bucket, key, etag, size, expected_xxh3, last_modified, headers)
+                writer = Writer(self, bucket, key, etag, size, expected_xxh3, last_modified, headers, verifier, checksums)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     self._counters["no_space"] += 1
@@ -493,6 +594,13 @@ class Store:
             self._reserved += size
             self._writers.add(writer)
             return writer
+
+    def _account(self, entry: Entry, sign: int) -> None:
+        """Add (1) or take away (-1) an indexed entry's bytes; the caller holds the lock."""
+        self._used += sign * entry.size
+        if not entry.verified:
+            self._unverified[0] += sign
+            self._unverified[1] += sign * entry.size
 
     def _evict_one(self) -> bool:
         for entry in self._entries.values():
@@ -515,6 +623,7 @@ class Store:
         entry = Entry(
             id=ident, bucket=writer.bucket, key=writer.key, etag=writer.etag, size=writer.size,
             xxh3_128=digest, created=now, last_access=now, last_modified=writer.last_modified, headers=writer.headers,
+            verified=writer.verifier.algorithm if writer.verifier is not None else "", checksums=writer.checksums,
         )
         data_path = self._data_path(ident)
         meta_path = self._meta_path(ident)
@@ -545,12 +654,13 @@ class Store:
             self._reserved -= writer._reserved
             previous = self._entries.pop(ident, None)
             if previous is not None:
-                self._used -= previous.size
+                self._account(previous, -1)
             self._entries[ident] = entry
             self._index_name(entry)
-            self._used += entry.size
+            self._account(entry, 1)
             self._counters["admitted"] += 1
-            self._verified[ident] = _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        # Hashed while it was written: as good as a check now.
+        self._mark_hashed(ident, _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
         return entry
 
     def remove(self, entry: Entry) -> None:
@@ -561,8 +671,10 @@ class Store:
         current = self._entries.pop(entry.id, None)
         if current is None:
             return
-        self._used -= current.size
+        self._account(current, -1)
         self._verified.pop(entry.id, None)
+        self._hashed_at.pop(entry.id, None)
+        self._never_hashed.discard(entry.id)
         if self._by_name.get((entry.bucket, entry.key)) == entry.id:
             del self._by_name[(entry.bucket, entry.key)]
         # Unpublish (meta) first: a crash after this leaves an orphan data file, deleted at start-up.
@@ -570,6 +682,10 @@ class Store:
             os.unlink(self._meta_path(entry.id))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._data_path(entry.id))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
 
     def note_no_space(self) -> None:
         """The file system refused a write: admit nothing for a while (serve uncached) rather than
@@ -594,6 +710,9 @@ class Store:
                 "used_bytes": self._used,
                 "reserved_bytes": self._reserved,
                 "items": len(self._entries),
+                # Entries the origin vouched for in no checkable way (see Entry.verified).
+                "unverified_items": self._unverified[0],
+                "unverified_bytes": self._unverified[1],
                 "max_items": self.settings.max_items,
                 "filling": len(self._writers),
                 "fs_total_bytes": fs_total,

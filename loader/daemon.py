@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from loader.errors import AccessDenied, LoaderError, ShardNotFound, SourceError
+from loader.errors import AccessDenied, CorruptShard, LoaderError, ShardNotFound, SourceError
 from loader.settings import LoaderSettings, parse_endpoint
 from wire.httpclient import (
     AnswerTooLarge,
@@ -86,6 +86,8 @@ _ERRORS: dict[S3ErrorKind, tuple[type[LoaderError], str]] = {
     S3ErrorKind.NOT_FOUND_KEY: (ShardNotFound, "not found"),
     S3ErrorKind.NOT_FOUND_BUCKET: (ShardNotFound, "not found"),
     S3ErrorKind.ACCESS_DENIED: (AccessDenied, "access denied"),
+    # The daemon's copy checks out and is not what the manifest says: a stale manifest.
+    S3ErrorKind.CHECKSUM_MISMATCH: (CorruptShard, "checksum mismatch"),
 }
 
 
@@ -230,13 +232,25 @@ class DaemonClient:
             return False
         return True
 
-    def open_object(self, bucket: str, key: str, *, offset: int = 0, short_circuit: bool = False) -> DaemonObject:
+    def open_object(
+        self, bucket: str, key: str, *, offset: int = 0, short_circuit: bool = False,
+        xxh3_128: str | None = None, recheck: bool = False,
+    ) -> DaemonObject:
         """Open ``bucket/key`` for streaming from byte ``offset`` (retried on connection errors
-        and 5xx). With ``short_circuit`` the daemon may answer with the cached file's path."""
+        and 5xx). With ``short_circuit`` the daemon may answer with the cached file's path.
+
+        ``xxh3_128`` is the manifest's checksum of the object: the daemon answers only bytes that
+        hash to it, or ``CorruptShard`` naming both (a claim it judges: it refetches only a copy
+        that fails its own check or that the origin did not vouch for). ``recheck`` asks it to
+        re-hash its copy first: this caller's last read of it did not match."""
 
         def call() -> DaemonObject:
             conn = self._new_connection(self._settings.io_timeout_s)
             headers = {"User-Agent": _USER_AGENT}
+            if xxh3_128:
+                headers["x-shardcache-xxh3-128"] = xxh3_128
+            if recheck:
+                headers["x-shardcache-recheck"] = "1"
             if offset:
                 headers["Range"] = f"bytes={offset}-"
             if short_circuit and not offset:

@@ -368,38 +368,53 @@ class ShardLoader:
             self._source().prefetch(hints)
 
     def _samples(self, shard: Shard, start: int) -> Iterator[dict[str, Any]]:
-        """The shard's samples from sample ``start``, verified against what the manifest says."""
+        """The shard's samples from sample ``start``, verified against what the manifest says.
+
+        A read that does not match (a checksum, a size, a broken tar) is read once more, from the
+        sample it reached, with ``recheck``: a cache in between re-hashes its copy first and drops
+        it if it went bad, so a bad copy heals instead of failing every later run. A second
+        mismatch is the shard's (or the manifest's) own: ``CorruptShard``."""
         settings = self.settings
-        try:
-            reader = self._source().open(shard)
-        finally:
-            self._flush_hints()  # after the open attempt, whatever its outcome
-        try:
-            count = start
-            for sample in iter_samples(
-                reader,
-                url=self.location.object_url(shard.key),
-                start=start,
-                chunk=settings.read_chunk_bytes,
-                max_member_bytes=settings.max_member_bytes,
-                expected_size=shard.size if settings.verify else None,
-                expected_xxh3_128=shard.xxh3_128 if settings.verify else None,
-                map_files=settings.map_files,
-                zero_copy=settings.zero_copy,
-            ):
-                count += 1
-                yield sample
-            if settings.verify and shard.samples is not None and count != shard.samples:
-                if count < start:
-                    raise CorruptShard(
-                        f"asked to resume at sample {start} but the shard ends earlier",
-                        url=self.location.object_url(shard.key),
-                    )
-                raise CorruptShard(
-                    f"holds {count} samples, the manifest says {shard.samples}", url=self.location.object_url(shard.key)
-                )
-        finally:
-            reader.close()
+        url = self.location.object_url(shard.key)
+        position = start  # samples yielded so far, counting the skipped ones
+        for attempt in range(2):
+            try:
+                reader = self._source().open(shard, recheck=attempt > 0)
+            except CorruptShard as exc:
+                if attempt:
+                    raise
+                log.warning("%s; reading it again", exc)
+                continue
+            finally:
+                if not attempt:
+                    self._flush_hints()  # after the first open attempt, whatever its outcome
+            try:
+                count = position
+                for sample in iter_samples(
+                    reader,
+                    url=url,
+                    start=position,
+                    chunk=settings.read_chunk_bytes,
+                    max_member_bytes=settings.max_member_bytes,
+                    expected_size=shard.size if settings.verify else None,
+                    expected_xxh3_128=shard.xxh3_128 if settings.verify else None,
+                    map_files=settings.map_files,
+                    zero_copy=settings.zero_copy,
+                ):
+                    count += 1
+                    position = count
+                    yield sample
+                if settings.verify and shard.samples is not None and count != shard.samples:
+                    if count < start:
+                        raise CorruptShard(f"asked to resume at sample {start} but the shard ends earlier", url=url)
+                    raise CorruptShard(f"holds {count} samples, the manifest says {shard.samples}", url=url)
+                return
+            except CorruptShard as exc:
+                if attempt:
+                    raise
+                log.warning("%s; reading it again from sample %d", exc, position)
+            finally:
+                reader.close()
 
     # static --------------------------------------------------------------------------------
 

@@ -46,7 +46,10 @@ class Source(Protocol):
     location: DatasetURL
     via: str  # "file", "s3" or the daemon's endpoint; shown in errors and logs
 
-    def open(self, shard: Shard) -> Reader: ...
+    def open(self, shard: Shard, recheck: bool = False) -> Reader:
+        """The shard's bytes. ``recheck``: the last read of this shard did not match its checksum;
+        a cache in between re-hashes its copy first (the others read again as they would)."""
+        ...
 
     def read_manifest(self) -> bytes | None: ...
 
@@ -153,7 +156,7 @@ class FileSource:
     def _path(self, key: str) -> str:
         return os.path.join(self._base, *check_key(key, self.location.url).split("/"))
 
-    def open(self, shard: Shard) -> Reader:
+    def open(self, shard: Shard, recheck: bool = False) -> Reader:
         path = self._path(shard.key)
         try:
             return open(path, "rb", buffering=0)
@@ -255,7 +258,7 @@ class S3Source:
         tag = answer.get("ETag")
         return answer["Body"], tag.strip('"') if tag else None
 
-    def open(self, shard: Shard) -> Reader:
+    def open(self, shard: Shard, recheck: bool = False) -> Reader:
         check_key(shard.key, self.location.url)
         first: dict[str, str | None] = {"etag": None}
 
@@ -350,18 +353,22 @@ class DaemonSource:
             raise ConfigError(f"dataset {location.url}: the first directory under {origin} is the bucket; name one")
         return bucket, prefix
 
-    def open(self, shard: Shard) -> Reader:
+    def open(self, shard: Shard, recheck: bool = False) -> Reader:
         key = self._prefix + check_key(shard.key, self.location.url)
         what = self.location.url + shard.key
+        # The manifest's checksum goes with every read, resumed ones too: the daemon answers only
+        # bytes that hash to it (loader.daemon.DaemonClient.open_object).
+        claim = shard.xxh3_128 if self._settings.verify else None
         if self._short_circuit:
-            obj = self._client.open_object(self._bucket, key, short_circuit=True)
+            obj = self._client.open_object(self._bucket, key, short_circuit=True, xxh3_128=claim, recheck=recheck)
+            recheck = False
             if obj.path is not None:
                 handle = self._open_short_circuit(obj.path, obj.size)
                 if handle is not None:
                     return handle
             elif obj.response is not None and obj.conn is not None:
-                return self._resuming(key, what, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
-        return self._resuming(key, what)
+                return self._resuming(key, what, claim, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
+        return self._resuming(key, what, claim, recheck=recheck)
 
     def _open_short_circuit(self, path: str, size: int | None) -> Reader | None:
         try:
@@ -378,13 +385,16 @@ class DaemonSource:
             return None
         return handle
 
-    def _resuming(self, key: str, what: str, first: tuple[Reader, str | None] | None = None) -> Reader:
+    def _resuming(
+        self, key: str, what: str, claim: str | None, first: tuple[Reader, str | None] | None = None,
+        recheck: bool = False,
+    ) -> Reader:
         pending = [first] if first is not None else []
 
         def open_at(offset: int) -> tuple[Reader, str | None]:
             if pending and not offset:
                 return pending.pop()
-            obj = self._client.open_object(self._bucket, key, offset=offset)
+            obj = self._client.open_object(self._bucket, key, offset=offset, xxh3_128=claim, recheck=recheck and not offset)
             assert obj.response is not None and obj.conn is not None
             return _HTTPBody(obj.response, obj.conn), obj.etag
 

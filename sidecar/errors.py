@@ -24,6 +24,7 @@ __all__ = [
     "WarmupConflict",
     "NoSuchWarmup",
     "Busy",
+    "ChecksumMismatch",
     "S3_ERRORS",
     "s3_error_for",
 ]
@@ -61,6 +62,13 @@ class Busy(SidecarError):
     def __init__(self, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ChecksumMismatch(SidecarError):
+    """The caller's xxh3-128 (``x-shardcache-xxh3-128``: its manifest's) is not the object's, and
+    the daemon's copy checks out: its own file re-hashed, and the origin vouched for it (or it was
+    fetched again for this claim). A stale or wrong manifest, never a reason to purge the copy
+    other callers read."""
 
 
 class OriginError(SidecarError):
@@ -107,6 +115,7 @@ S3_ERRORS: list[tuple[type[BaseException], int, str]] = [
     (WarmupConflict, 409, "WarmupConflict"),
     (NoSuchWarmup, 404, "NoSuchWarmup"),
     (Busy, 503, "SlowDown"),
+    (ChecksumMismatch, 409, "ChecksumMismatch"),
     (ObjectNotFound, 404, "NoSuchKey"),
     (BucketNotFound, 404, "NoSuchBucket"),
     (AccessDenied, 403, "AccessDenied"),

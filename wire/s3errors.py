@@ -31,6 +31,8 @@ class S3ErrorKind(enum.Enum):
     THROTTLED = "throttled"
     UNAVAILABLE = "unavailable"
     """A server-side fault (500, 502, 504): worth retrying."""
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    """shardcache's own ``409 ChecksumMismatch``: the caller's xxh3-128 is not the object's."""
     UNEXPECTED = "unexpected"
     """Any other answer (a 405, 409, 501, a redirect): not S3 behaving as a read path expects."""
 
@@ -72,6 +74,8 @@ def classify(status: int, code: str) -> S3ErrorKind:
     a missing bucket or key), the status otherwise."""
     if code == "NoSuchBucket":
         return S3ErrorKind.NOT_FOUND_BUCKET
+    if code == "ChecksumMismatch":
+        return S3ErrorKind.CHECKSUM_MISMATCH
     if status == 404 or code in _NOT_FOUND_CODES:
         return S3ErrorKind.NOT_FOUND_KEY
     if status == 403 or code in _DENIED_CODES:

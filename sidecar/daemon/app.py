@@ -20,13 +20,15 @@ from aiohttp.typedefs import Handler
 
 from cache import CacheError, Store
 from sidecar.daemon import control, warmups
+from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
-from sidecar.daemon.keys import CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, SETTINGS, STARTED, STORE
+from sidecar.daemon.keys import CLAIMS, CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Boto3S3Origin, FileOrigin, Origin, S3Origin
 from sidecar.daemon.prefetch import Prefetcher
 from sidecar.daemon.s3api import s3_handler
 from sidecar.daemon.s3xml import error_response
+from sidecar.daemon.scrub import Scrubber
 from sidecar.daemon.settings import ServeSettings
 from sidecar.errors import PreconditionFailed, SidecarError, s3_error_for
 from wire.errors import WireError
@@ -138,10 +140,18 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
         prefetcher = Prefetcher(store, fetcher, app[METRICS], settings.prefetch_workers, settings.prefetch_queue_max)
         prefetcher.start()
         app[PREFETCHER] = prefetcher
+        app[CLAIMS] = Claims(settings.claims)
+        scrubber: Scrubber | None = None
+        if store is not None:
+            scrubber = Scrubber(store, fetcher, settings.scrub)
+            scrubber.start()
+            app[SCRUBBER] = scrubber
         log.info("serving %s from %s (cache %s)", settings.mode, origin.description, settings.store.root)
         try:
             yield
         finally:
+            if scrubber is not None:
+                await scrubber.stop()
             await prefetcher.stop()
             await fetcher.close()
             await origin.close()

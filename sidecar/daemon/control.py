@@ -13,8 +13,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.daemon.fills import retrying
-from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SETTINGS, STARTED, STORE, file_root
-from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_value
+from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE, file_root
+from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_by, counter_value
 from sidecar.daemon.prefetch import PrefetchItem, QueueFull
 from sidecar.daemon.priority import priority_value
 from sidecar.errors import BadRequest, Busy, OriginBadResponse
@@ -41,10 +41,9 @@ def _prefetch_items(request: web.Request, body: dict[str, Any]) -> list[Prefetch
     for obj in objects:
         if not isinstance(obj, dict) or not isinstance(obj.get("bucket"), str) or not isinstance(obj.get("key"), str):
             raise BadRequest("each object needs string 'bucket' and 'key'")
-        expected = obj.get("xxh3_128")
-        if expected is not None:
-            expected = validate_xxh3_128(expected, "'xxh3_128'")
-        items.append(PrefetchItem(validate_bucket(obj["bucket"]), validate_key(obj["key"]), expected))
+        if obj.get("xxh3_128") is not None:  # accepted, and checked, as the documented body has it (see PrefetchItem)
+            validate_xxh3_128(obj["xxh3_128"], "'xxh3_128'")
+        items.append(PrefetchItem(validate_bucket(obj["bucket"]), validate_key(obj["key"])))
     for url in urls:
         if not isinstance(url, str):
             raise BadRequest("'urls' must hold strings")
@@ -92,6 +91,16 @@ def stats(app: web.Application) -> dict[str, Any]:
         "fills_in_flight": len(app[FETCHER].inflight),
         "prefetch": {"queued": app[PREFETCHER].queued(), "done": app[PREFETCHER].done,
                      "failed": app[PREFETCHER].failed},
+        # How far the cached bytes are vouched for (sidecar/daemon/checksums.py, claims.py).
+        "verification": {
+            "fills": {result: counter_by(metrics.fill_checks, "result").get(result, 0.0)
+                      for result in ("verified", "unverified", "failed")},
+            "fills_by_algorithm": counter_by(metrics.fill_checks, "algorithm"),
+            "claim_disputes": {outcome: counter_by(metrics.claim_outcomes, "outcome").get(outcome, 0.0)
+                               for outcome in ("refetched", "mismatch")},
+            "etag_md5": app[FETCHER].settings.verify.etag_md5,
+            "scrubbed_bytes": app[SCRUBBER].scrubbed_bytes if SCRUBBER in app else 0,
+        },
     }
 
 

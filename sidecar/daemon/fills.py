@@ -6,11 +6,19 @@ as the contiguous prefix lands in the temp file, so a reader never waits for the
 in-flight map entry is removed in ``finally`` whatever happens, and a failure is delivered to every
 waiter (mosaicml/streaming's ``_ShardState`` without its missing ``try/finally``).
 
-The first request of a fill is a ranged GET of the first part: its ``Content-Range`` gives the
-size and its ETag pins the version, so the remaining parts start at once (no HEAD round trip) and
-carry ``If-Match``. Each part retries from the byte it reached, with jittered exponential backoff,
+The first request of a fill is a GET of the whole object (not ranged: S3 answers its checksum only
+then): its ``Content-Length`` gives the size and its ETag pins the version, so parts split off
+start at once (no HEAD round trip) and carry ``If-Match``. Each part retries from the byte it reached, with jittered exponential backoff,
 on connection errors, 5xx/SlowDown, stalls and truncated bodies; after the bounded retries the fill
 fails, nothing is published, and readers get 503/502.
+
+Every fill is checked against what the origin vouches for (:mod:`sidecar.daemon.checksums`):
+the running checksum advances with the contiguous prefix, and the fill is *sealed* once all its
+bytes are in and match. Until then a reader gets every byte of its range but the last, so a fill
+that fails its check cuts every answer short (the client sees an incomplete body and retries)
+and no answer ever completes with bytes the origin did not vouch for; nothing is published.
+Readers that bring a checksum of their own (a caller's claim) wait for the seal and compare
+before the first byte (:mod:`sidecar.daemon.s3api`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from cache import Entry, IntegrityError, NoSpace, Store, Writer, aligned_buffer
+from sidecar.daemon.checksums import OriginChecksum, VerifySettings, vouched
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
 from sidecar.daemon.priority import DEMAND, PriorityLimiter
@@ -72,6 +81,9 @@ class FetchSettings:
     backoff_max_s: float = 5.0
     """Upper bound of one retry delay."""
 
+    verify: VerifySettings = VerifySettings()
+    """What a fill is checked against (the origin's checksums; its ETag as an MD5)."""
+
     @property
     def backoff(self) -> Backoff:
         """The retry policy of one part or request: ``retries`` after the first attempt."""
@@ -81,12 +93,13 @@ class FetchSettings:
 class Fill:
     """One fetch of one object, shared by every reader that wants it."""
 
-    def __init__(self, bucket: str, key: str, priority: int, expected_xxh3: str | None) -> None:
+    def __init__(self, bucket: str, key: str, priority: int) -> None:
         self.bucket = bucket
         self.key = key
         self.priority = priority
-        self.expected_xxh3 = expected_xxh3
         self.info: ObjectInfo | None = None
+        self.check: OriginChecksum | None = None  # what the origin vouches for, once info is known
+        self.sealed: str | None = None  # the xxh3-128 of the bytes, once all are in and checked
         self.writer: Writer | None = None
         self.cacheable = True
         self.contiguous = 0
@@ -119,6 +132,17 @@ class Fill:
             raise self.error
         return self.entry
 
+    async def wait_sealed(self) -> str | None:
+        """The xxh3-128 of the object's bytes once they are all in and checked (before the fsync
+        that publishes them); ``None`` if the fill caches nothing (readers go to the origin)."""
+        while self.sealed is None and self.error is None and not self.finished:
+            if self.info is not None and not self.cacheable:
+                return None
+            await self._progress.wait()
+        if self.error is not None:
+            raise self.error
+        return self.sealed
+
     async def ranges(self, start: int, end: int) -> AsyncIterator[tuple[int, int, int]]:
         """``(fd, offset, length)`` pieces of ``[start, end)`` as they land in the temp file, for
         sendfile. ``fd`` stays open until the generator finishes. Raises the fill's error."""
@@ -127,8 +151,11 @@ class Fill:
             sent = start
             while sent < end:
                 event = self._progress
-                if self.contiguous > sent and self._read_fd is not None:
-                    length = min(self.contiguous, end) - sent
+                # The last byte of the range waits for the seal: an answer never completes with
+                # bytes the origin's checksum has not passed (a failed check cuts it short).
+                ready = self.contiguous if self.sealed is not None or self.check is None else min(self.contiguous, end - 1)
+                if ready > sent and self._read_fd is not None:
+                    length = min(ready, end) - sent
                     yield self._read_fd, sent, length
                     sent += length
                     continue
@@ -201,6 +228,7 @@ class _PartedFill:
         self.workers: list[asyncio.Task[None]] = []
         self.queue: asyncio.Queue[int] = asyncio.Queue()
         self._advance_pending = False
+        self._hashing: asyncio.Future[None] | None = None
 
     async def run(self, first_body: Body) -> None:
         what = f"{self.fill.bucket}/{self.fill.key}"
@@ -223,6 +251,26 @@ class _PartedFill:
             for task in self.workers:
                 with contextlib.suppress(BaseException):
                     await task
+            while self._hashing is not None:  # never close the temp file under a hashing read
+                with contextlib.suppress(BaseException):
+                    await self._hashing
+
+    def _hash_behind(self) -> None:
+        """On the loop: hash the part of the contiguous prefix the writing thread did not (the
+        parts after the first land out of order), on a worker thread, one run at a time, so the
+        seal has little left to do when the last byte lands."""
+        target = self.fill.contiguous
+        if self._hashing is not None or self.stopping or self.writer.hashed >= target:
+            return
+        future = asyncio.wrap_future(self.fetcher.origin.executor.submit(self.writer.hash_upto, target))
+
+        def done(_: object) -> None:
+            self._hashing = None
+            if not future.cancelled() and future.exception() is None:
+                self._hash_behind()
+
+        self._hashing = future
+        future.add_done_callback(done)
 
     def _advance(self) -> None:
         self._advance_pending = False  # before reading the parts: a thread's later update reschedules
@@ -234,6 +282,7 @@ class _PartedFill:
         if contiguous > self.fill.contiguous:
             self.fill.contiguous = contiguous
             self.fill._notify()
+            self._hash_behind()
 
     def _split(self, boundary: int, extra: int) -> None:
         """On the loop: fetch ``[boundary, size)`` in parts on up to ``extra`` more connections."""
@@ -361,14 +410,14 @@ class Fetcher:
         """Whether a trainer is waiting on a fill right now (a demand read, or a prefetch it joined)."""
         return any(fill.priority == DEMAND for fill in self.inflight.values())
 
-    def start(self, bucket: str, key: str, priority: int, expected_xxh3: str | None = None) -> tuple[Fill, bool]:
+    def start(self, bucket: str, key: str, priority: int) -> tuple[Fill, bool]:
         """The fill of ``bucket/key``: the running one (``False``) or a new one (``True``)."""
         name = (bucket, key)
         fill = self.inflight.get(name)
         if fill is not None:
             fill.priority = min(fill.priority, priority)  # a demand read promotes a prefetch
             return fill, False
-        fill = Fill(bucket, key, priority, expected_xxh3)
+        fill = Fill(bucket, key, priority)
         self.inflight[name] = fill
         fill.task = asyncio.create_task(self._run(fill), name=f"fill:{bucket}/{key}")
         return fill, True
@@ -424,12 +473,13 @@ class Fetcher:
             self.settings, self.metrics, f"{fill.bucket}/{fill.key}", self._open_first, fill
         )
         writer: Writer | None = None
+        fill.check = vouched(info.checksums, info.etag, info.key_encrypted, self.settings.verify)
         if self.store is not None:
             try:
                 # The entry keeps what the origin said about the object, to answer it on hits.
                 writer = await asyncio.to_thread(
-                    self.store.begin, fill.bucket, fill.key, info.etag, info.size, fill.expected_xxh3,
-                    info.last_modified, info.headers,
+                    self.store.begin, fill.bucket, fill.key, info.etag, info.size, None,
+                    info.last_modified, info.headers, fill.check.verifier() if fill.check else None, info.checksums,
                 )
             except OSError as exc:
                 log.warning("cannot cache %s/%s: %s", fill.bucket, fill.key, exc)
@@ -450,6 +500,14 @@ class Fetcher:
         fill.info = info
         fill._notify()
         await _PartedFill(self, fill, writer, info).run(first_body)
+        algorithm = fill.check.algorithm if fill.check else "none"
+        try:
+            fill.sealed = await asyncio.to_thread(writer.seal)
+        except IntegrityError:
+            self.metrics.fill_checks.labels(result="failed", algorithm=algorithm).inc()
+            raise
+        self.metrics.fill_checks.labels(result="verified" if fill.check else "unverified", algorithm=algorithm).inc()
+        fill._notify()  # readers holding their last byte, and those waiting to compare, go on
         fill.entry = await asyncio.to_thread(writer.commit)
         fill.writer = None
 

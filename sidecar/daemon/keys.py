@@ -9,13 +9,18 @@ from __future__ import annotations
 from aiohttp import web
 
 from cache import Store
+from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Origin
 from sidecar.daemon.prefetch import Prefetcher
+from sidecar.daemon.scrub import Scrubber
 from sidecar.daemon.settings import ServeSettings
 
-__all__ = ["SETTINGS", "STORE", "ORIGIN", "FETCHER", "METRICS", "PREFETCHER", "STARTED", "CONTROL", "file_root"]
+__all__ = [
+    "SETTINGS", "STORE", "ORIGIN", "FETCHER", "METRICS", "PREFETCHER", "CLAIMS", "SCRUBBER", "STARTED", "CONTROL",
+    "file_root",
+]
 
 SETTINGS = web.AppKey("settings", ServeSettings)
 STORE = web.AppKey("store", Store)
@@ -23,6 +28,8 @@ ORIGIN = web.AppKey("origin", Origin)
 FETCHER = web.AppKey("fetcher", Fetcher)
 METRICS = web.AppKey("metrics", Metrics)
 PREFETCHER = web.AppKey("prefetcher", Prefetcher)
+CLAIMS = web.AppKey("claims", Claims)
+SCRUBBER = web.AppKey("scrubber", Scrubber)
 STARTED = web.AppKey("started", float)
 
 CONTROL = "/_shardcache/"

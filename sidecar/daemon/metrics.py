@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["LOOKUP_RESULTS", "SERVED_SOURCES", "Metrics", "counter_value"]
+__all__ = ["LOOKUP_RESULTS", "SERVED_SOURCES", "Metrics", "counter_value", "counter_by"]
 
 LOOKUP_RESULTS = ("hit", "miss", "coalesced")
 """The ``result`` labels of ``shardcache_cache_lookups``."""
@@ -26,6 +26,17 @@ def counter_value(counter: Counter, **labels: str) -> float:
             if sample.name.endswith("_total") and sample.labels == labels:
                 return float(sample.value)
     return 0.0
+
+
+def counter_by(counter: Counter, label: str) -> dict[str, float]:
+    """What ``counter`` has counted per value of ``label`` (summed over its other labels)."""
+    totals: dict[str, float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                value = sample.labels.get(label, "")
+                totals[value] = totals.get(value, 0.0) + float(sample.value)
+    return totals
 
 
 class _StoreCollector(Collector):
@@ -44,6 +55,8 @@ class _StoreCollector(Collector):
             "shardcache_cache_capacity_bytes": ("capacity_bytes", "Configured cache capacity"),
             "shardcache_cache_reserved_bytes": ("reserved_bytes", "Bytes reserved by fills in progress"),
             "shardcache_cache_items": ("items", "Published cache entries"),
+            "shardcache_cache_unverified_items": ("unverified_items", "Entries the origin vouched for in no checkable way"),
+            "shardcache_cache_unverified_bytes": ("unverified_bytes", "Bytes of entries the origin vouched for in no checkable way"),
             "shardcache_cache_filling_items": ("filling", "Fills in progress"),
             "shardcache_cache_fs_free_bytes": ("fs_free_bytes", "Free bytes on the cache file system"),
         }
@@ -93,6 +106,18 @@ class Metrics:
         )
         self.origin_retries = Counter("shardcache_origin_retries", "Origin attempts retried", registry=r)
         self.fills = Counter("shardcache_fills", "Object fills finished, by outcome", ["outcome"], registry=r)
+        self.fill_checks = Counter(
+            "shardcache_fill_checks",
+            "Fills checked against what the origin vouches for: verified, unverified (nothing to check) "
+            "or failed (bytes that did not match; nothing cached), by checksum algorithm",
+            ["result", "algorithm"], registry=r,
+        )
+        self.claim_outcomes = Counter(
+            "shardcache_claim_disputes",
+            "Reads whose caller's xxh3-128 disagreed with the cached copy, by what the daemon did: "
+            "refetched (an unverified or corrupt copy), mismatch (answered 409 ChecksumMismatch)",
+            ["outcome"], registry=r,
+        )
         self.prefetch_queued = Gauge(
             "shardcache_prefetch_queue_items", "Prefetches waiting, by priority", ["priority"], registry=r
         )

@@ -30,9 +30,11 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class PrefetchItem:
+    """One object to fetch ahead. A cached copy of it is enough: callers' checksums are judged
+    when they read (:mod:`sidecar.daemon.claims`), so no hint can make the daemon fetch again."""
+
     bucket: str
     key: str
-    expected_xxh3: str | None = None
 
 
 class Prefetcher:
@@ -71,7 +73,7 @@ class Prefetcher:
         accepted = 0
         for item in items:
             name = (item.bucket, item.key)
-            if self.store is not None and self.store.lookup(item.bucket, item.key, xxh3_128=item.expected_xxh3):
+            if self.store is not None and self.store.lookup(item.bucket, item.key):
                 continue
             if name in self.fetcher.inflight:
                 self.fetcher.inflight[name].priority = min(self.fetcher.inflight[name].priority, priority)
@@ -118,9 +120,9 @@ class Prefetcher:
             self._update_gauge()
             try:
                 await self._yield_to_demand()
-                if self.store is not None and self.store.lookup(item.bucket, item.key, xxh3_128=item.expected_xxh3):
+                if self.store is not None and self.store.lookup(item.bucket, item.key):
                     continue
-                fill, _ = self.fetcher.start(item.bucket, item.key, priority, item.expected_xxh3)
+                fill, _ = self.fetcher.start(item.bucket, item.key, priority)
                 await fill.wait_done()
                 self.done += 1
             except asyncio.CancelledError:

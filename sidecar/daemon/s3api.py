@@ -1,6 +1,14 @@
 """The daemon's S3 read API: GET/HEAD object (hits with sendfile, misses joined to one fill),
 ListObjectsV2, ListObjects (v1), HeadBucket and GetBucketLocation passed to the origin, and 405
 for writes.
+
+A read may carry the caller's xxh3-128 of the object (``x-shardcache-xxh3-128``, the loader's
+manifest). The answer then holds nothing but bytes that hash to it: a hit is compared before the
+first byte, a miss waits for its fill to be sealed and compares; a disagreement is judged by
+:mod:`sidecar.daemon.claims` (a claim, not an order) and answered ``409 ChecksumMismatch`` when
+the copy is right. ``x-shardcache-recheck: 1`` (a short-circuit reader whose own read of the
+file did not match) makes the daemon re-hash its file before answering, as rarely as a
+disagreeing claim may.
 """
 
 from __future__ import annotations
@@ -14,12 +22,13 @@ from typing import Any
 from aiohttp import web
 
 from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, Store
+from sidecar.daemon.claims import caller_of
 from sidecar.daemon.fills import Fetcher, Fill, retrying
-from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, STORE
+from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, ORIGIN, STORE
 from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.priority import DEMAND
 from sidecar.daemon.s3xml import error_response, parse_range
-from sidecar.errors import BadRequest, OriginError, PreconditionFailed
+from sidecar.errors import BadRequest, ChecksumMismatch, OriginError, PreconditionFailed
 from wire.names import validate_bucket, validate_key, validate_prefix, validate_xxh3_128
 from wire.s3headers import ObjectHeaders, failed_condition, not_modified_headers, precondition
 
@@ -58,14 +67,26 @@ class _SendfileResponse(web.StreamResponse):
             self._fd = -1
 
 
-def _object_headers(obj: Entry | ObjectInfo, cache: str, stored: ObjectHeaders | None = None) -> dict[str, str]:
+def _object_headers(
+    obj: Entry | ObjectInfo, cache: str, stored: ObjectHeaders | None = None, request: web.Request | None = None
+) -> dict[str, str]:
     """What every answer about an object says, hit or miss alike: what the origin said about it
     (Last-Modified, Content-Type, x-amz-meta-*, ...; ``stored`` instead of its stored headers)
-    and its ETag. An entry cached by an older daemon has no Last-Modified nor stored headers."""
+    and its ETag. An entry cached by an older daemon has no Last-Modified nor stored headers.
+
+    The origin's additional checksums go to a ``request`` that asks for them
+    (``x-amz-checksum-mode: ENABLED``) and is not ranged, as S3 answers them: a client such as
+    boto3 then checks the whole body against them itself."""
     headers: dict[str, str] = {}
     for name, value in obj.headers if stored is None else stored:
         # One value per name: a repeated header means the values joined, as HTTP defines it.
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    if (
+        request is not None
+        and request.headers.get("x-amz-checksum-mode", "").upper() == "ENABLED"
+        and "Range" not in request.headers
+    ):
+        headers.update(obj.checksums)
     headers.update({"ETag": obj.etag, "Accept-Ranges": "bytes", "x-shardcache-cache": cache})
     if obj.last_modified:
         headers["Last-Modified"] = obj.last_modified
@@ -184,7 +205,7 @@ async def _head(request: web.Request, store: Store | None, bucket: str, key: str
     if entry is not None:
         if (answer := _conditional(request, entry, "hit")) is not None:
             return answer
-        headers = _object_headers(entry, "hit")
+        headers = _object_headers(entry, "hit", request=request)
         headers["Content-Length"] = str(entry.size)
         return web.Response(status=200, headers=headers)
     metrics = request.app[METRICS]
@@ -195,35 +216,63 @@ async def _head(request: web.Request, store: Store | None, bucket: str, key: str
     metrics.origin_latency.labels(op="head").observe(time.perf_counter() - began)
     if (answer := _conditional(request, info, "miss")) is not None:
         return answer
-    headers = _object_headers(info, "miss")
+    headers = _object_headers(info, "miss", request=request)
     headers["Content-Length"] = str(info.size)
     return web.Response(status=200, headers=headers)
 
 
-async def _open_hit(store: Store, entry: Entry) -> tuple[int, os.stat_result] | None:
+async def _open_hit(store: Store, entry: Entry, force: bool = False) -> tuple[int, os.stat_result] | None:
+    """The entry's file, open, if it checks out (re-hashed when its stamp moved, or ``force``)."""
     try:
-        return await asyncio.to_thread(store.open_verified, entry)
+        return await asyncio.to_thread(store.open_verified, entry, force)
     except (CorruptEntry, EntryNotFound):
         return None  # detected and removed: refetch below
 
 
-async def _get(request: web.Request, store: Store | None, bucket: str, key: str, expected: str | None) -> web.StreamResponse:
+async def _disputed(request: web.Request, store: Store, entry: Entry, claim: str) -> Entry | None:
+    """A hit whose caller expects other bytes (:mod:`sidecar.daemon.claims`): ``None`` when the
+    object is to be fetched again (the copy failed its own check, or an unverified copy's first
+    dispute with this claim), else :class:`ChecksumMismatch`."""
+    claims = request.app[CLAIMS]
+    outcomes = request.app[METRICS].claim_outcomes
+    if claims.may_recheck(entry):
+        with store.pinned(entry):
+            opened = await _open_hit(store, entry, force=True)
+        if opened is None:
+            outcomes.labels(outcome="refetched").inc()
+            return None
+        await asyncio.to_thread(os.close, opened[0])
+    if claims.may_refetch(entry, claim, caller_of(request)):
+        outcomes.labels(outcome="refetched").inc()
+        return None
+    outcomes.labels(outcome="mismatch").inc()
+    vouched = (
+        f"verified against the origin's {entry.verified}" if entry.verified
+        else "unverified: the origin sends no checksum for it, and it was fetched again for this checksum already"
+    )
+    raise ChecksumMismatch(
+        f"{entry.bucket}/{entry.key}: the cached copy (ETag {entry.etag}, {vouched}) hashes to xxh3-128 "
+        f"{entry.xxh3_128}, the caller expects {claim}: the manifest is stale or wrong (rebuild it with "
+        "`shardcache index`)"
+    )
+
+
+async def _get(request: web.Request, store: Store | None, bucket: str, key: str, claim: str | None) -> web.StreamResponse:
     metrics = request.app[METRICS]
     began = time.perf_counter()
     short_circuit = request.headers.get("x-shardcache-short-circuit") == "1"
     if store is not None:
-        entry = store.lookup(bucket, key, xxh3_128=expected)
+        entry = store.lookup(bucket, key)
+        if entry is not None and claim and entry.xxh3_128 != claim:
+            entry = await _disputed(request, store, entry, claim)
         if entry is not None and (answer := _conditional(request, entry, "hit")) is not None:
             metrics.cache_lookups.labels(result="hit").inc()
             return answer
-        if entry is not None and short_circuit and store.known_good(entry):
-            # The caller reads the file itself: no open, no executor hop, just the path.
-            store.touch_in_memory(entry)
-            metrics.cache_lookups.labels(result="hit").inc()
-            return _short_circuit_answer(request, store, entry, "hit")
         if entry is not None:
+            # A short-circuit reader that found the file wrong asks for a re-hash (bounded).
+            force = request.headers.get("x-shardcache-recheck") == "1" and request.app[CLAIMS].may_recheck(entry)
             with store.pinned(entry):
-                opened = await _open_hit(store, entry)
+                opened = await _open_hit(store, entry, force)
                 if opened is not None:
                     metrics.cache_lookups.labels(result="hit").inc()
                     response = await _serve_entry(request, store, entry, opened, "hit", short_circuit)
@@ -233,13 +282,24 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
     fetcher = request.app[FETCHER]
     if store is None:
         return await _passthrough_get(request, bucket, key)
-    fill, created = fetcher.start(bucket, key, DEMAND, expected)
+    fill, created = fetcher.start(bucket, key, DEMAND)
     state = "miss" if created else "coalesced"
     metrics.cache_lookups.labels(result=state).inc()
     info = await fill.wait_info()
     # The fill goes on whatever the condition says: the object is wanted, in this version.
     if (answer := _conditional(request, info, state)) is not None:
         return answer
+    if claim and fill.cacheable:
+        # The caller's checksum is compared before the first byte: it gets these bytes or an error.
+        digest = await fill.wait_sealed()
+        if digest is not None and digest != claim:
+            metrics.claim_outcomes.labels(outcome="mismatch").inc()
+            raise ChecksumMismatch(
+                f"{bucket}/{key}: the origin's bytes (ETag {info.etag}, just fetched, "
+                f"{'verified against its ' + fill.check.algorithm if fill.check else 'unverified'}) hash to "
+                f"xxh3-128 {digest}, the caller expects {claim}: the manifest is stale or wrong (rebuild it "
+                "with `shardcache index`)"
+            )
 
     if short_circuit and fill.cacheable and store is not None:
         entry = await fill.wait_done()
@@ -250,7 +310,7 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
                     return await _serve_entry(request, store, entry, opened, state, short_circuit)
 
     rng = parse_range(request.headers.get("Range"), info.size)
-    headers = _object_headers(info, state)
+    headers = _object_headers(info, state, request=request)
     status, start, end = _range_headers(headers, rng, info.size)
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
@@ -286,7 +346,7 @@ async def _passthrough_get(request: web.Request, bucket: str, key: str) -> web.S
     if (answer := _conditional(request, info, "miss")) is not None:
         return answer
     rng = parse_range(request.headers.get("Range"), info.size)
-    headers = _object_headers(info, "miss")
+    headers = _object_headers(info, "miss", request=request)
     status, start, end = _range_headers(headers, rng, info.size)
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
@@ -308,10 +368,6 @@ async def _send_fill(
     sent = start
     try:
         async for fd, offset, length in fill.ranges(start, end):
-            if offset + length >= end and fill.expected_xxh3:
-                # The caller named the checksum it expects: hold the last bytes back until the
-                # fill is verified, so a mismatch reaches it as an error, not as wrong data.
-                await fill.wait_done()
             if not response.prepared:
                 # Prepared only once bytes exist: a fill failing at once still gets an S3 error.
                 await response.prepare(request)
@@ -337,7 +393,7 @@ async def _send_fill(
 
 
 def _short_circuit_answer(request: web.Request, store: Store, entry: Entry, state: str) -> web.Response:
-    headers = _object_headers(entry, state)
+    headers = _object_headers(entry, state, request=request)
     headers["x-shardcache-path"] = str(store.data_path(entry))
     headers["x-shardcache-size"] = str(entry.size)
     request.app[METRICS].served_bytes.labels(source="short_circuit").inc(entry.size)
@@ -349,7 +405,7 @@ async def _serve_entry(
 ) -> web.StreamResponse:
     fd, _ = opened
     metrics = request.app[METRICS]
-    headers = _object_headers(entry, state)
+    headers = _object_headers(entry, state, request=request)
     if short_circuit:
         os.close(fd)
         return _short_circuit_answer(request, store, entry, state)

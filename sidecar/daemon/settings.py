@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cache import StoreSettings
+from sidecar.daemon.claims import ClaimSettings
 from sidecar.daemon.fills import FetchSettings
 from sidecar.daemon.origins.s3 import S3Settings
+from sidecar.daemon.scrub import ScrubSettings
 from wire.web import ConnectionLimits
 
 __all__ = ["ServeSettings", "MODES"]
@@ -30,6 +32,12 @@ class ServeSettings:
 
     fetch: FetchSettings = field(default_factory=FetchSettings)
     """Parallelism, retries and backoff of origin fetches."""
+
+    claims: ClaimSettings = field(default_factory=ClaimSettings)
+    """What a caller's disagreeing checksum may make the daemon do."""
+
+    scrub: ScrubSettings = field(default_factory=ScrubSettings)
+    """Idle-time re-hashing of cached files."""
 
     mode: str = "node"
     """``node``: the per-node daemon. ``sidecar``: forward to ``upstream``, or cache standalone when

@@ -31,8 +31,9 @@ from typing import Any
 from aiohttp import web
 
 from cache import CorruptEntry, Entry, EntryNotFound, IntegrityError, NoSpace, Store
+from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
-from sidecar.daemon.keys import FETCHER, SETTINGS, STORE, file_root
+from sidecar.daemon.keys import CLAIMS, FETCHER, SETTINGS, STORE, file_root
 from sidecar.daemon.priority import PRIORITIES, WARMUP, priority_value
 from sidecar.errors import BadRequest, Busy, NoSuchWarmup, ObjectNotFound, OriginError, WarmupConflict
 from wire.names import ID_RULE, is_id, parse_object_url, validate_bucket, validate_key, validate_xxh3_128, warmup_id
@@ -225,9 +226,10 @@ def _reason(exc: BaseException) -> str:
 class WarmupManager:
     """Owns the jobs of one daemon and their tasks."""
 
-    def __init__(self, store: Store | None, fetcher: Fetcher, default_concurrency: int) -> None:
+    def __init__(self, store: Store | None, fetcher: Fetcher, default_concurrency: int, claims: Claims) -> None:
         self.store = store
         self.fetcher = fetcher
+        self.claims = claims
         self.default_concurrency = default_concurrency
         self.jobs: dict[str, WarmupJob] = {}
 
@@ -353,14 +355,25 @@ class WarmupManager:
         if self.store is None:
             job.failures[name] = "this daemon runs without a cache"
             return
-        entry = self.store.lookup(item.bucket, item.key, xxh3_128=item.xxh3_128)
+        entry = self.store.lookup(item.bucket, item.key)
+        if entry is not None and item.xxh3_128 and entry.xxh3_128 != item.xxh3_128:
+            # The manifest's checksum is a claim (sidecar/daemon/claims.py): it refetches only an
+            # unverified copy, once; a copy the origin vouched for stays, and the item fails.
+            if not self.claims.may_refetch(entry, item.xxh3_128, f"warm-up {job.id}"):
+                vouched = f"verified against the origin's {entry.verified}" if entry.verified else "unverified, fetched again"
+                job.failures[name] = (
+                    f"checksum mismatch: the cached copy ({vouched}) has xxh3_128 {entry.xxh3_128}, "
+                    f"the manifest says {item.xxh3_128} (re-run `shardcache index`?)"
+                )
+                return
+            entry = None
         if entry is not None and await self._verified(entry):
             job.cached_before += 1
             self._done(job, item, entry, fetched=False)
             return
         if bucket is not None and item.size is not None:
             await bucket.acquire(item.size)
-        fill, _ = self.fetcher.start(item.bucket, item.key, job.priority, item.xxh3_128)
+        fill, _ = self.fetcher.start(item.bucket, item.key, job.priority)
         job.inflight[name] = fill
         try:
             entry = await fill.wait_done()
@@ -530,7 +543,7 @@ def setup(app: web.Application) -> None:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         # Runs after the daemon's own resources context (cleanup_ctx order): FETCHER exists, and
         # on shutdown the jobs stop before the fetcher and store close.
-        manager = WarmupManager(app.get(STORE), app[FETCHER], app[SETTINGS].prefetch_workers)
+        manager = WarmupManager(app.get(STORE), app[FETCHER], app[SETTINGS].prefetch_workers, app[CLAIMS])
         app[WARMUPS] = manager
         try:
             yield

@@ -36,7 +36,7 @@ def test_smoke_suite_runs_every_reader_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((results / "suite-smoke.json").read_text())
     rows = result["rows"]
-    expected = {"raw", "boto3", "s3fs", "webdataset", "streaming", "s3torchconnector", "shardcache_s3api_boto3",
+    expected = {"raw", "boto3", "boto3_transfer", "s3fs", "webdataset", "streaming", "s3torchconnector", "shardcache_s3api_boto3",
                 "shardcache_loader", "shardcache_loader_zero_copy", "shardcache_loader_s3api", "shardcache_loader_4p",
                 "shardcache_master_4p",
                 "half_cache_lru", "half_cache_hold"}

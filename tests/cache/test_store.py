@@ -146,3 +146,69 @@ def test_limits_always_hold(ops, eviction, capacity, max_items):
         reopened = make(Path(tmp), capacity=capacity, eviction=eviction, max_items=max_items)
         assert {e.key for e in reopened.entries()} == {e.key for e in store.entries()}
         reopened.close()
+
+
+# -- issue 13: a verifier the caller brings, rot the stamp cannot see, unverified accounting ------
+
+
+def test_a_verifier_that_fails_publishes_nothing(tmp_path):
+    from sidecar.daemon.checksums import OriginChecksum
+
+    store = make(tmp_path)
+    data = os.urandom(5000)
+    import base64
+    import zlib
+
+    good = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    writer = store.begin("b", "k", '"k"', len(data), verifier=OriginChecksum("crc32", good).verifier())
+    writer.write_at(2500, data[2500:])  # out of order: the tail is hashed by reading it back
+    writer.write_at(0, data[:2500])
+    entry = writer.commit()
+    assert entry.verified == "crc32"
+    assert store.stats()["unverified_items"] == 0
+    bad = base64.b64encode((zlib.crc32(data) ^ 1).to_bytes(4, "big")).decode()
+    writer = store.begin("b", "k2", '"k2"', len(data), verifier=OriginChecksum("crc32", bad).verifier())
+    writer.write_at(0, data)
+    with pytest.raises(IntegrityError, match="crc32"):
+        writer.commit()
+    assert store.lookup("b", "k2") is None and store.stats()["integrity_failures"] == 1
+    assert not any((tmp_path / "v1" / "tmp").iterdir())
+    # Unverified entries are counted, and the mark survives a restart.
+    put(store, "plain", data)
+    assert (store.stats()["unverified_items"], store.stats()["unverified_bytes"]) == (1, 5000)
+    store.close()
+    again = make(tmp_path)
+    assert again.lookup("b", "k").verified == "crc32" and again.lookup("b", "plain").verified == ""
+    assert again.stats()["unverified_items"] == 1
+
+
+def _rot(store: Store, entry) -> None:
+    """Change a byte of the entry's file and make the store believe it verified the result: bits
+    that changed below the file system, which no stamp shows."""
+    path = store.data_path(entry)
+    path.chmod(0o644)
+    with open(path, "r+b") as handle:
+        handle.seek(10)
+        handle.write(b"\xff" if handle.read(1) != b"\xff" else b"\x00")
+    path.chmod(0o444)
+    st = path.stat()
+    from cache.store import _Stamp
+
+    store._verified[entry.id] = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def test_a_forced_recheck_and_the_scrubber_find_what_the_stamp_cannot(tmp_path):
+    store = make(tmp_path)
+    a = put(store, "a", os.urandom(3000))
+    b = put(store, "b", os.urandom(3000))
+    _rot(store, a)
+    fd, _ = store.open_verified(a)  # the stamp says it is the file last verified
+    os.close(fd)
+    with pytest.raises(CorruptEntry):
+        store.open_verified(a, force=True)
+    assert store.lookup("b", "a") is None
+    _rot(store, b)
+    assert store.scrub_one(min_age_s=3600) == 0  # hashed at publish, not due yet
+    assert store.scrub_one(min_age_s=0) == 3000
+    assert store.lookup("b", "b") is None and store.stats()["corrupt_removed"] == 2
+    assert store.scrub_one(min_age_s=0) == 0  # nothing left

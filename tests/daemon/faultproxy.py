@@ -32,6 +32,8 @@ class Faults:
     trickle_bps: float = 0.0   # send bodies at this many bytes per second (a slow transfer)
     stall: int = 0             # hold the answer back for stall_s (longer than the client's timeout)
     stall_s: float = 2.0
+    flip: int = 0              # flip one bit of the body's byte at flip_at (a body that long or longer)
+    flip_at: int = 1000
     only_get: bool = True      # faults apply to GETs of objects only
 
 
@@ -130,6 +132,11 @@ class FaultProxy:
                     continue
                 response = await self._forward(head, body)
                 header_end = response.index(b"\r\n\r\n") + 4
+                at = header_end + self.faults.flip_at
+                if faultable and at < len(response) and self._take("flip"):
+                    # One bit on the wire: the length, the headers and the framing stay right.
+                    response = response[:at] + bytes([response[at] ^ 0x01]) + response[at + 1 :]
+                    self.log.append(f"flipped byte {self.faults.flip_at} of {request_line}")
                 if truncate:
                     writer.write(response[: header_end + self.faults.truncate_at])
                     await writer.drain()

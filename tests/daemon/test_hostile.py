@@ -149,8 +149,11 @@ def test_expected_checksum_header_is_validated(file_daemon):
     status, _, _ = raw(file_daemon, "GET", "/bk/train/0.tar", headers={"x-shardcache-xxh3-128": "nothex"})
     assert status == 400
     status, body, _ = raw(file_daemon, "GET", "/bk/train/0.tar", headers={"x-shardcache-xxh3-128": "0" * 32})
-    assert status == 502 and b"BadDigest" in body  # the bytes do not match: not cached, error to caller
-    assert file_daemon.stats()["cache"]["items"] == 0
+    # A claim, not an order: the caller gets an error naming both hashes and no byte; the
+    # origin's copy is what the cache keeps (a file origin vouches for nothing: unverified).
+    assert status == 409 and b"ChecksumMismatch" in body and b"0" * 32 in body
+    wait_until(lambda: file_daemon.stats()["cache"]["items"] == 1, 10, what="the fill published")
+    assert file_daemon.stats()["cache"]["unverified_items"] == 1
 
 
 def test_a_full_prefetch_queue_is_a_slowdown_with_retry_after(tmp_path, start_daemon):

@@ -64,6 +64,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--origin-concurrency", default="32", help="origin requests in flight in total")
     add_flag(parser, "--retries", default="4", help="retries per origin request after the first attempt")
     add_flag(parser, "--prefetch-workers", default="4", help="background fills at once for prefetch/warm-up")
+    add_flag(parser, "--verify-etag-md5", default="on", choices=["on", "off"],
+             help="verify objects without an S3 additional checksum against their ETag where it is an MD5 "
+                  "(single-part, not SSE-KMS/SSE-C); costs ~1.2 CPU-s/GB")
+    add_flag(parser, "--scrub-rate", default="32MB",
+             help="bytes per second to re-hash cached files at while idle (0: off); each at most daily")
     add_connection_flags(parser, max_connections=1024)
     parser.set_defaults(func=run)
 
@@ -80,8 +85,10 @@ def _int(value: str, flag: str, minimum: int = 0) -> int:
 
 def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from cache import StoreSettings
+    from sidecar.daemon.checksums import VerifySettings
     from sidecar.daemon.fills import FetchSettings
     from sidecar.daemon.origins.s3 import S3Settings
+    from sidecar.daemon.scrub import ScrubSettings
     from sidecar.daemon.settings import ServeSettings
     from wire.names import parse_listen
 
@@ -120,7 +127,9 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             origin_concurrency=concurrency,
             demand_reserved=max(1, concurrency // 4),
             retries=_int(args.retries, "--retries"),
+            verify=VerifySettings(etag_md5=args.verify_etag_md5 == "on"),
         ),
+        scrub=ScrubSettings(bytes_per_s=float(parse_size(args.scrub_rate))),
         mode=args.mode,
         upstream=args.upstream,
         prefetch_workers=_int(args.prefetch_workers, "--prefetch-workers", 1),

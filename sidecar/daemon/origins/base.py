@@ -53,6 +53,11 @@ class ObjectInfo:
     last_modified: str | None = None  # RFC 7231 date, as S3 sends it
     headers: ObjectHeaders = ()
     """The headers S3 stores with an object, as the origin sent them (:func:`wire.s3headers.object_headers`)."""
+    checksums: ObjectHeaders = ()
+    """The origin's additional-checksum headers (``x-amz-checksum-*``, names lower case), when it
+    sent any (:func:`sidecar.daemon.checksums.checksum_headers`)."""
+    key_encrypted: bool = False
+    """SSE-KMS or SSE-C: the ETag is no MD5 of the bytes."""
 
 
 class Body(abc.ABC):

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.daemon.checksums import checksum_headers, key_encrypted
 from sidecar.daemon.origins.base import Body, EmptyBody, ObjectInfo, Origin
 from sidecar.daemon.origins.httppool import HTTPPool, Response
 from sidecar.errors import (
@@ -54,6 +55,7 @@ _ERRORS: dict[S3ErrorKind, tuple[type[SidecarError], str]] = {
     S3ErrorKind.BAD_REQUEST: (BadRequest, "{what}: origin rejected the request ({detail})"),
     S3ErrorKind.THROTTLED: (OriginThrottled, "{what}: origin is throttling ({detail})"),
     S3ErrorKind.UNAVAILABLE: (OriginUnavailable, "{what}: origin answered {status} {code}"),
+    S3ErrorKind.CHECKSUM_MISMATCH: (OriginUnavailable, "{what}: origin answered {status} {code}"),
     S3ErrorKind.UNEXPECTED: (OriginUnavailable, "{what}: origin answered {status} {code}"),
 }
 
@@ -166,8 +168,9 @@ class S3Origin(Origin):
         return await self.call(self._head, bucket, key)
 
     def _head(self, bucket: str, key: str) -> ObjectInfo:
-        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
-        resp = self._request("HEAD", "head_object", params)
+        # With the object's additional checksum, if it has one: answered again to clients that ask.
+        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "ChecksumMode": "ENABLED"}
+        resp = self._request("HEAD", "head_object", params, _CHECKSUM_MODE)
         try:
             return _info(resp.headers.items(), int(resp.headers.get("Content-Length", "0")), f"{bucket}/{key}")
         finally:
@@ -189,31 +192,25 @@ class S3Origin(Origin):
         return _HTTPBody(resp, expected, f"{bucket}/{key}")
 
     def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
-        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
-        try:
-            # A Range (even bytes=0-) makes S3 answer 206 with Content-Range: the object's size.
-            resp = self._request("GET", "get_object", params, {"Range": "bytes=0-"})
-        except InvalidRange:
-            # An empty object has no byte 0: S3 answers 416 to any range on it.
-            info = self._head(bucket, key)
-            if info.size != 0:
-                raise
-            return info, EmptyBody()
+        # Not ranged: S3 answers the full-object checksum only to a GET of the whole object, with
+        # x-amz-checksum-mode (signed: botocore lists it in the presigned URL's signed headers).
+        # Content-Length is then the size; a fill that splits closes this stream at a part boundary.
+        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "ChecksumMode": "ENABLED"}
+        resp = self._request("GET", "get_object", params, _CHECKSUM_MODE)
         expected = _content_length(resp)
-        if resp.status == 206:
+        size = expected
+        if resp.status == 206:  # an origin that ranges anyway says the size in Content-Range
             match = _RANGE_RE.match(resp.headers.get("Content-Range", ""))
-            if not match or match.group(3) == "*":
-                resp.close()
-                raise OriginBadResponse(f"{bucket}/{key}: origin sent no usable Content-Range")
-            size = int(match.group(3))
-        else:  # 200: the origin ignored the range and sends the whole object
-            size = expected
+            size = int(match.group(3)) if match and match.group(3) != "*" else -1
+        if size < 0:
+            resp.close()
+            raise OriginBadResponse(f"{bucket}/{key}: origin sent no usable Content-Length")
         try:
             info = _info(resp.headers.items(), size, f"{bucket}/{key}")
         except BaseException:
             resp.close()
             raise
-        return info, _HTTPBody(resp, expected, f"{bucket}/{key}")
+        return info, (_HTTPBody(resp, expected, f"{bucket}/{key}") if size else _closed(resp))
 
     # Listings pass through: the client's query goes to the origin as it is (its encoding-type
     # too, and only if it sent one: see _plain_listings) and the origin's XML comes back as it
@@ -281,7 +278,19 @@ def _info(headers: Iterable[tuple[str, str]], size: int, what: str) -> ObjectInf
     except HeadersTooLarge as exc:
         # The origin's fault, told as one: 502, and nothing of the object is cached.
         raise OriginBadResponse(str(exc)) from exc
-    return ObjectInfo(size=size, etag=lower.get("etag", ""), last_modified=lower.get("last-modified"), headers=stored)
+    return ObjectInfo(
+        size=size, etag=lower.get("etag", ""), last_modified=lower.get("last-modified"), headers=stored,
+        checksums=checksum_headers(pairs), key_encrypted=key_encrypted(pairs),
+    )
+
+
+_CHECKSUM_MODE = {"x-amz-checksum-mode": "ENABLED"}
+
+
+def _closed(resp: Response) -> Body:
+    """The body of an empty object: nothing to read, the connection back to the pool."""
+    resp.close()
+    return EmptyBody()
 
 
 # Query parameter -> boto3 parameter, of each listing.
@@ -412,7 +421,7 @@ class Boto3S3Origin(S3Origin):
             raise OriginUnavailable(f"S3 {op} failed: {exc}") from exc
 
     def _head(self, bucket: str, key: str) -> ObjectInfo:
-        resp = self._call("head_object", Bucket=validate_bucket(bucket), Key=validate_key(key))
+        resp = self._call("head_object", Bucket=validate_bucket(bucket), Key=validate_key(key), ChecksumMode="ENABLED")
         # The raw headers, not boto3's parsed fields: values exactly as sent (Expires is a
         # datetime there, and metadata keys lose their prefix).
         return _info(resp["ResponseMetadata"]["HTTPHeaders"].items(), int(resp["ContentLength"]), f"{bucket}/{key}")
@@ -426,23 +435,17 @@ class Boto3S3Origin(S3Origin):
         return _Boto3Body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
 
     def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
-        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key), "Range": "bytes=0-"}
-        try:
-            resp = self._call("get_object", **params)
-        except InvalidRange:
-            info = self._head(bucket, key)
-            if info.size != 0:
-                raise
-            return info, EmptyBody()
-        match = _RANGE_RE.match(resp.get("ContentRange", ""))
-        size = int(match.group(3)) if match and match.group(3) != "*" else int(resp["ContentLength"])
+        # Not ranged, with the checksum mode, as S3Origin.open_first (botocore validates the
+        # checksum too, as it streams: a mismatch there is a body error, retried).
+        resp = self._call("get_object", Bucket=validate_bucket(bucket), Key=validate_key(key), ChecksumMode="ENABLED")
+        size = int(resp["ContentLength"])
         try:
             info = _info(resp["ResponseMetadata"]["HTTPHeaders"].items(), size, f"{bucket}/{key}")
         except BaseException:
             with contextlib.suppress(Exception):
                 resp["Body"].close()
             raise
-        return info, _Boto3Body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
+        return info, _Boto3Body(resp["Body"], size, f"{bucket}/{key}")
 
 
 def _rebuild(client: Any, config: Any) -> Any:
