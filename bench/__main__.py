@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run the store on a far host: its own network namespace behind a link of this many "
                         "Mbit/s (tc tbf, both directions; needs root, ip and tc). With --delay-ms 0 no latency proxy "
                         "runs: readers and daemons reach the store directly")
+    parser.add_argument("--far-host-flow-mbps", type=float, default=None,
+                        help="with --far-host-mbps: each connection's own cap on the far link, Mbit/s (S3 limits "
+                             "one request to 85-90 MB/s); default: the link's rate only")
     parser.add_argument("--store", choices=STORES, default="moto",
                         help="S3 server behind the proxy: moto (RAM) or s3rver (files; needs node and npm)")
     parser.add_argument("--trainer-rate", type=float, default=1000.0,
@@ -63,11 +66,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"unknown reader(s) {', '.join(sorted(unknown))}; known: {', '.join(RUN_NAMES)}")
     if args.delay_ms < 0 or args.trainer_rate <= 0:
         parser.error("--delay-ms must be >= 0 and --trainer-rate > 0")
+    if args.far_host_flow_mbps is not None and args.far_host_mbps is None:
+        parser.error("--far-host-flow-mbps needs --far-host-mbps")
     if args.far_host_mbps is not None:
         from bench.netbed import FarHostUnavailable, check_available
 
-        if args.far_host_mbps <= 0:
-            parser.error("--far-host-mbps must be > 0")
+        if args.far_host_mbps <= 0 or (args.far_host_flow_mbps is not None and args.far_host_flow_mbps <= 0):
+            parser.error("--far-host-mbps and --far-host-flow-mbps must be > 0")
         try:
             check_available()
         except FarHostUnavailable as exc:
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = SuiteConfig(
         size=size, shard_bytes=shard, delay_ms=args.delay_ms, stream_mbps=args.stream_mbps,
-        far_host_mbps=args.far_host_mbps, store=args.store,
+        far_host_mbps=args.far_host_mbps, far_host_flow_mbps=args.far_host_flow_mbps, store=args.store,
         trainer_rate=args.trainer_rate,
         stall_cap_s=args.stall_seconds if args.stall_seconds is not None else (2.0 if args.smoke else 10.0),
         seed=args.seed, smoke=args.smoke, readers=tuple(args.readers.split(",")) if args.readers else None,

@@ -369,13 +369,16 @@ def ask_latency_ms(port: int, key: str, count: int = 200) -> float:
 # -- the run ----------------------------------------------------------------------------------
 
 
-def upload(client: Any, size: int, shard_bytes: int, seed: int) -> Layout:
+def upload(client: Any, size: int, shard_bytes: int, seed: int, checksum: str = "crc64nvme") -> Layout:
+    """Put the shards; ``checksum`` is the additional checksum stored with each (``none``: only
+    the ETag, an MD5: what a fill is then verified against, if at all)."""
     prefix = f"shards-{shard_bytes}/"
     keys, sizes, digests = [], [], []
     samples = 0
+    extra = {} if checksum == "none" else {"ChecksumAlgorithm": checksum.upper()}
     for name, data, count in pack_shards(make_samples(size, seed), shard_bytes):
         key = prefix + name
-        client.put_object(Bucket=BUCKET, Key=key, Body=data)
+        client.put_object(Bucket=BUCKET, Key=key, Body=data, **extra)
         keys.append(key)
         sizes.append(len(data))
         digests.append(xxhash.xxh3_128_hexdigest(data))
@@ -680,6 +683,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--store", choices=STORES, default="moto",
                         help="the S3 server: moto (objects in RAM) or s3rver (objects in files; needs node and npm)")
     parser.add_argument("--cold-only", action="store_true", help="measure the cold methods only")
+    parser.add_argument("--upload-checksum", choices=["crc64nvme", "crc32", "none"], default="crc64nvme",
+                        help="additional checksum stored with each shard: crc64nvme (default: what S3 stores for every "
+                             "new object since 2024-12), crc32 (boto3's upload default), none (ETag only: fills are "
+                             "verified as MD5, and daemon_cold_no_md5 measures what that costs)")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON result file (default bench/results/daemon.json; daemon-remote.json for a remote origin)")
     args = parser.parse_args(argv)
@@ -718,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             layouts = []
             for shard_bytes in args.shard_sizes:
                 t0 = time.perf_counter()
-                layout = upload(bench.upload_client, args.size, shard_bytes, args.seed)
+                layout = upload(bench.upload_client, args.size, shard_bytes, args.seed, args.upload_checksum)
                 bench.say(f"uploaded {len(layout.keys)} shards of ~{fmt_size(shard_bytes)} "
                           f"({fmt_size(layout.total)}, {layout.samples} samples) in {time.perf_counter() - t0:.1f}s")
                 layouts.append(layout)
@@ -744,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
                        + (f", {args.origin_stream_mbps:g} MB/s per connection" if args.origin_stream_mbps else "")
                        if args.origin_delay_ms > 0 or args.origin_stream_mbps else ""),
                    "origin_delay_ms": args.origin_delay_ms, "origin_stream_mbps": args.origin_stream_mbps,
-                   "cold_only": args.cold_only,
+                   "cold_only": args.cold_only, "upload_checksum": args.upload_checksum,
                    "daemon": "python -m sidecar.cli serve",
                    "page_cache": page_cache, "store": args.store, "store_peak_rss_mb": round(store_rss.hwm_kib / 1024, 1),
                    "mb": "10^6 bytes", "statistic": "median of repeats; ratios of medians"},

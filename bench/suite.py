@@ -108,6 +108,9 @@ class SuiteConfig:
     """Run the store on a far host (``bench.netbed.FarHost``) behind a link of this many Mbit/s
     (tc tbf, both directions); None: on loopback. With ``delay_ms`` 0 and no ``stream_mbps`` no
     proxy runs at all."""
+    far_host_flow_mbps: float | None = None
+    """With ``far_host_mbps``: each connection's own cap on the far link (Mbit/s), as S3 limits a
+    request's throughput (``bench.netbed``); None: the link's rate only."""
     store: str = "moto"
     """The S3 server behind the proxy: ``moto`` (objects in RAM) or ``s3rver`` (objects in files,
     ranges streamed from them; see ``bench.common.S3rverServer``)."""
@@ -407,7 +410,9 @@ def scenario(cfg: SuiteConfig) -> str:
     ``800 Mbit/s + 20 ms``."""
     if not cfg.far_host_mbps:
         return f"{cfg.delay_ms:g} ms"
-    return f"{cfg.far_host_mbps:g} Mbit/s" + (f" + {cfg.delay_ms:g} ms" if cfg.delay_ms > 0 else "")
+    return (f"{cfg.far_host_mbps:g} Mbit/s"
+            + (f", {cfg.far_host_flow_mbps:g} per connection" if cfg.far_host_flow_mbps else "")
+            + (f" + {cfg.delay_ms:g} ms" if cfg.delay_ms > 0 else ""))
 
 
 def origin_description(cfg: SuiteConfig) -> str:
@@ -418,6 +423,9 @@ def origin_description(cfg: SuiteConfig) -> str:
     if not cfg.far_host_mbps:
         return f"{store} behind {proxy}"
     link = f"in its own network namespace behind a tc tbf link of {cfg.far_host_mbps:g} Mbit/s (both directions)"
+    if cfg.far_host_flow_mbps:
+        link = (f"in its own network namespace behind a tc link of {cfg.far_host_mbps:g} Mbit/s (both directions) "
+                f"and {cfg.far_host_flow_mbps:g} Mbit/s per connection (HTB)")
     return f"{store} {link}, " + (f"with {proxy} in front" if uses_proxy(cfg) else "no latency proxy (readers reach it directly)")
 
 
@@ -482,7 +490,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
             store = store_server(cfg.store, workdir)
             far = None
             if cfg.far_host_mbps:
-                far = stack.enter_context(FarHost(cfg.far_host_mbps))
+                far = stack.enter_context(FarHost(cfg.far_host_mbps, flow_mbps=cfg.far_host_flow_mbps))
                 far_facts = far.facts()
                 store.listen_on(far.address, far.exec_prefix)
                 _say(f"far host {far.name}: {far.address}, {cfg.far_host_mbps:g} Mbit/s tbf (burst {far.burst}, "
@@ -573,7 +581,9 @@ def publish(result: dict[str, Any], cfg: SuiteConfig) -> dict[str, Path]:
     if cfg.store != "moto":
         tag += f"-{cfg.store}"
     if cfg.far_host_mbps:
-        tag += f"-netns-{cfg.far_host_mbps:g}mbit" + (f"-{cfg.delay_ms:g}ms" if cfg.delay_ms > 0 else "")
+        tag += (f"-netns-{cfg.far_host_mbps:g}mbit"
+                + (f"-{cfg.far_host_flow_mbps:g}perconn" if cfg.far_host_flow_mbps else "")
+                + (f"-{cfg.delay_ms:g}ms" if cfg.delay_ms > 0 else ""))
     if cfg.stream_mbps:
         tag += f"-{cfg.stream_mbps:g}mbps"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -250,6 +250,25 @@ class Writer:
         self.digest = digest
         return digest
 
+    def place(self) -> Path | None:
+        """After :meth:`seal`: give the checked bytes their published file name now, before the
+        fsync and the meta file that publish them, so that a reader can be handed the file at once
+        (a short-circuit reader waited 40-65 ms per 64 MiB shard for the publish otherwise). The
+        file counts as published only once its meta file exists: until then it is an orphan that
+        :meth:`abort` removes, and so does start-up after a crash. Not done (``None``) while an
+        entry with that id is indexed (a refetch): its file stays until the new one is published."""
+        assert self.digest is not None, "place() before seal()"
+        ident = entry_id(self.store.settings.namespace, self.bucket, self.key, self.etag)
+        with self.store._lock:
+            if ident in self.store._entries:
+                return None
+        data_path = self.store._data_path(ident)
+        data_path.parent.mkdir(exist_ok=True)
+        os.fchmod(self.fd, 0o444)
+        os.replace(self.path, data_path)
+        self.path = data_path
+        return data_path
+
     def commit(self) -> Entry:
         """Seal (verify), fsync and publish. On any failure the temp file is removed and nothing is published."""
         try:
@@ -630,8 +649,9 @@ class Store:
         data_path.parent.mkdir(exist_ok=True)
         meta_path.parent.mkdir(exist_ok=True)
         stat = os.fstat(writer.fd)
-        # Rename the data in, then publish by atomically writing the meta file.
-        os.replace(writer.path, data_path)
+        # Rename the data in (unless Writer.place did), then publish by atomically writing the meta file.
+        if writer.path != data_path:
+            os.replace(writer.path, data_path)
         meta_tmp = self._tmp_dir / f"{secrets.token_hex(8)}.meta"
         try:
             with open(meta_tmp, "wb") as handle:

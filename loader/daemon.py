@@ -234,7 +234,7 @@ class DaemonClient:
 
     def open_object(
         self, bucket: str, key: str, *, offset: int = 0, short_circuit: bool = False,
-        xxh3_128: str | None = None, recheck: bool = False,
+        xxh3_128: str | None = None, recheck: bool = False, on_sent: Callable[[], None] | None = None,
     ) -> DaemonObject:
         """Open ``bucket/key`` for streaming from byte ``offset`` (retried on connection errors
         and 5xx). With ``short_circuit`` the daemon may answer with the cached file's path.
@@ -242,7 +242,10 @@ class DaemonClient:
         ``xxh3_128`` is the manifest's checksum of the object: the daemon answers only bytes that
         hash to it, or ``CorruptShard`` naming both (a claim it judges: it refetches only a copy
         that fails its own check or that the origin did not vouch for). ``recheck`` asks it to
-        re-hash its copy first: this caller's last read of it did not match."""
+        re-hash its copy first: this caller's last read of it did not match. ``on_sent`` is called
+        once, as soon as the first request is on its way (before its answer: a claimed miss is
+        answered only once the whole object is in and checked)."""
+        sent = [on_sent] if on_sent is not None else []
 
         def call() -> DaemonObject:
             conn = self._new_connection(self._settings.io_timeout_s)
@@ -257,6 +260,8 @@ class DaemonClient:
                 headers["x-shardcache-short-circuit"] = "1"
             try:
                 conn.request("GET", self._base + _object_path(bucket, key), headers=headers)
+                if sent:
+                    sent.pop()()
                 resp = conn.getresponse()
             except BaseException:
                 conn.close()

@@ -379,7 +379,9 @@ class ShardLoader:
         position = start  # samples yielded so far, counting the skipped ones
         for attempt in range(2):
             try:
-                reader = self._source().open(shard, recheck=attempt > 0)
+                # The hints of the next shards go out as soon as this read's request has: the daemon
+                # then fills them in this one's tail, not after its answer.
+                reader = self._source().open(shard, recheck=attempt > 0, on_sent=self._flush_hints)
             except CorruptShard as exc:
                 if attempt:
                     raise

@@ -46,9 +46,10 @@ class Source(Protocol):
     location: DatasetURL
     via: str  # "file", "s3" or the daemon's endpoint; shown in errors and logs
 
-    def open(self, shard: Shard, recheck: bool = False) -> Reader:
+    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
         """The shard's bytes. ``recheck``: the last read of this shard did not match its checksum;
-        a cache in between re-hashes its copy first (the others read again as they would)."""
+        a cache in between re-hashes its copy first (the others read again as they would).
+        ``on_sent``: a source may call it once its request is on its way, before the answer."""
         ...
 
     def read_manifest(self) -> bytes | None: ...
@@ -156,7 +157,7 @@ class FileSource:
     def _path(self, key: str) -> str:
         return os.path.join(self._base, *check_key(key, self.location.url).split("/"))
 
-    def open(self, shard: Shard, recheck: bool = False) -> Reader:
+    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
         path = self._path(shard.key)
         try:
             return open(path, "rb", buffering=0)
@@ -258,7 +259,7 @@ class S3Source:
         tag = answer.get("ETag")
         return answer["Body"], tag.strip('"') if tag else None
 
-    def open(self, shard: Shard, recheck: bool = False) -> Reader:
+    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
         check_key(shard.key, self.location.url)
         first: dict[str, str | None] = {"etag": None}
 
@@ -353,26 +354,37 @@ class DaemonSource:
             raise ConfigError(f"dataset {location.url}: the first directory under {origin} is the bucket; name one")
         return bucket, prefix
 
-    def open(self, shard: Shard, recheck: bool = False) -> Reader:
+    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
         key = self._prefix + check_key(shard.key, self.location.url)
         what = self.location.url + shard.key
         # The manifest's checksum goes with every read, resumed ones too: the daemon answers only
         # bytes that hash to it (loader.daemon.DaemonClient.open_object).
         claim = shard.xxh3_128 if self._settings.verify else None
         if self._short_circuit:
-            obj = self._client.open_object(self._bucket, key, short_circuit=True, xxh3_128=claim, recheck=recheck)
-            recheck = False
+            obj = self._client.open_object(self._bucket, key, short_circuit=True, xxh3_128=claim, recheck=recheck,
+                                           on_sent=on_sent)
+            recheck, on_sent = False, None
             if obj.path is not None:
                 handle = self._open_short_circuit(obj.path, obj.size)
                 if handle is not None:
                     return handle
             elif obj.response is not None and obj.conn is not None:
                 return self._resuming(key, what, claim, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
-        return self._resuming(key, what, claim, recheck=recheck)
+        return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent)
 
     def _open_short_circuit(self, path: str, size: int | None) -> Reader | None:
         try:
             handle = open(path, "rb", buffering=0)
+        except FileNotFoundError as exc:
+            if os.path.isdir(os.path.dirname(os.path.dirname(path))):
+                # The cache is mounted here, the file went between the answer and the open
+                # (evicted, or a fill that failed to publish): this shard streams over HTTP, and
+                # short-circuit reads stay on.
+                log.info("short-circuit file %s is gone; reading it through %s", path, self.via)
+                return None
+            log.info("short-circuit path %s not readable here (%s); reading through %s", path, exc, self.via)
+            self._short_circuit = False
+            return None
         except OSError as exc:
             # The cache dir is not mounted in this pod (or not readable): stream over HTTP from now on.
             log.info("short-circuit path %s not readable here (%s); reading through %s", path, exc, self.via)
@@ -387,14 +399,15 @@ class DaemonSource:
 
     def _resuming(
         self, key: str, what: str, claim: str | None, first: tuple[Reader, str | None] | None = None,
-        recheck: bool = False,
+        recheck: bool = False, on_sent: Callable[[], None] | None = None,
     ) -> Reader:
         pending = [first] if first is not None else []
 
         def open_at(offset: int) -> tuple[Reader, str | None]:
             if pending and not offset:
                 return pending.pop()
-            obj = self._client.open_object(self._bucket, key, offset=offset, xxh3_128=claim, recheck=recheck and not offset)
+            obj = self._client.open_object(self._bucket, key, offset=offset, xxh3_128=claim, recheck=recheck and not offset,
+                                           on_sent=None if offset else on_sent)
             assert obj.response is not None and obj.conn is not None
             return _HTTPBody(obj.response, obj.conn), obj.etag
 

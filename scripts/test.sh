@@ -25,6 +25,16 @@ if ! command -v rclone >/dev/null; then
     fi
 fi
 
+# ip and tc (iproute2) build the benchmark's far host: a network namespace behind a tc cap.
+if ! command -v tc >/dev/null || ! command -v ip >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+    else
+        echo "scripts/test.sh: ip/tc missing; install iproute2 (sudo apt-get install iproute2)" >&2
+    fi
+fi
+
 # torch pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels); the bench
 # extra brings the peers the benchmark suite's smoke test runs (s3fs, webdataset,
 # mosaicml-streaming, s3torchconnector); constraints.txt keeps their versions resolvable.

@@ -302,6 +302,10 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
             )
 
     if short_circuit and fill.cacheable and store is not None:
+        await fill.wait_sealed()
+        if fill.placed is not None:
+            # Checked, and under its published name already: no need to wait for the fsync.
+            return _short_circuit_answer(request, info, fill.placed, state)
         entry = await fill.wait_done()
         if entry is not None:
             with store.pinned(entry):
@@ -392,11 +396,11 @@ async def _send_fill(
     await response.write_eof()
 
 
-def _short_circuit_answer(request: web.Request, store: Store, entry: Entry, state: str) -> web.Response:
-    headers = _object_headers(entry, state, request=request)
-    headers["x-shardcache-path"] = str(store.data_path(entry))
-    headers["x-shardcache-size"] = str(entry.size)
-    request.app[METRICS].served_bytes.labels(source="short_circuit").inc(entry.size)
+def _short_circuit_answer(request: web.Request, obj: Entry | ObjectInfo, path: str, state: str) -> web.Response:
+    headers = _object_headers(obj, state, request=request)
+    headers["x-shardcache-path"] = path
+    headers["x-shardcache-size"] = str(obj.size)
+    request.app[METRICS].served_bytes.labels(source="short_circuit").inc(obj.size)
     return web.Response(status=200, headers=headers)
 
 
@@ -408,7 +412,7 @@ async def _serve_entry(
     headers = _object_headers(entry, state, request=request)
     if short_circuit:
         os.close(fd)
-        return _short_circuit_answer(request, store, entry, state)
+        return _short_circuit_answer(request, entry, str(store.data_path(entry)), state)
     try:
         rng = parse_range(request.headers.get("Range"), entry.size)
     except BaseException:

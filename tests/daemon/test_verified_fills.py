@@ -309,3 +309,35 @@ def test_loader_runs_heal_a_bad_unverified_copy(s3_server, bucket, proxy, tmp_pa
         daemon.settle()
     assert sorted(cached_copies(tmp_path / "cache")) == sorted(p.read_bytes() for p in written.root.glob("*.tar"))
     assert daemon.stats()["verification"]["claim_disputes"]["refetched"] == 1
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32", "SHA256", "SHA1"])
+def test_every_additional_checksum_verifies_a_fill(s3_server, bucket, proxy, tmp_path, start_daemon, algorithm):
+    data = os.urandom(SIZE)
+    s3_server.client().put_object(Bucket=bucket, Key="s.tar", Body=data, ChecksumAlgorithm=algorithm)
+    daemon = start(start_daemon, tmp_path, proxy)
+    status, body, _, _ = get(daemon, f"/{bucket}/s.tar")
+    assert (status, body == data) == (200, True)
+    daemon.settle()
+    assert daemon.stats()["verification"]["fills_by_algorithm"] == {algorithm.lower(): 1.0}
+    proxy.faults.flip = 1  # and each catches a flipped bit
+    daemon2 = start(start_daemon, tmp_path / "other", proxy)
+    assert get(daemon2, f"/{bucket}/s.tar")[0] == 200
+    daemon2.settle()
+    assert daemon2.stats()["verification"]["fills"]["failed"] == 1 and cached_copies(tmp_path / "other" / "cache") == []
+
+
+@pytest.mark.parametrize("kind", ["etag", "crc32"])
+def test_split_fills_end_without_hanging(s3_server, bucket, proxy, tmp_path, start_daemon, kind):
+    """Found by the far-host benchmark: a fill split into parts whose last hashing run ended in
+    the same loop turn as its parts waited for it forever (the daemon's loop spun)."""
+    objects = {f"s{i}.tar": os.urandom(SIZE) for i in range(30)}
+    for key, data in objects.items():
+        put(s3_server, bucket, key, data, kind)
+    always_split = no_md5(split_below_bytes_per_s=float("inf"), part_size=64 * 1024)
+    daemon = start(start_daemon, tmp_path, proxy, fetch=always_split)
+    for key, data in objects.items():
+        status, body, complete, _ = get(daemon, f"/{bucket}/{key}")
+        assert (status, complete, body == data) == (200, True, True), key
+    daemon.settle()
+    assert len(cached_copies(tmp_path / "cache")) == len(objects)
