@@ -688,11 +688,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "new object since 2024-12), crc32 (boto3's upload default), none (ETag only: fills are "
                              "verified as MD5, and daemon_cold_no_md5 measures what that costs)")
     parser.add_argument("--output", type=Path, default=None,
-                        help="JSON result file (default bench/results/daemon.json; daemon-remote.json for a remote origin)")
+                        help="JSON result file (default bench/results/daemon.json; daemon-remote.json for a remote origin, "
+                             "-cold for --cold-only, -none/-crc32 for --upload-checksum)")
     args = parser.parse_args(argv)
     if args.output is None:
         remote = args.origin_delay_ms > 0 or args.origin_stream_mbps
-        name = "daemon" + ("" if args.store == "moto" else f"-{args.store}") + ("-remote" if remote else "")
+        name = ("daemon" + ("" if args.store == "moto" else f"-{args.store}") + ("-remote" if remote else "")
+                + ("-cold" if args.cold_only else "") + ("" if args.upload_checksum == "crc64nvme" else f"-{args.upload_checksum}"))
         args.output = RESULTS_DIR / f"{name}.json"
     args.size = parse_size(args.size or ("256MiB" if args.quick else "1GiB"))
     args.shard_sizes = [parse_size(s) for s in (args.shard_sizes or ("32MiB,128MiB" if args.quick else "64MiB,512MiB"))

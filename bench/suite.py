@@ -558,11 +558,14 @@ def _far_host_markdown(table: str, result: dict[str, Any]) -> str:
     if not setup.get("far_host"):
         return table
     ds, cfg = result["dataset"], result["config"]
+    tbf = setup["far_host"]["tbf"]
+    link = f"tc tbf {tbf['rate']}, burst {tbf['burst']}, latency {tbf['latency']} on both veth ends"
+    if setup["far_host"].get("flow_mbit"):
+        link = (f"tc HTB on the origin's end ({tbf['rate']} in all, {setup['far_host']['flow_mbit']:g} Mbit/s per "
+                f"connection: 256 classes hashed by port), tbf {tbf['rate']} on the host's")
     dataset_line = (f"Dataset: {ds['shards']} WebDataset shards, {ds['bytes'] / 2**30:.2f} GiB, {ds['samples']} samples "
-                    f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), on {setup['description']}. Link: tc tbf "
-                    f"{setup['far_host']['tbf']['rate']}, burst {setup['far_host']['tbf']['burst']}, latency "
-                    f"{setup['far_host']['tbf']['latency']} on both veth ends. Simulated trainer: "
-                    f"{cfg['trainer_rate']:g} samples/s.")
+                    f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), on {setup['description']}. Link: {link}. "
+                    f"Simulated trainer: {cfg['trainer_rate']:g} samples/s.")
     lines = [dataset_line if line.startswith("Dataset: ") else line for line in table.split("\n")]
     out = "\n".join(lines)
     if not setup.get("latency_proxy"):

@@ -61,7 +61,8 @@ class VerifySettings:
     an MD5 (single-part, not SSE-KMS/SSE-C). MD5 costs 1.2 CPU-s/GB here; on by default because
     the objects without an additional checksum are those uploaded before SDKs computed one
     (boto3 before 1.36) or by tools that never do, and a fill from a far store moves at most a
-    few hundred MB/s per object, for which MD5 costs a fraction of one core (README: Integrity)."""
+    few hundred MB/s per object, below the ~400 MB/s MD5 caps one fill at here (README: Benchmarks, the
+    daemon_bench cold tables; Design, "Every cached byte vouched for")."""
 
 
 @dataclass(frozen=True)
