@@ -80,10 +80,11 @@ def check_available() -> None:
                                  "qdiscs (run as root, e.g. sudo -E python -m bench ...)")
 
 
-def _run(args: list[str], timeout: float = _CMD_TIMEOUT_S) -> str:
-    """Run one ``ip``/``tc`` command, bounded; raise with its own error message on failure."""
+def _run(args: list[str], timeout: float = _CMD_TIMEOUT_S, stdin: str | None = None) -> str:
+    """Run one ``ip``/``tc`` command (``stdin``: what to feed it), bounded; raise with its own
+    error message on failure."""
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"{' '.join(args)}: no answer after {timeout:.0f}s") from exc
     if proc.returncode != 0:
@@ -195,13 +196,7 @@ class FarHost:
             if capped and self.flow_mbps is not None and dev == self.ns_veth:
                 with contextlib.suppress(RuntimeError):
                     _run([*prefix, "qdisc", "del", "dev", dev, "root"])
-                try:
-                    proc = subprocess.run([*prefix, "-force", "-batch", "-"], input=self._flow_batch(),
-                                          capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False)
-                except subprocess.TimeoutExpired as exc:
-                    raise RuntimeError(f"tc -batch on {dev}: no answer after {_CMD_TIMEOUT_S:.0f}s") from exc
-                if proc.returncode != 0:
-                    raise RuntimeError(f"tc -batch on {dev} failed: {proc.stderr.strip()[-500:]}")
+                _run([*prefix, "-force", "-batch", "-"], stdin=self._flow_batch())
             elif capped:
                 _run([*prefix, "qdisc", "replace", "dev", dev, "root", *self.tbf_args()])
             else:

@@ -510,13 +510,6 @@ class Store:
             self._hashed_at[ident] = time.monotonic()
             self._hashed_at.move_to_end(ident)
 
-    def stamp_matches(self, entry: Entry, stat: os.stat_result) -> bool:
-        """Whether ``stat`` (of the entry's data file) is the file as this process last verified it:
-        the same inode, size, mtime and ctime (ctime moves on any write, and cannot be set back)."""
-        stamp = _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-        with self._lock:
-            return self._verified.get(entry.id) == stamp
-
     def scrub_one(self, min_age_s: float) -> int:
         """Re-hash the entry whose bytes were hashed longest ago (first those not hashed since
         start-up), if that was more than ``min_age_s`` ago; removes it if it no longer matches.
@@ -534,15 +527,9 @@ class Store:
                     self._never_hashed.discard(ident)
                     self._hashed_at.pop(ident, None)
                 return 0
-            entry.pins += 1
-        try:
+        with self.pinned(entry), contextlib.suppress(CorruptEntry, EntryNotFound):  # removed if bad
             fd, _ = self.open_verified(entry, force=True)
             os.close(fd)
-        except (CorruptEntry, EntryNotFound):
-            pass
-        finally:
-            with self._lock:
-                entry.pins -= 1
         return entry.size
 
     def touch_in_memory(self, entry: Entry) -> None:

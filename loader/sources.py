@@ -375,17 +375,13 @@ class DaemonSource:
     def _open_short_circuit(self, path: str, size: int | None) -> Reader | None:
         try:
             handle = open(path, "rb", buffering=0)
-        except FileNotFoundError as exc:
-            if os.path.isdir(os.path.dirname(os.path.dirname(path))):
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and os.path.isdir(os.path.dirname(os.path.dirname(path))):
                 # The cache is mounted here, the file went between the answer and the open
                 # (evicted, or a fill that failed to publish): this shard streams over HTTP, and
                 # short-circuit reads stay on.
                 log.info("short-circuit file %s is gone; reading it through %s", path, self.via)
                 return None
-            log.info("short-circuit path %s not readable here (%s); reading through %s", path, exc, self.via)
-            self._short_circuit = False
-            return None
-        except OSError as exc:
             # The cache dir is not mounted in this pod (or not readable): stream over HTTP from now on.
             log.info("short-circuit path %s not readable here (%s); reading through %s", path, exc, self.via)
             self._short_circuit = False

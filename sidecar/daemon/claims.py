@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from cache import Entry
+from sidecar.daemon.ratelimit import TokenBucket
 
 __all__ = ["ClaimSettings", "Claims", "caller_of"]
 
@@ -50,7 +51,7 @@ class Claims:
         self.settings = settings
         self._rechecked: OrderedDict[str, float] = OrderedDict()
         self._refetched: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._budgets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # caller -> (tokens, at)
+        self._budgets: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def may_recheck(self, entry: Entry) -> bool:
         now = time.monotonic()
@@ -64,17 +65,14 @@ class Claims:
         """Whether this disagreeing claim may fetch the unverified ``entry`` again; counted if so."""
         if entry.verified:
             return False
-        pair = (entry.id, claim.lower())
+        pair = (entry.id, claim)
         if pair in self._refetched:
             return False
-        rate = self.settings.refetches_per_minute / 60.0
-        now = time.monotonic()
-        tokens, at = self._budgets.get(caller, (self.settings.refetches_per_minute, now))
-        tokens = min(self.settings.refetches_per_minute, tokens + (now - at) * rate)
-        if tokens < 1:
-            _remember(self._budgets, caller, (tokens, now))
+        per_minute = self.settings.refetches_per_minute
+        budget = self._budgets.get(caller) or TokenBucket(per_minute / 60.0, burst=per_minute)
+        _remember(self._budgets, caller, budget)
+        if not budget.try_take(1):
             return False
-        _remember(self._budgets, caller, (tokens - 1, now))
         _remember(self._refetched, pair, None)
         return True
 

@@ -76,6 +76,8 @@ def stats(app: web.Application) -> dict[str, Any]:
     lookups = {result: counter_value(metrics.cache_lookups, result=result) for result in LOOKUP_RESULTS}
     hits, misses, coalesced = lookups["hit"], lookups["miss"], lookups["coalesced"]
     total = sum(lookups.values())
+    fill_results = counter_by(metrics.fill_checks, "result")
+    disputes = counter_by(metrics.claim_outcomes, "outcome")
     return {
         "mode": settings.mode,
         "origin": app[ORIGIN].description if ORIGIN in app else settings.origin,
@@ -93,11 +95,9 @@ def stats(app: web.Application) -> dict[str, Any]:
                      "failed": app[PREFETCHER].failed},
         # How far the cached bytes are vouched for (sidecar/daemon/checksums.py, claims.py).
         "verification": {
-            "fills": {result: counter_by(metrics.fill_checks, "result").get(result, 0.0)
-                      for result in ("verified", "unverified", "failed")},
+            "fills": {result: fill_results.get(result, 0.0) for result in ("verified", "unverified", "failed")},
             "fills_by_algorithm": counter_by(metrics.fill_checks, "algorithm"),
-            "claim_disputes": {outcome: counter_by(metrics.claim_outcomes, "outcome").get(outcome, 0.0)
-                               for outcome in ("refetched", "mismatch")},
+            "claim_disputes": {outcome: disputes.get(outcome, 0.0) for outcome in ("refetched", "mismatch")},
             "etag_md5": app[FETCHER].settings.verify.etag_md5,
             "scrubbed_bytes": app[SCRUBBER].scrubbed_bytes if SCRUBBER in app else 0,
         },

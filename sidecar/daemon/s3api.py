@@ -250,10 +250,13 @@ async def _disputed(request: web.Request, store: Store, entry: Entry, claim: str
         f"verified against the origin's {entry.verified}" if entry.verified
         else "unverified: the origin sends no checksum for it, and it was fetched again for this checksum already"
     )
-    raise ChecksumMismatch(
-        f"{entry.bucket}/{entry.key}: the cached copy (ETag {entry.etag}, {vouched}) hashes to xxh3-128 "
-        f"{entry.xxh3_128}, the caller expects {claim}: the manifest is stale or wrong (rebuild it with "
-        "`shardcache index`)"
+    raise _mismatch(f"{entry.bucket}/{entry.key}: the cached copy", entry.etag, vouched, entry.xxh3_128, claim)
+
+
+def _mismatch(what: str, etag: str, vouched: str, digest: str, claim: str) -> ChecksumMismatch:
+    return ChecksumMismatch(
+        f"{what} (ETag {etag}, {vouched}) hashes to xxh3-128 {digest}, the caller expects {claim}: the "
+        "manifest is stale or wrong (rebuild it with `shardcache index`)"
     )
 
 
@@ -294,12 +297,8 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
         digest = await fill.wait_sealed()
         if digest is not None and digest != claim:
             metrics.claim_outcomes.labels(outcome="mismatch").inc()
-            raise ChecksumMismatch(
-                f"{bucket}/{key}: the origin's bytes (ETag {info.etag}, just fetched, "
-                f"{'verified against its ' + fill.check.algorithm if fill.check else 'unverified'}) hash to "
-                f"xxh3-128 {digest}, the caller expects {claim}: the manifest is stale or wrong (rebuild it "
-                "with `shardcache index`)"
-            )
+            vouched = f"just fetched, verified against its {fill.check.algorithm}" if fill.check else "just fetched, unverified"
+            raise _mismatch(f"{bucket}/{key}: the origin's bytes", info.etag, vouched, digest, claim)
 
     if short_circuit and fill.cacheable and store is not None:
         await fill.wait_sealed()

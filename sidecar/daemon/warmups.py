@@ -24,7 +24,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +35,12 @@ from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
 from sidecar.daemon.keys import CLAIMS, FETCHER, SETTINGS, STORE, file_root
 from sidecar.daemon.priority import PRIORITIES, WARMUP, priority_value
+from sidecar.daemon.ratelimit import TokenBucket
 from sidecar.errors import BadRequest, Busy, NoSuchWarmup, ObjectNotFound, OriginError, WarmupConflict
 from wire.names import ID_RULE, is_id, parse_object_url, validate_bucket, validate_key, validate_xxh3_128, warmup_id
 from wire.web import decode_json_object, read_body
 
-__all__ = ["WARMUPS", "TokenBucket", "WarmupItem", "WarmupJob", "WarmupManager", "job_id_for", "setup"]
+__all__ = ["WARMUPS", "WarmupItem", "WarmupJob", "WarmupManager", "job_id_for", "setup"]
 
 log = logging.getLogger(__name__)
 
@@ -55,46 +56,6 @@ _OBJECT_FIELDS = {"bucket", "key", "xxh3_128", "size"}
 
 
 # -- bandwidth ------------------------------------------------------------------------------------
-
-
-class TokenBucket:
-    """Bytes per second, enforced on average: ``acquire(n)`` waits while the bucket is in debt,
-    then takes ``n`` (possibly into debt). A fill cannot be slowed once started, so the limit is
-    applied between objects: over any interval the bytes granted are at most
-    ``burst + rate * elapsed`` plus the one object granted last."""
-
-    def __init__(
-        self,
-        rate: float,
-        burst: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Any] = asyncio.sleep,
-    ) -> None:
-        if rate <= 0:
-            raise ValueError("rate must be positive")
-        self.rate = float(rate)
-        self.burst = float(burst if burst is not None else rate)  # one second's worth
-        self._clock = clock
-        self._sleep = sleep
-        self._tokens = self.burst
-        self._last = clock()
-        self._lock = asyncio.Lock()
-
-    def _refill(self) -> None:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        self._last = now
-
-    async def acquire(self, amount: int) -> None:
-        async with self._lock:  # first come, first served: no waiter starves
-            self._refill()
-            if self._tokens < 0:
-                await self._sleep(-self._tokens / self.rate)
-                self._refill()
-                # Slept the debt off. Clamp: float rounding must not turn into a loop of
-                # ever-smaller sleeps that no longer advance the clock.
-                self._tokens = max(self._tokens, 0.0)
-            self._tokens -= max(amount, 0)
 
 
 # -- jobs -----------------------------------------------------------------------------------------

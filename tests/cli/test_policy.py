@@ -13,7 +13,7 @@ from sidecar.cli.commands.warmup import map_dataset, place
 from sidecar.cli.control import parse_address, resolve_addresses
 from sidecar.cli.datasets import ShardInfo, compare
 from sidecar.cli.progress import Progress, ProgressLine, format_eta, render_bar, render_line
-from sidecar.daemon.warmups import TokenBucket
+from sidecar.daemon.ratelimit import TokenBucket
 from wire.dataset import ManifestShard, parse_dataset_url
 from wire.names import Address, warmup_id
 
