@@ -255,9 +255,15 @@ class TLSReloader:
             return False
         try:
             context = await asyncio.to_thread(_load_context, self.cert, self.key)
-        except WebhookError as exc:
+            after = await asyncio.to_thread(_pair_digest, self.cert, self.key)
+        except (WebhookError, OSError) as exc:
             # cert-manager writes the pair in one Secret update, but we may see it mid-swap: retry.
             log.warning("renewed TLS files not usable yet (keeping the current certificate): %s", exc)
+            return False
+        if after != digest:
+            # The files changed between the digest and the load (a swap in progress): the context
+            # may hold a pair the digest does not name, and the next check would reload it again
+            # (counted twice; seen in CI). Take it once the files hold still.
             return False
         self._current = context
         self._digest = digest

@@ -422,3 +422,29 @@ def test_in_process_review_does_not_block_the_loop(tmp_path: Path, tls: TLSFiles
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_pair_swapped_during_the_reload_is_counted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in CI: the files changed between the digest and the load, the reloader kept a digest
+    of a pair it never loaded, and the next check reloaded (and counted) the same pair again."""
+    import sidecar.k8s.webhook as webhook_module
+
+    first = make_tls(tmp_path / "first", ["localhost"], ca_name="first-ca")
+    second = make_tls(tmp_path / "second", ["localhost"], ca_name="second-ca")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    _install(first, cert, key)
+    tls = TLSReloader(cert, key)
+    shutil.copyfile(second.cert, cert)  # mid-swap: the new certificate, the old key
+    load = webhook_module._load_context
+
+    def load_while_the_key_lands(cert_path: Path, key_path: Path) -> Any:
+        _install(second, cert, key)  # the rest of the swap lands while the reloader loads
+        return load(cert_path, key_path)
+
+    monkeypatch.setattr(webhook_module, "_load_context", load_while_the_key_lands)
+
+    async def checks() -> list[bool]:
+        return [await tls.check() for _ in range(3)]
+
+    asyncio.run(checks())
+    assert tls.reloads == 1
