@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from loader.master.errors import BadRequest, JobConflict, LeaseLost, NoSuchJob, NotLeaseHolder
-from wire.names import ID_RULE, is_id
+from loader.master.server.spec import JobSpec, ShardSpec, check_ident, check_int, spec_diff, validate_job_name
 from wire.shuffle import EpochOrder
 
 __all__ = [
@@ -67,150 +65,18 @@ MAX_LEASE_WAIT_S = 30.0
 """Longest long poll a lease request may ask for (``wait_s``)."""
 
 _LEASE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
-_MAX_IDENT = 256
-_MAX_KEY = 1024
 _MAX_ERROR_TEXT = 1000
-_MAX_INT = 2**63 - 1
 _REQUEUE_SCAN = 16
 """How far into the re-queue a lease looks for a shard the trainer did not just fail."""
 _WAIT_MAX_S = 1.0
 _WAIT_MIN_S = 0.05
 
-_SPEC_FIELDS = {"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures"}
-
-
-def validate_job_name(name: Any) -> str:
-    if not is_id(name):
-        raise BadRequest(f"invalid job name {str(name)[:80]!r}: use {ID_RULE}")
-    return name
 
 
 def validate_lease_id(lease: Any) -> str:
     if not isinstance(lease, str) or not _LEASE_ID_RE.match(lease):
         raise BadRequest(f"invalid lease id {str(lease)[:80]!r}: use the 'lease' value the master returned")
     return lease
-
-
-def _ident(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > _MAX_IDENT or not value.isprintable():
-        raise BadRequest(f"'{what}' must be a non-empty printable string of at most {_MAX_IDENT} characters")
-    return value
-
-
-def _int(value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise BadRequest(f"'{what}' must be an integer in [{lo}, {hi}], got {str(value)[:40]!r}")
-    return value
-
-
-def _opt_int(value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int | None:
-    return None if value is None else _int(value, what, lo, hi)
-
-
-# -- spec ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ShardSpec:
-    key: str
-    """Object key relative to the job's dataset URL."""
-    size: int | None = None
-    """Bytes, when known."""
-    samples: int | None = None
-    """Samples in the shard, when known (bounds the offsets a renew may report)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "size": self.size, "samples": self.samples}
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What a job is; two creations with equal specs are the same job (idempotent create)."""
-
-    name: str
-    dataset: str
-    shards: tuple[ShardSpec, ...]
-    epochs: int | None = None
-    """Epochs to run; None runs until stopped."""
-    seed: int = 0
-    shuffle: bool = True
-    lease_ttl_s: float = 30.0
-    max_failures: int = 3
-
-    @classmethod
-    def from_json(
-        cls, raw: Any, *, default_ttl_s: float = 30.0, default_max_failures: int = 3, max_shards: int = 1_000_000
-    ) -> JobSpec:
-        """Validate a create-job body; every problem is a :class:`BadRequest` naming the field."""
-        if not isinstance(raw, dict):
-            raise BadRequest("the job spec must be a JSON object")
-        unknown = sorted(set(raw) - _SPEC_FIELDS)
-        if unknown:
-            raise BadRequest(f"unknown job spec field(s) {unknown}: expected some of {sorted(_SPEC_FIELDS)}")
-        name = validate_job_name(raw.get("name"))
-        dataset = raw.get("dataset")
-        if not isinstance(dataset, str) or not dataset or len(dataset) > 4096 or "\x00" in dataset:
-            raise BadRequest("'dataset' must be the dataset URL, e.g. s3://bucket/train/")
-        shards_raw = raw.get("shards")
-        if not isinstance(shards_raw, list) or not shards_raw:
-            raise BadRequest("'shards' must be a non-empty list of {\"key\", \"size\", \"samples\"}")
-        if len(shards_raw) > max_shards:
-            raise BadRequest(f"too many shards ({len(shards_raw)}): this master accepts at most {max_shards} per job")
-        shards: list[ShardSpec] = []
-        seen: set[str] = set()
-        for i, item in enumerate(shards_raw):
-            if isinstance(item, str):
-                item = {"key": item}
-            if not isinstance(item, dict) or set(item) - {"key", "size", "samples"}:
-                raise BadRequest(f"shards[{i}] must be an object with 'key' and optional 'size', 'samples'")
-            key = item.get("key")
-            if not isinstance(key, str) or not key or len(key) > _MAX_KEY or "\x00" in key:
-                raise BadRequest(f"shards[{i}].key must be a non-empty string of at most {_MAX_KEY} characters")
-            if key in seen:
-                raise BadRequest(f"shards[{i}].key {key[:80]!r} appears twice")
-            seen.add(key)
-            shards.append(
-                ShardSpec(key, _opt_int(item.get("size"), f"shards[{i}].size"), _opt_int(item.get("samples"), f"shards[{i}].samples"))
-            )
-        epochs = _opt_int(raw.get("epochs"), "epochs", 1, 1_000_000_000)
-        seed = _int(raw.get("seed", 0), "seed", -_MAX_INT, _MAX_INT)
-        shuffle = raw.get("shuffle", True)
-        if not isinstance(shuffle, bool):
-            raise BadRequest("'shuffle' must be true or false")
-        ttl = raw.get("lease_ttl_s", default_ttl_s)
-        if ttl is None:
-            ttl = default_ttl_s
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or not 1 <= ttl <= 86400:
-            raise BadRequest("'lease_ttl_s' must be a number of seconds in [1, 86400]")
-        max_failures = raw.get("max_failures", default_max_failures)
-        if max_failures is None:
-            max_failures = default_max_failures
-        max_failures = _int(max_failures, "max_failures", 1, 1_000_000)
-        return cls(name, dataset, tuple(shards), epochs, seed, shuffle, float(ttl), max_failures)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dataset": self.dataset,
-            "shards": [s.to_json() for s in self.shards],
-            "epochs": self.epochs,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "lease_ttl_s": self.lease_ttl_s,
-            "max_failures": self.max_failures,
-        }
-
-    @cached_property
-    def json_text(self) -> str:
-        """The spec as compact JSON, computed once: specs never change, and a large one (its
-        shard list) would otherwise be re-encoded in every log record and snapshot."""
-        return json.dumps(self.to_json(), separators=(",", ":"))
-
-    def summary(self) -> dict[str, Any]:
-        """The spec without its shard list (status answers stay small)."""
-        out = self.to_json()
-        out["shards"] = len(self.shards)
-        return out
 
 
 # -- events --------------------------------------------------------------------------------
@@ -307,14 +173,7 @@ def event_to_text(event: Event) -> str:
 def event_from_json(raw: dict[str, Any]) -> Event:
     kind = raw["t"]
     if kind == "create":
-        # The logged spec was validated when it was accepted: rebuild it without defaults games.
-        s = raw["spec"]
-        return CreateJob(
-            JobSpec(
-                s["name"], s["dataset"], tuple(ShardSpec(x["key"], x["size"], x["samples"]) for x in s["shards"]),
-                s["epochs"], s["seed"], s["shuffle"], float(s["lease_ttl_s"]), s["max_failures"],
-            )
-        )
+        return CreateJob(JobSpec.from_log(raw["spec"]))
     if kind == "lease":
         return Lease(raw["job"], raw["trainer"], raw["node"], raw["count"], raw["epoch"], tuple(raw["ids"]), raw["rid"])
     if kind == "renew":
@@ -606,7 +465,7 @@ class MasterState:
                 raise JobConflict(
                     f"job {event.spec.name!r} exists with a different spec: use the same spec to join it, or another name",
                     job=event.spec.name,
-                    differs=_spec_diff(existing.spec, event.spec),
+                    differs=spec_diff(existing.spec, event.spec),
                 )
             return Result(self.status(event.spec.name, now), mutated=False)
         self.jobs[event.spec.name] = JobState(event.spec)
@@ -627,13 +486,13 @@ class MasterState:
         return Result({}, mutated=mutated)
 
     def _lease(self, job: JobState, ev: Lease, now: float) -> Result:
-        _ident(ev.trainer, "trainer")
-        _ident(ev.node, "node")
-        _int(ev.count, "count", 1, MAX_COUNT)
+        check_ident(ev.trainer, "trainer")
+        check_ident(ev.node, "node")
+        check_int(ev.count, "count", 1, MAX_COUNT)
         if ev.epoch is not None:
-            _int(ev.epoch, "epoch", 0)
+            check_int(ev.epoch, "epoch", 0)
         if ev.request_id is not None:
-            _ident(ev.request_id, "request_id")
+            check_ident(ev.request_id, "request_id")
             last = job.last_request.get(ev.trainer)
             if last is not None and last[0] == ev.request_id:
                 # A retry of a request whose answer was lost: the same leases, nothing new.
@@ -690,7 +549,7 @@ class MasterState:
 
     def _holder(self, job: JobState, lease: str, trainer: str, now: float) -> LeaseRec:
         validate_lease_id(lease)
-        _ident(trainer, "trainer")
+        check_ident(trainer, "trainer")
         rec = job.leases.get(lease)
         if rec is not None and rec.trainer != trainer:
             raise NotLeaseHolder(f"lease {lease} is held by another trainer, not {trainer!r}", lease=lease)
@@ -701,7 +560,7 @@ class MasterState:
         return rec
 
     def _renew(self, job: JobState, ev: Renew, now: float) -> Result:
-        _int(ev.offset, "offset")
+        check_int(ev.offset, "offset")
         rec = self._holder(job, ev.lease, ev.trainer, now)
         samples = job.spec.shards[rec.shard].samples
         if samples is not None and ev.offset > samples:
@@ -726,7 +585,7 @@ class MasterState:
 
     def _complete(self, job: JobState, ev: Complete, now: float) -> Result:
         validate_lease_id(ev.lease)
-        _ident(ev.trainer, "trainer")
+        check_ident(ev.trainer, "trainer")
         if ev.lease not in job.leases:
             if self._closed_outcome(job, ev.lease, ev.trainer) == "done":
                 return Result({"status": "done", "epoch": job.epoch, "already": True}, mutated=False)
@@ -746,7 +605,7 @@ class MasterState:
 
     def _fail(self, job: JobState, ev: Fail, now: float) -> Result:
         validate_lease_id(ev.lease)
-        _ident(ev.trainer, "trainer")
+        check_ident(ev.trainer, "trainer")
         if not isinstance(ev.error, str):
             raise BadRequest("'error' must be a string saying what went wrong")
         if ev.lease not in job.leases:
@@ -774,8 +633,8 @@ class MasterState:
 
     def _release(self, job: JobState, ev: Release, now: float) -> Result:
         validate_lease_id(ev.lease)
-        _ident(ev.trainer, "trainer")
-        _int(ev.offset, "offset")
+        check_ident(ev.trainer, "trainer")
+        check_int(ev.offset, "offset")
         if ev.lease not in job.leases and self._closed_outcome(job, ev.lease, ev.trainer) == "released":
             return Result({"shard_state": "todo", "already": True}, mutated=False)
         rec = self._holder(job, ev.lease, ev.trainer, now)
@@ -841,8 +700,3 @@ class MasterState:
 
 def _lease_status(status: str, epoch: int, retry_after_s: float | None = None) -> dict[str, Any]:
     return {"status": status, "epoch": epoch, "leases": [], "retry_after_s": retry_after_s}
-
-
-def _spec_diff(a: JobSpec, b: JobSpec) -> list[str]:
-    ja, jb = a.to_json(), b.to_json()
-    return sorted(k for k in ja if ja[k] != jb[k])
