@@ -153,14 +153,18 @@ class MasterClient:
         return self._call("GET", "/v1/leader")
 
     def lease(
-        self, job: str, trainer: str, node: str, count: int = 1, epoch: int | None = None, wait_s: float = 0.0
+        self, job: str, trainer: str, node: str, count: int = 1, epoch: int | None = None, wait_s: float = 0.0,
+        stream: str | None = None,
     ) -> dict[str, Any]:
         """Ask for up to ``count`` leases. ``wait_s`` > 0: when none is free, the master holds the
         request until the job changes or its retry hint is due (at most ``wait_s``, kept below
-        this client's HTTP timeout), and the answer carries ``waited_s``."""
+        this client's HTTP timeout), and the answer carries ``waited_s``. ``stream``: which of the
+        trainer's lease streams asks (a DataLoader worker); the trainer holds the leases."""
         body: dict[str, Any] = {"trainer": trainer, "node": node, "count": count, "request_id": uuid.uuid4().hex}
         if epoch is not None:
             body["epoch"] = epoch
+        if stream is not None:
+            body["stream"] = stream
         if wait_s > 0 and self._long_poll:
             body["wait_s"] = round(min(wait_s, self._timeout / 2), 3)
         try:

@@ -70,7 +70,7 @@ def test_leases_survive_a_crash_and_are_not_double_issued(state: str, tmp_path: 
     master.start()
 
     # Nothing held before the crash is handed out again, and the completion is still there.
-    rest = client.lease(job, "t4", "n2", 100)
+    rest = client.lease(job, "t4", "n2", 100, epoch=0)
     assert rest["status"] == "ok"
     handed = {g["shard"] for g in rest["leases"]}
     assert handed == set(range(6)) - {a["shard"], b["shard"], c["shard"]}
@@ -81,7 +81,7 @@ def test_leases_survive_a_crash_and_are_not_double_issued(state: str, tmp_path: 
     # t2 stops renewing: after the TTL its shard is re-issued at the offset it reported.
     deadline = time.monotonic() + 15
     while True:
-        answer = client.lease(job, "t5", "n2", 1)
+        answer = client.lease(job, "t5", "n2", 1, epoch=0)
         if answer["status"] == "ok":
             break
         assert time.monotonic() < deadline, answer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from loader.master.errors import BadRequest, JobConflict, LeaseLost, MasterError, NoSuchJob, NotLeaseHolder
 from loader.master.server.state import (
+    MAX_OPEN_EPOCHS,
     Complete,
     CreateJob,
     Event,
@@ -40,6 +42,14 @@ from loader.master.server.state import (
 TRAINERS = ("t0", "t1", "t2")
 FAKE = "unknownLease0"
 JOB = "job"
+
+
+@dataclass
+class EpochModel:
+    done: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+    failures: Counter[int] = field(default_factory=Counter)
+    offsets: dict[int, int] = field(default_factory=dict)
 
 
 class LeaseMachine(RuleBasedStateMachine):
@@ -67,20 +77,22 @@ class LeaseMachine(RuleBasedStateMachine):
         spec = JobSpec(JOB, "s3://b/p/", tuple(ShardSpec(f"k{i}", 1, samples) for i in range(n)), epochs, seed, shuffle, self.ttl, max_failures)
         self.spec = spec
         self.apply_ok(CreateJob(spec))
-        # The model.
-        self.epoch = 0
+        # The model: every open epoch's own done / failed / failures / offsets.
+        self.open: dict[int, EpochModel] = {0: EpochModel()}
+        self.next_epoch = 1
         self.finished = False
-        self.done: set[int] = set()
-        self.failed: set[int] = set()
-        self.failures: Counter[int] = Counter()
-        self.offsets: dict[int, int] = {}
-        self.live: dict[str, list[Any]] = {}  # lease -> [trainer, shard, expires_at]
-        self.closed: dict[str, tuple[str, str, int]] = {}  # lease -> (trainer, outcome, epoch)
+        self.recent: list[EpochModel] = []  # completed epochs, newest first
+        self.live: dict[str, list[Any]] = {}  # lease -> [trainer, shard, expires_at, epoch]
+        self.closed: dict[str, tuple[str, str]] = {}  # lease -> (trainer, outcome)
         self.completions: Counter[tuple[int, int]] = Counter()
         self.last_mut = self.now
-        self.last_request: dict[str, tuple[str, list[str]]] = {}
+        self.last_request: dict[tuple[str, str], tuple[str, list[str]]] = {}
 
     # -- helpers --
+
+    @property
+    def epoch(self) -> int:
+        return min(self.open) if self.open else self.next_epoch
 
     def apply_ok(self, event: Event) -> dict[str, Any]:
         result = self.state.apply(event, self.now)
@@ -103,13 +115,18 @@ class LeaseMachine(RuleBasedStateMachine):
     def valid(self, lease: str) -> bool:
         return lease in self.live and self.live[lease][2] > self.now
 
-    def available(self) -> set[int]:
-        held = {self.live[lid][1] for lid in self.live if self.valid(lid)}
-        return set(range(self.n)) - self.done - self.failed - held
+    def available(self, epoch: int) -> set[int]:
+        ep = self.open[epoch]
+        held = {self.live[lid][1] for lid in self.live if self.valid(lid) and self.live[lid][3] == epoch}
+        return set(range(self.n)) - ep.done - ep.failed - held
 
-    def visible_closed(self, lease: str) -> tuple[str, str, int] | None:
-        hit = self.closed.get(lease)
-        return hit if hit is not None and hit[2] >= self.epoch - 1 else None
+    def can_open(self) -> bool:
+        return len(self.open) < MAX_OPEN_EPOCHS and (self.epochs is None or self.next_epoch < self.epochs)
+
+    def open_next(self) -> int:
+        self.open[self.next_epoch] = EpochModel()
+        self.next_epoch += 1
+        return self.next_epoch - 1
 
     def new_ids(self, count: int) -> tuple[str, ...]:
         out = []
@@ -118,18 +135,20 @@ class LeaseMachine(RuleBasedStateMachine):
             out.append(f"L{self.ids:010d}")
         return tuple(out)
 
-    def maybe_advance(self) -> None:
-        if len(self.done) + len(self.failed) < self.n:
+    def maybe_close(self, epoch: int) -> None:
+        ep = self.open[epoch]
+        if len(ep.done) + len(ep.failed) < self.n:
             return
-        self.epoch += 1
-        self.live.clear()
-        self.last_request.clear()
-        if self.epochs is not None and self.epoch >= self.epochs:
+        del self.open[epoch]
+        self.recent.insert(0, ep)
+        if self.open:
+            return
+        if self.epochs is not None and self.next_epoch >= self.epochs:
             self.finished = True
+            self.live.clear()
+            self.last_request.clear()
             return
-        self.done, self.failed = set(), set()
-        self.failures.clear()
-        self.offsets.clear()
+        self.open_next()
 
     def pick_lease(self, data: st.DataObject) -> str:
         known = sorted(self.live) + sorted(self.closed)
@@ -154,7 +173,7 @@ class LeaseMachine(RuleBasedStateMachine):
         """For a lease the model does not have live: the machine must refuse another trainer and an
         unknown or differently closed lease; the closed outcome when it is one of ``outcomes``
         (a repeated call, answered with ``already``)."""
-        closed = self.visible_closed(lease)
+        closed = self.closed.get(lease)
         if closed is not None and closed[0] != trainer:
             assert isinstance(err, NotLeaseHolder), err
         elif closed is not None and closed[1] in outcomes:
@@ -173,67 +192,93 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(
         trainer=st.sampled_from(TRAINERS),
         count=st.integers(min_value=1, max_value=4),
-        which=st.sampled_from(["none", "current", "previous", "next"]),
+        which=st.sampled_from(["none", "none", "current", "previous", "next", "newest"]),
+        stream=st.sampled_from([None, "w0", "w1"]),
         retry=st.booleans(),
     )
-    def lease(self, trainer: str, count: int, which: str, retry: bool) -> None:
-        epoch = {"none": None, "current": self.epoch, "previous": self.epoch - 1, "next": self.epoch + 1}[which]
+    def lease(self, trainer: str, count: int, which: str, stream: str | None, retry: bool) -> None:
+        newest = self.next_epoch - 1
+        epoch = {"none": None, "current": self.epoch, "previous": self.epoch - 1, "next": self.next_epoch, "newest": newest}[which]
         if epoch is not None and epoch < 0:
             epoch = None
         self.ids += 1
         request_id = f"r{self.ids}"
-        granted = self.check_lease(trainer, count, epoch, request_id)
+        granted = self.check_lease(trainer, count, epoch, request_id, stream)
         if retry and granted:
             # The same request again (its answer was lost): the same leases, nothing new.
-            again, err, mutated = self.apply(Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id))
+            again, err, mutated = self.apply(Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id, stream))
             assert err is None and again is not None and not mutated
             assert [g["lease"] for g in again["leases"]] == granted
 
-    @rule(trainer=st.sampled_from(TRAINERS), count=st.integers(min_value=1, max_value=4))
-    def retry_last_request_later(self, trainer: str, count: int) -> None:
+    @rule(trainer=st.sampled_from(TRAINERS), count=st.integers(min_value=1, max_value=4), stream=st.sampled_from([None, "w0"]))
+    def retry_last_request_later(self, trainer: str, count: int, stream: str | None) -> None:
         """A retry that arrives after time passed gets its still-valid leases, or a normal answer."""
-        last = self.last_request.get(trainer)
+        last = self.last_request.get((trainer, stream or ""))
         assume(last is not None)
         assert last is not None
         request_id, ids = last
         still = [lid for lid in ids if self.valid(lid) and self.live[lid][0] == trainer]
         if still:
-            answer, err, mutated = self.apply(Lease(JOB, trainer, "node", count, None, self.new_ids(count), request_id))
+            answer, err, mutated = self.apply(Lease(JOB, trainer, "node", count, None, self.new_ids(count), request_id, stream))
             assert err is None and answer is not None and not mutated
             assert [g["lease"] for g in answer["leases"]] == still
         else:
-            self.check_lease(trainer, count, None, request_id)
+            self.check_lease(trainer, count, None, request_id, stream)
 
-    def check_lease(self, trainer: str, count: int, epoch: int | None, request_id: str) -> list[str]:
-        event = Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id)
+    def check_lease(self, trainer: str, count: int, epoch: int | None, request_id: str, stream: str | None) -> list[str]:
+        event = Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id, stream)
         answer, err, _ = self.apply(event)
         assert err is None, err
         assert answer is not None
-        available = self.available()
         if self.finished:
             assert answer["status"] == "finished"
             return []
+        # What the model would hand out, epoch by epoch: the requested epoch only, or (continuous)
+        # the oldest open epochs first, then newly opened ones.
+        plan: list[tuple[int, int]] = []  # (epoch, how many)
+        if epoch is not None:
+            if epoch < self.next_epoch and epoch not in self.open:
+                assert answer["status"] == "epoch_done" and answer["epoch"] == self.epoch
+                return []
+            if epoch >= self.next_epoch:
+                assert answer["status"] == "wait" and answer["epoch"] == self.epoch
+                return []
+            take = min(count, len(self.available(epoch)))
+            if take:
+                plan.append((epoch, take))
+        else:
+            left = count
+            for e in sorted(self.open):
+                take = min(left, len(self.available(e)))
+                if take:
+                    plan.append((e, take))
+                    left -= take
+            while left and self.can_open():
+                e = self.open_next()
+                take = min(left, self.n)
+                plan.append((e, take))
+                left -= take
         assert answer["epoch"] == self.epoch
-        if epoch is not None and epoch < self.epoch:
-            assert answer["status"] == "epoch_done"
-            return []
-        if epoch is not None and epoch > self.epoch or not available:
-            assert answer["status"] == "wait", (answer, available)
+        if not plan:
+            assert answer["status"] == "wait", (answer, self.open)
             assert 0 < answer["retry_after_s"] <= 1.0
             return []
-        assert answer["status"] == "ok"
+        assert answer["status"] == "ok", (answer, plan)
         granted = answer["leases"]
-        assert len(granted) == min(count, len(available))
+        assert [(e, sum(1 for g in granted if g["epoch"] == e)) for e, _ in plan] == plan, (granted, plan)
+        assert len(granted) == sum(k for _, k in plan)
         assert all(g["lease"] in event.lease_ids for g in granted), "a new request must get new leases"
-        shards = [g["shard"] for g in granted]
-        assert len(set(shards)) == len(shards)
-        assert set(shards) <= available, "a shard was handed out while done, failed or validly leased"
+        for e, _ in plan:
+            shards = [g["shard"] for g in granted if g["epoch"] == e]
+            assert len(set(shards)) == len(shards)
+            assert set(shards) <= self.available(e), "a shard was handed out while done, failed or validly leased"
         for g in granted:
-            assert g["offset"] == self.offsets.get(g["shard"], 0), "a re-issued shard must resume at the last offset"
-            assert g["epoch"] == self.epoch and g["key"] == f"k{g['shard']}"
-            self.live[g["lease"]] = [trainer, g["shard"], self.now + self.ttl]
+            ep = self.open[g["epoch"]]
+            assert g["offset"] == ep.offsets.get(g["shard"], 0), "a re-issued shard must resume at the last offset"
+            assert g["key"] == f"k{g['shard']}"
+            self.live[g["lease"]] = [trainer, g["shard"], self.now + self.ttl, g["epoch"]]
         ids = [g["lease"] for g in granted]
-        self.last_request[trainer] = (request_id, ids)
+        self.last_request[(trainer, stream or "")] = (request_id, ids)
         return ids
 
     @rule(data=st.data())
@@ -243,15 +288,16 @@ class LeaseMachine(RuleBasedStateMachine):
         answer, err, _ = self.apply(Complete(JOB, lease, trainer))
         if lease in self.live:
             if self.holds(lease, trainer, err):
-                shard = self.live[lease][1]
+                _, shard, _, epoch = self.live[lease]
+                ep = self.open[epoch]
                 assert err is None and answer is not None and answer["already"] is False
-                assert answer["epoch"] == self.epoch
-                assert shard not in self.done
-                self.completions[(self.epoch, shard)] += 1
-                self.done.add(shard)
+                assert answer["epoch"] == epoch
+                assert shard not in ep.done
+                self.completions[(epoch, shard)] += 1
+                ep.done.add(shard)
                 del self.live[lease]
-                self.closed[lease] = (trainer, "done", self.epoch)
-                self.maybe_advance()
+                self.closed[lease] = (trainer, "done")
+                self.maybe_close(epoch)
         elif self.closed_outcome(lease, trainer, err, ("done",)):
             assert answer is not None and answer["already"] is True
 
@@ -262,16 +308,17 @@ class LeaseMachine(RuleBasedStateMachine):
         answer, err, _ = self.apply(Fail(JOB, lease, trainer, "boom"))
         if lease in self.live:
             if self.holds(lease, trainer, err):
-                shard = self.live[lease][1]
+                _, shard, _, epoch = self.live[lease]
+                ep = self.open[epoch]
                 assert err is None and answer is not None
-                self.failures[shard] += 1
-                outcome = "failed" if self.failures[shard] >= self.max_failures else "todo"
+                ep.failures[shard] += 1
+                outcome = "failed" if ep.failures[shard] >= self.max_failures else "todo"
                 assert answer == {"shard_state": outcome, "already": False}
                 if outcome == "failed":
-                    self.failed.add(shard)
+                    ep.failed.add(shard)
                 del self.live[lease]
-                self.closed[lease] = (trainer, outcome, self.epoch)
-                self.maybe_advance()
+                self.closed[lease] = (trainer, outcome)
+                self.maybe_close(epoch)
         elif (closed := self.closed_outcome(lease, trainer, err, ("todo", "failed"))) is not None:
             assert answer == {"shard_state": closed, "already": True}
 
@@ -294,18 +341,19 @@ class LeaseMachine(RuleBasedStateMachine):
             return
         if not self.holds(lease, trainer, err):
             return
-        shard = self.live[lease][1]
+        _, shard, _, epoch = self.live[lease]
         if self.samples is not None and offset > self.samples:
             assert isinstance(err, BadRequest)
             return
         assert err is None and answer is not None
-        self.offsets[shard] = max(self.offsets.get(shard, 0), offset)
+        offsets = self.open[epoch].offsets
+        offsets[shard] = max(offsets.get(shard, 0), offset)
         if give_back:
-            assert answer == {"shard_state": "todo", "offset": self.offsets[shard], "already": False}
+            assert answer == {"shard_state": "todo", "offset": offsets[shard], "already": False}
             del self.live[lease]
-            self.closed[lease] = (trainer, "released", self.epoch)
+            self.closed[lease] = (trainer, "released")
         else:
-            assert answer["offset"] == self.offsets[shard]
+            assert answer["offset"] == offsets[shard]
             self.live[lease][2] = self.now + self.ttl
 
     @rule()
@@ -345,14 +393,21 @@ class LeaseMachine(RuleBasedStateMachine):
         status = self.state.status(JOB, self.now)
         assert status["epoch"] == self.epoch
         assert status["finished"] == self.finished
-        leased = sum(1 for lid in self.live if self.valid(lid))
-        expected = {"total": self.n, "done": len(self.done), "failed": len(self.failed)}
+        assert [e["epoch"] for e in status["open_epochs"]] == sorted(self.open)
         if self.finished:
-            expected.update(todo=0, leased=0)
+            last = self.recent[0]
+            expected = {"total": self.n, "todo": 0, "leased": 0, "done": len(last.done), "failed": len(last.failed)}
+            failed = last.failed
         else:
-            expected.update(leased=leased, todo=self.n - leased - len(self.done) - len(self.failed))
+            ep = self.open[self.epoch]
+            leased = sum(1 for lid in self.live if self.valid(lid) and self.live[lid][3] == self.epoch)
+            expected = {
+                "total": self.n, "done": len(ep.done), "failed": len(ep.failed), "leased": leased,
+                "todo": self.n - leased - len(ep.done) - len(ep.failed),
+            }
+            failed = ep.failed
         assert status["shards"] == expected
-        assert sorted(f["shard"] for f in status["failed_shards"]) == sorted(self.failed)
+        assert sorted(f["shard"] for f in status["failed_shards"]) == sorted(failed)
 
 
 TestLeaseMachine = LeaseMachine.TestCase

@@ -129,7 +129,7 @@ async def lease(request: web.Request) -> web.Response:
     service = _service(request)
     job = _job(request)
     body = await read_json_object(request, service.settings.max_small_body_bytes)
-    _only(body, {"trainer", "node", "count", "epoch", "request_id", "wait_s"})
+    _only(body, {"trainer", "node", "count", "epoch", "request_id", "wait_s", "stream"})
     count = body.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
         raise BadRequest(f"'count' must be an integer in [1, {MAX_COUNT}], got {str(count)[:40]!r}")
@@ -138,7 +138,7 @@ async def lease(request: web.Request) -> web.Response:
         raise BadRequest(f"'wait_s' must be a number of seconds in [0, {MAX_LEASE_WAIT_S:g}], got {str(wait_s)[:40]!r}")
     event = Lease(
         job, body.get("trainer"), body.get("node"), count, body.get("epoch"),  # type: ignore[arg-type]
-        service.new_lease_ids(count), body.get("request_id"),
+        service.new_lease_ids(count), body.get("request_id"), body.get("stream"),
     )
     result = await service.submit(event)
     answer = result.answer

@@ -318,7 +318,7 @@ class MasterService:
         state = self.require_state()
         now = self.clock()
         out = state.status(name, now)
-        by_trainer: dict[str, int] = out.pop("leases_by_trainer")
+        by_trainer: dict[str, dict[str, int]] = out.pop("leases_by_trainer")
         seen = self._presence.get(name, {})
         for trainer, (_, last) in list(seen.items()):
             if now - last > _PRESENCE_KEEP_S and trainer not in by_trainer:
@@ -326,12 +326,15 @@ class MasterService:
         trainers = []
         for trainer in sorted(set(seen) | set(by_trainer)):
             node, last_seen = seen[trainer] if trainer in seen else ("", None)
+            streams = by_trainer.get(trainer, {})
             trainers.append(
                 {
                     "trainer": trainer,
                     "node": node,
                     "last_seen_s_ago": None if last_seen is None else round(max(now - last_seen, 0.0), 3),
-                    "leases": by_trainer.get(trainer, 0),
+                    "leases": sum(streams.values()),
+                    # The trainer's DataLoader workers, each its own lease stream ("" = the trainer itself).
+                    "streams": [{"stream": s, "leases": n} for s, n in sorted(streams.items())],
                 }
             )
         out["trainers"] = trainers

@@ -8,15 +8,24 @@ make the state durable by logging every mutating event (with the ``now`` it was 
 reaches the same state, so SQLite and etcd share every rule here and the hypothesis tests
 drive it directly with an injected clock.
 
-Exactly-once per epoch rests on three rules:
+Exactly-once per epoch rests on three rules, per (epoch, shard):
 
 - a lease is valid while it is in ``JobState.leases`` and ``now < expires_at``; renew,
   complete and fail of an invalid lease are refused (``LeaseLost``) and change nothing;
-- a shard is handed out only while it is ``todo``: never leased this epoch (the epoch order's
-  cursor has not reached it) or returned to ``requeue`` by an expiry or a failure;
-- a completion moves the shard to ``done`` and closes the lease, so it cannot count twice;
-  repeating the completion of the same lease by its holder is answered as done (a retry after
-  a lost answer) without counting again.
+- a shard is handed out only while it is ``todo`` in its epoch: never leased in that epoch (the
+  epoch order's cursor has not reached it) or returned to its ``requeue`` by an expiry, a
+  failure or a release;
+- a completion marks the shard done in its epoch and closes the lease, so it cannot count
+  twice; repeating the completion of the same lease by its holder is answered as done (a retry
+  after a lost answer) without counting again.
+
+Epochs may overlap: a continuous request (no epoch) that finds every open epoch fully leased
+opens the next one rather than wait (``MAX_OPEN_EPOCHS`` at most), so that no trainer of a
+synchronous job waits at an epoch boundary for shards that a blocked trainer holds. Each
+epoch is still completed exactly once, and handed out in its own seeded order; a request for
+an explicit epoch only ever gets that epoch's shards, so the non-continuous mode keeps its
+epoch barrier. A lease belongs to the trainer that took it; ``stream`` (a DataLoader worker)
+only labels which of the trainer's streams asked.
 
 Expired leases are swept lazily, in (expiry time, lease id) order, at the start of every
 mutating event; refused and read-only events never sweep, so a replay that sees only the
@@ -25,10 +34,11 @@ logged events sweeps exactly as the live master did.
 
 from __future__ import annotations
 
+import base64
 import heapq
 import json
 import re
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +65,8 @@ __all__ = [
     "event_from_json",
     "MAX_COUNT",
     "MAX_LEASE_WAIT_S",
+    "MAX_OPEN_EPOCHS",
+    "CLOSED_KEEP",
     "validate_lease_id",
     "validate_job_name",
 ]
@@ -68,6 +80,13 @@ _LEASE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 _MAX_ERROR_TEXT = 1000
 _REQUEUE_SCAN = 16
 """How far into the re-queue a lease looks for a shard the trainer did not just fail."""
+MAX_OPEN_EPOCHS = 64
+"""Most epochs a continuous job keeps open at once (each costs one bit per shard)."""
+CLOSED_KEEP = 65_536
+"""Closed leases remembered per job, most recent first, so that a repeated complete, fail or
+release (a retry after a lost answer) is answered as done instead of refused."""
+_REQUEST_KEEP = 4096
+"""Lease streams whose last request id is remembered per job (retried lease requests)."""
 _WAIT_MAX_S = 1.0
 _WAIT_MIN_S = 0.05
 
@@ -97,6 +116,9 @@ class Lease:
     lease_ids: tuple[str, ...]
     """Fresh ids for the leases granted, supplied by the caller (the machine has no randomness)."""
     request_id: str | None = None
+    stream: str | None = None
+    """Which of the trainer's lease streams asks (a DataLoader worker: ``w0``, ``w1``...); the
+    trainer holds the lease, any of its streams and the trainer itself may renew and close it."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +170,7 @@ def event_to_json(event: Event) -> dict[str, Any]:
     if isinstance(event, Lease):
         return {
             "t": "lease", "job": event.job, "trainer": event.trainer, "node": event.node, "count": event.count,
-            "epoch": event.epoch, "ids": list(event.lease_ids), "rid": event.request_id,
+            "epoch": event.epoch, "ids": list(event.lease_ids), "rid": event.request_id, "stream": event.stream,
         }
     if isinstance(event, Renew):
         return {"t": "renew", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset}
@@ -175,7 +197,10 @@ def event_from_json(raw: dict[str, Any]) -> Event:
     if kind == "create":
         return CreateJob(JobSpec.from_log(raw["spec"]))
     if kind == "lease":
-        return Lease(raw["job"], raw["trainer"], raw["node"], raw["count"], raw["epoch"], tuple(raw["ids"]), raw["rid"])
+        return Lease(
+            raw["job"], raw["trainer"], raw["node"], raw["count"], raw["epoch"], tuple(raw["ids"]), raw["rid"],
+            raw.get("stream"),
+        )
     if kind == "renew":
         return Renew(raw["job"], raw["lease"], raw["trainer"], raw["offset"])
     if kind == "complete":
@@ -211,14 +236,17 @@ class Result:
 class LeaseRec:
     id: str
     shard: int
+    epoch: int
     trainer: str
+    stream: str
     node: str
     expires_at: float
 
 
 @dataclass(slots=True)
 class Progress:
-    """What this epoch knows of a shard that has been leased at least once."""
+    """What an epoch knows of a shard that has been leased and is not done (dropped once done:
+    an epoch's memory then grows with its open leases and failures, not with the shard count)."""
 
     offset: int = 0
     failures: int = 0
@@ -226,43 +254,121 @@ class Progress:
     last_failed_by: str | None = None
 
 
+class EpochState:
+    """One open epoch: where its seeded order's cursor is, what came back to be handed out again,
+    and which shards are done (one bit each) or failed."""
+
+    __slots__ = ("epoch", "n", "order", "cursor", "requeue", "progress", "done_bits", "done_count", "failed")
+
+    def __init__(self, epoch: int, n: int, seed: int, shuffle: bool) -> None:
+        self.epoch = epoch
+        self.n = n
+        self.order = EpochOrder(n, seed, epoch, shuffle)
+        self.cursor = 0
+        """Positions of the epoch order below the cursor have been leased at least once."""
+        self.requeue: deque[int] = deque()
+        """Shards returned by an expiry, a failure or a release, handed out again first."""
+        self.progress: dict[int, Progress] = {}
+        self.done_bits = bytearray((n + 7) // 8)
+        self.done_count = 0
+        self.failed: set[int] = set()
+
+    def todo(self) -> int:
+        return self.n - self.cursor + len(self.requeue)
+
+    def is_done(self, shard: int) -> bool:
+        return bool(self.done_bits[shard >> 3] & (1 << (shard & 7)))
+
+    def mark_done(self, shard: int) -> None:
+        self.done_bits[shard >> 3] |= 1 << (shard & 7)
+        self.done_count += 1
+        self.progress.pop(shard, None)
+
+    def complete(self) -> bool:
+        return self.done_count + len(self.failed) >= self.n
+
+    def take(self, trainer: str) -> int:
+        requeue = self.requeue
+        if requeue:
+            for i in range(min(_REQUEUE_SCAN, len(requeue))):
+                shard = requeue[i]
+                prog = self.progress.get(shard)
+                if prog is None or prog.last_failed_by != trainer:
+                    del requeue[i]
+                    return shard
+            if self.cursor >= self.n:
+                return requeue.popleft()
+        if self.cursor < self.n:
+            shard = self.order[self.cursor]
+            self.cursor += 1
+            return shard
+        return requeue.popleft()
+
+    def failed_list(self, spec: JobSpec) -> list[dict[str, Any]]:
+        out = []
+        for shard in sorted(self.failed):
+            prog = self.progress.get(shard) or Progress()
+            out.append({"key": spec.shards[shard].key, "shard": shard, "failures": prog.failures, "last_error": prog.last_error})
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "requeue": list(self.requeue),
+            "progress": [[s, p.offset, p.failures, p.last_error, p.last_failed_by] for s, p in self.progress.items()],
+            "done": base64.b64encode(self.done_bits).decode(),
+            "done_count": self.done_count,
+            "failed": sorted(self.failed),
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], spec: JobSpec) -> EpochState:
+        ep = cls(raw["epoch"], len(spec.shards), spec.seed, spec.shuffle)
+        ep.cursor = raw["cursor"]
+        ep.requeue = deque(raw["requeue"])
+        ep.progress = {s: Progress(o, f, e, b) for s, o, f, e, b in raw["progress"]}
+        ep.done_bits = bytearray(base64.b64decode(raw["done"]))
+        ep.done_count = raw["done_count"]
+        ep.failed = set(raw["failed"])
+        return ep
+
+
 @dataclass
 class JobState:
+    """A job's lease state. Epochs are handed out in order; a continuous request (no epoch) that
+    finds every open epoch fully leased opens the next one instead of waiting, so the epochs of a
+    continuous job may overlap (each is still completed exactly once); an explicit-epoch request
+    only ever gets shards of that epoch."""
+
     spec: JobSpec
-    epoch: int = 0
+    next_epoch: int = 0
+    """The epoch the next opening starts: every epoch below it has been opened."""
     finished: bool = False
-    cursor: int = 0
-    """Positions of the epoch order below the cursor have been leased at least once."""
+    open: dict[int, EpochState] = field(default_factory=dict)
+    """Open epochs, oldest first (dicts keep insertion order)."""
     leases: dict[str, LeaseRec] = field(default_factory=dict)
-    progress: dict[int, Progress] = field(default_factory=dict)
-    requeue: deque[int] = field(default_factory=deque)
-    """Shards returned by an expiry or a failure, handed out again first (resume early)."""
-    done: set[int] = field(default_factory=set)
-    failed: set[int] = field(default_factory=set)
-    closed: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """lease id -> (trainer, outcome "done"/"todo"/"failed"/"released") for leases closed this epoch."""
-    closed_prev: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """The same for the previous epoch (a repeated completion may arrive after the epoch advanced)."""
-    last_request: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
-    """trainer -> (request id, lease ids granted): a retried lease request gets the same leases."""
-    prev_failed: list[dict[str, Any]] = field(default_factory=list)
+    closed: OrderedDict[str, tuple[str, str]] = field(default_factory=OrderedDict)
+    """lease id -> (trainer, outcome "done"/"todo"/"failed"/"released"), the last CLOSED_KEEP."""
+    last_request: OrderedDict[tuple[str, str], tuple[str, tuple[str, ...]]] = field(default_factory=OrderedDict)
+    """(trainer, stream) -> (request id, lease ids granted): a retried lease request gets the same leases."""
+    recent: list[dict[str, Any]] = field(default_factory=list)
+    """The last two completed epochs, newest first: {"epoch", "done", "failed": failed_list}."""
     totals: dict[str, int] = field(
         default_factory=lambda: {
             "leased": 0, "reissued": 0, "completed": 0, "expired": 0, "released": 0, "failures": 0, "epochs": 0,
         }
     )
     _heap: list[tuple[float, str]] = field(default_factory=list, repr=False)
-    _order: EpochOrder | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
         return len(self.spec.shards)
 
     @property
-    def order(self) -> EpochOrder:
-        if self._order is None or self._order.epoch != self.epoch:
-            self._order = EpochOrder(self.n, self.spec.seed, self.epoch, self.spec.shuffle)
-        return self._order
+    def epoch(self) -> int:
+        """The current epoch: the oldest one not complete (after the last, the epoch count)."""
+        return next(iter(self.open)) if self.open else self.next_epoch
 
     # -- queries (no mutation of the logical state) --
 
@@ -283,17 +389,36 @@ class JobState:
         self._clean_heap()  # drops only stale index entries: the logical state is unchanged
         return self._heap[0][0] if self._heap else None
 
-    def todo_count(self) -> int:
-        return self.n - self.cursor + len(self.requeue)
+    def can_open(self) -> bool:
+        return (
+            not self.finished
+            and len(self.open) < MAX_OPEN_EPOCHS
+            and (self.spec.epochs is None or self.next_epoch < self.spec.epochs)
+        )
 
-    def counts(self, now: float) -> dict[str, int]:
-        leased = sum(1 for rec in self.leases.values() if rec.expires_at > now)
-        done, failed = len(self.done), len(self.failed)
-        if self.finished:
-            return {"total": self.n, "todo": 0, "leased": 0, "done": done, "failed": failed}
+    def todo_count(self, epoch: int | None = None) -> int:
+        """Shards ready to hand out: in ``epoch``, or (None) in every open epoch."""
+        if epoch is not None:
+            ep = self.open.get(epoch)
+            return ep.todo() if ep is not None else 0
+        return sum(ep.todo() for ep in self.open.values())
+
+    def counts(self, now: float, epoch: int | None = None) -> dict[str, int]:
+        ep = self.open.get(self.epoch if epoch is None else epoch)
+        if ep is None:
+            last: dict[str, Any] = self.recent[0] if self.recent else {"done": 0, "failed": []}
+            return {"total": self.n, "todo": 0, "leased": 0, "done": last["done"], "failed": len(last["failed"])}
+        leased = sum(1 for rec in self.leases.values() if rec.epoch == ep.epoch and rec.expires_at > now)
+        done, failed = ep.done_count, len(ep.failed)
         return {"total": self.n, "todo": self.n - leased - done - failed, "leased": leased, "done": done, "failed": failed}
 
     # -- transitions --
+
+    def open_next(self) -> EpochState:
+        ep = EpochState(self.next_epoch, self.n, self.spec.seed, self.spec.shuffle)
+        self.open[ep.epoch] = ep
+        self.next_epoch += 1
+        return ep
 
     def expire(self, now: float) -> int:
         heap = self._heap
@@ -304,7 +429,7 @@ class JobState:
             if rec is None or rec.expires_at != exp:
                 continue
             del self.leases[lid]
-            self.requeue.append(rec.shard)
+            self.open[rec.epoch].requeue.append(rec.shard)
             expired += 1
         self.totals["expired"] += expired
         return expired
@@ -312,103 +437,113 @@ class JobState:
     def _push(self, rec: LeaseRec) -> None:
         heapq.heappush(self._heap, (rec.expires_at, rec.id))
 
-    def _take(self, trainer: str) -> int:
-        requeue = self.requeue
-        if requeue:
-            for i in range(min(_REQUEUE_SCAN, len(requeue))):
-                shard = requeue[i]
-                prog = self.progress.get(shard)
-                if prog is None or prog.last_failed_by != trainer:
-                    del requeue[i]
-                    return shard
-            if self.cursor >= self.n:
-                return requeue.popleft()
-        if self.cursor < self.n:
-            shard = self.order[self.cursor]
-            self.cursor += 1
-            return shard
-        return requeue.popleft()
+    def close(self, rec: LeaseRec, trainer: str, outcome: str) -> None:
+        del self.leases[rec.id]
+        self.closed[rec.id] = (trainer, outcome)
+        if len(self.closed) > CLOSED_KEEP:
+            self.closed.popitem(last=False)
+
+    def remember_request(self, trainer: str, stream: str, request_id: str, ids: tuple[str, ...]) -> None:
+        key = (trainer, stream)
+        self.last_request[key] = (request_id, ids)
+        self.last_request.move_to_end(key)
+        if len(self.last_request) > _REQUEST_KEEP:
+            self.last_request.popitem(last=False)
 
     def lease_answer(self, rec: LeaseRec, now: float) -> dict[str, Any]:
         spec = self.spec.shards[rec.shard]
-        prog = self.progress.get(rec.shard)
+        prog = self.open[rec.epoch].progress.get(rec.shard)
         return {
-            "lease": rec.id, "key": spec.key, "shard": rec.shard, "epoch": self.epoch,
+            "lease": rec.id, "key": spec.key, "shard": rec.shard, "epoch": rec.epoch,
             "offset": prog.offset if prog else 0, "size": spec.size, "samples": spec.samples,
             "ttl_s": round(max(rec.expires_at - now, 0.0), 3),
         }
 
-    def maybe_advance(self) -> None:
-        if len(self.done) + len(self.failed) < self.n:
+    def maybe_close_epoch(self, ep: EpochState) -> None:
+        """Close ``ep`` once every shard is done or failed; open the next epoch when none is left
+        open (or finish the job after its last one)."""
+        if not ep.complete():
             return
+        del self.open[ep.epoch]
         self.totals["epochs"] += 1
-        last_failed = self.failed_list()
-        if self.spec.epochs is not None and self.epoch + 1 >= self.spec.epochs:
-            # Keep the last epoch's done/failed sets: the status of a finished job shows them.
+        self.recent = [{"epoch": ep.epoch, "done": ep.done_count, "failed": ep.failed_list(self.spec)}, *self.recent[:1]]
+        if self.open:
+            return
+        if self.spec.epochs is not None and self.next_epoch >= self.spec.epochs:
             self.finished = True
-            self.epoch += 1
-            self.closed_prev, self.closed = self.closed, {}
             self.last_request.clear()
             return
-        self.epoch += 1
-        self.cursor = 0
-        self.leases.clear()
-        self._heap.clear()
-        self.progress = {}
-        self.requeue.clear()
-        self.done = set()
-        self.failed = set()
-        self.closed_prev, self.closed = self.closed, {}
-        self.last_request.clear()
-        self.prev_failed = last_failed
-
-    def failed_list(self) -> list[dict[str, Any]]:
-        out = []
-        for shard in sorted(self.failed):
-            prog = self.progress.get(shard) or Progress()
-            out.append(
-                {"key": self.spec.shards[shard].key, "shard": shard, "failures": prog.failures, "last_error": prog.last_error}
-            )
-        return out
+        self.open_next()
 
     # -- persistence --
 
     def to_json(self, *, with_spec: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"spec": self.spec.to_json()} if with_spec else {}
         out.update({
-            "epoch": self.epoch,
+            "next_epoch": self.next_epoch,
             "finished": self.finished,
-            "cursor": self.cursor,
-            "leases": [[r.id, r.shard, r.trainer, r.node, r.expires_at] for r in self.leases.values()],
-            "progress": [[s, p.offset, p.failures, p.last_error, p.last_failed_by] for s, p in self.progress.items()],
-            "requeue": list(self.requeue),
-            "done": sorted(self.done),
-            "failed": sorted(self.failed),
+            "open": [ep.to_json() for ep in self.open.values()],
+            "leases": [[r.id, r.shard, r.epoch, r.trainer, r.stream, r.node, r.expires_at] for r in self.leases.values()],
             "closed": [[k, t, o] for k, (t, o) in self.closed.items()],
-            "closed_prev": [[k, t, o] for k, (t, o) in self.closed_prev.items()],
-            "last_request": [[t, rid, list(ids)] for t, (rid, ids) in self.last_request.items()],
-            "prev_failed": self.prev_failed,
+            "last_request": [[t, st, rid, list(ids)] for (t, st), (rid, ids) in self.last_request.items()],
+            "recent": self.recent,
             "totals": dict(self.totals),
         })
         return out
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> JobState:
-        spec = event_from_json({"t": "create", "spec": raw["spec"]})
-        assert isinstance(spec, CreateJob)
-        job = cls(spec.spec, epoch=raw["epoch"], finished=raw["finished"], cursor=raw["cursor"])
-        for lid, shard, trainer, node, exp in raw["leases"]:
-            rec = LeaseRec(lid, shard, trainer, node, float(exp))
+        spec = JobSpec.from_log(raw["spec"])
+        if "open" not in raw:
+            return cls._from_v1(raw, spec)
+        job = cls(spec, next_epoch=raw["next_epoch"], finished=raw["finished"])
+        for item in raw["open"]:
+            ep = EpochState.from_json(item, spec)
+            job.open[ep.epoch] = ep
+        for lid, shard, epoch, trainer, stream, node, exp in raw["leases"]:
+            rec = LeaseRec(lid, shard, epoch, trainer, stream, node, float(exp))
             job.leases[lid] = rec
             job._push(rec)
-        job.progress = {s: Progress(o, f, e, b) for s, o, f, e, b in raw["progress"]}
-        job.requeue = deque(raw["requeue"])
-        job.done = set(raw["done"])
-        job.failed = set(raw["failed"])
-        job.closed = {k: (t, o) for k, t, o in raw["closed"]}
-        job.closed_prev = {k: (t, o) for k, t, o in raw["closed_prev"]}
-        job.last_request = {t: (rid, tuple(ids)) for t, rid, ids in raw["last_request"]}
-        job.prev_failed = list(raw["prev_failed"])
+        job.closed = OrderedDict((k, (t, o)) for k, t, o in raw["closed"])
+        job.last_request = OrderedDict(((t, st), (rid, tuple(ids))) for t, st, rid, ids in raw["last_request"])
+        job.recent = list(raw["recent"])
+        job.totals.update(raw["totals"])
+        return job
+
+    @classmethod
+    def _from_v1(cls, raw: dict[str, Any], spec: JobSpec) -> JobState:
+        """A snapshot written before epochs could overlap (state version 1): one open epoch."""
+        epoch = raw["epoch"]
+        job = cls(spec, next_epoch=epoch + (0 if raw["finished"] else 1), finished=raw["finished"])
+        prev = list(raw.get("prev_failed") or [])
+        if raw["finished"]:
+            failed = set(raw["failed"])
+            progress = {s: Progress(o, f, e, b) for s, o, f, e, b in raw["progress"]}
+            last = [
+                {"key": spec.shards[s].key, "shard": s, "failures": (progress.get(s) or Progress()).failures,
+                 "last_error": (progress.get(s) or Progress()).last_error}
+                for s in sorted(failed)
+            ]
+            job.recent = [{"epoch": epoch - 1, "done": len(raw["done"]), "failed": last}, {"epoch": epoch - 2, "done": 0, "failed": prev}]
+        else:
+            ep = EpochState(epoch, len(spec.shards), spec.seed, spec.shuffle)
+            ep.cursor = raw["cursor"]
+            ep.requeue = deque(raw["requeue"])
+            ep.progress = {s: Progress(o, f, e, b) for s, o, f, e, b in raw["progress"]}
+            for shard in raw["done"]:
+                ep.mark_done(shard)
+            ep.failed = set(raw["failed"])
+            job.open[epoch] = ep
+            if epoch > 0:
+                job.recent = [{"epoch": epoch - 1, "done": 0, "failed": prev}]
+            for lid, shard, trainer, node, exp in raw["leases"]:
+                rec = LeaseRec(lid, shard, epoch, trainer, "", node, float(exp))
+                job.leases[lid] = rec
+                job._push(rec)
+        for k, t, o in [*raw.get("closed_prev", []), *raw.get("closed", [])]:
+            job.closed[k] = (t, o)
+        for t, rid, ids in raw.get("last_request", []):
+            job.last_request[(t, "")] = (rid, tuple(ids))
         job.totals.update(raw["totals"])
         return job
 
@@ -468,7 +603,8 @@ class MasterState:
                     differs=spec_diff(existing.spec, event.spec),
                 )
             return Result(self.status(event.spec.name, now), mutated=False)
-        self.jobs[event.spec.name] = JobState(event.spec)
+        job = self.jobs[event.spec.name] = JobState(event.spec)
+        job.open_next()
         return Result(self.status(event.spec.name, now), mutated=True, created=True)
 
     def _resume(self, event: Resume, now: float) -> Result:
@@ -485,15 +621,29 @@ class MasterState:
                     mutated = True
         return Result({}, mutated=mutated)
 
+    @staticmethod
+    def _pool(job: JobState, epoch: int | None) -> EpochState | None:
+        """The epoch the next shard of a lease request comes from: the requested one while it has
+        shards to hand out; for a continuous request the oldest open epoch with any, else a newly
+        opened one. None: nothing to hand out now."""
+        if epoch is not None:
+            ep = job.open.get(epoch)
+            return ep if ep is not None and ep.todo() > 0 else None
+        for ep in job.open.values():
+            if ep.todo() > 0:
+                return ep
+        return job.open_next() if job.can_open() else None
+
     def _lease(self, job: JobState, ev: Lease, now: float) -> Result:
         check_ident(ev.trainer, "trainer")
         check_ident(ev.node, "node")
         check_int(ev.count, "count", 1, MAX_COUNT)
+        stream = "" if ev.stream is None else check_ident(ev.stream, "stream")
         if ev.epoch is not None:
             check_int(ev.epoch, "epoch", 0)
         if ev.request_id is not None:
             check_ident(ev.request_id, "request_id")
-            last = job.last_request.get(ev.trainer)
+            last = job.last_request.get((ev.trainer, stream))
             if last is not None and last[0] == ev.request_id:
                 # A retry of a request whose answer was lost: the same leases, nothing new.
                 recs = [r for r in (job.valid_lease(lid, now) for lid in last[1]) if r is not None and r.trainer == ev.trainer]
@@ -501,13 +651,14 @@ class MasterState:
                     return Result(self._lease_ok(job, recs, now), mutated=False)
         if job.finished:
             return Result(_lease_status("finished", job.epoch), mutated=False)
-        if ev.epoch is not None and ev.epoch < job.epoch:
+        if ev.epoch is not None and ev.epoch < job.next_epoch and ev.epoch not in job.open:
             return Result(_lease_status("epoch_done", job.epoch), mutated=False)
-        if ev.epoch is not None and ev.epoch > job.epoch:
+        if ev.epoch is not None and ev.epoch >= job.next_epoch:
             # That epoch starts when the current one is drained.
             return Result(_lease_status("wait", job.epoch, _WAIT_MAX_S), mutated=False)
         next_expiry = job.next_expiry()
-        if job.todo_count() == 0 and (next_expiry is None or next_expiry > now):
+        can_open = ev.epoch is None and job.can_open()
+        if job.todo_count(ev.epoch) == 0 and not can_open and (next_expiry is None or next_expiry > now):
             retry = _WAIT_MAX_S if next_expiry is None else min(max(next_expiry - now, _WAIT_MIN_S), _WAIT_MAX_S)
             return Result(_lease_status("wait", job.epoch, round(retry, 3)), mutated=False)
         # -- mutation from here on --
@@ -516,27 +667,35 @@ class MasterState:
         granted: list[LeaseRec] = []
         ids = iter(ev.lease_ids)
         used: list[str] = []
-        while len(granted) < ev.count and job.todo_count() > 0:
+        while len(granted) < ev.count:
             lid = next(ids, None)
             if lid is None:
                 break
-            if lid in job.leases or lid in job.closed or lid in job.closed_prev:
+            if lid in job.leases or lid in job.closed:
                 used.append(lid)  # an id collision (astronomically rare): skip it, deterministically
                 continue
-            shard = job._take(ev.trainer)
-            if shard in job.progress:
+            ep = self._pool(job, ev.epoch)
+            if ep is None:
+                break
+            shard = ep.take(ev.trainer)
+            if shard in ep.progress:
                 job.totals["reissued"] += 1
             else:
-                job.progress[shard] = Progress()
-            rec = LeaseRec(lid, shard, ev.trainer, ev.node, now + ttl)
+                ep.progress[shard] = Progress()
+            rec = LeaseRec(lid, shard, ep.epoch, ev.trainer, stream, ev.node, now + ttl)
             job.leases[lid] = rec
             job._push(rec)
             granted.append(rec)
             used.append(lid)
         job.totals["leased"] += len(granted)
         if ev.request_id is not None and granted:
-            job.last_request[ev.trainer] = (ev.request_id, tuple(r.id for r in granted))
-        record = Lease(ev.job, ev.trainer, ev.node, ev.count, ev.epoch, tuple(used), ev.request_id)
+            job.remember_request(ev.trainer, stream, ev.request_id, tuple(r.id for r in granted))
+        record = Lease(ev.job, ev.trainer, ev.node, ev.count, ev.epoch, tuple(used), ev.request_id, ev.stream)
+        if not granted:
+            # Only expired leases of another epoch were swept: the requested one has nothing yet.
+            expiry = job.next_expiry()
+            retry = _WAIT_MAX_S if expiry is None else min(max(expiry - now, _WAIT_MIN_S), _WAIT_MAX_S)
+            return Result(_lease_status("wait", job.epoch, round(retry, 3)), mutated=True, record=record)
         return Result(self._lease_ok(job, granted, now), mutated=True, record=record)
 
     def _lease_ok(self, job: JobState, recs: list[LeaseRec], now: float) -> dict[str, Any]:
@@ -559,15 +718,19 @@ class MasterState:
             )
         return rec
 
+    def _check_offset(self, job: JobState, rec: LeaseRec, offset: int) -> None:
+        check_int(offset, "offset")
+        samples = job.spec.shards[rec.shard].samples
+        if samples is not None and offset > samples:
+            raise BadRequest(f"offset {offset} is past the end of shard {rec.shard} ({samples} samples)")
+
     def _renew(self, job: JobState, ev: Renew, now: float) -> Result:
         check_int(ev.offset, "offset")
         rec = self._holder(job, ev.lease, ev.trainer, now)
-        samples = job.spec.shards[rec.shard].samples
-        if samples is not None and ev.offset > samples:
-            raise BadRequest(f"offset {ev.offset} is past the end of shard {rec.shard} ({samples} samples)")
+        self._check_offset(job, rec, ev.offset)
         # -- mutation --
         job.expire(now)
-        prog = job.progress[rec.shard]
+        prog = job.open[rec.epoch].progress[rec.shard]
         gained = max(0, ev.offset - prog.offset)
         prog.offset = max(prog.offset, ev.offset)
         rec.expires_at = now + job.spec.lease_ttl_s
@@ -575,13 +738,12 @@ class MasterState:
         return Result({"ttl_s": job.spec.lease_ttl_s, "offset": prog.offset}, mutated=True, progress=gained)
 
     def _closed_outcome(self, job: JobState, lease: str, trainer: str) -> str | None:
-        for closed in (job.closed, job.closed_prev):
-            hit = closed.get(lease)
-            if hit is not None:
-                if hit[0] != trainer:
-                    raise NotLeaseHolder(f"lease {lease} was held by another trainer, not {trainer!r}", lease=lease)
-                return hit[1]
-        return None
+        hit = job.closed.get(lease)
+        if hit is None:
+            return None
+        if hit[0] != trainer:
+            raise NotLeaseHolder(f"lease {lease} was held by another trainer, not {trainer!r}", lease=lease)
+        return hit[1]
 
     def _complete(self, job: JobState, ev: Complete, now: float) -> Result:
         validate_lease_id(ev.lease)
@@ -592,16 +754,15 @@ class MasterState:
         rec = self._holder(job, ev.lease, ev.trainer, now)
         # -- mutation --
         job.expire(now)
-        del job.leases[rec.id]
-        prog = job.progress[rec.shard]
+        ep = job.open[rec.epoch]
+        prog = ep.progress[rec.shard]
         samples = job.spec.shards[rec.shard].samples
         gained = max(0, samples - prog.offset) if samples is not None else 0
-        epoch = job.epoch
-        job.done.add(rec.shard)
-        job.closed[rec.id] = (ev.trainer, "done")
+        job.close(rec, ev.trainer, "done")
+        ep.mark_done(rec.shard)
         job.totals["completed"] += 1
-        job.maybe_advance()
-        return Result({"status": "done", "epoch": epoch, "already": False}, mutated=True, progress=gained)
+        job.maybe_close_epoch(ep)
+        return Result({"status": "done", "epoch": rec.epoch, "already": False}, mutated=True, progress=gained)
 
     def _fail(self, job: JobState, ev: Fail, now: float) -> Result:
         validate_lease_id(ev.lease)
@@ -615,20 +776,20 @@ class MasterState:
         rec = self._holder(job, ev.lease, ev.trainer, now)
         # -- mutation --
         job.expire(now)
-        del job.leases[rec.id]
-        prog = job.progress[rec.shard]
+        ep = job.open[rec.epoch]
+        prog = ep.progress[rec.shard]
         prog.failures += 1
         prog.last_error = ev.error[:_MAX_ERROR_TEXT]
         prog.last_failed_by = ev.trainer
         job.totals["failures"] += 1
         if prog.failures >= job.spec.max_failures:
-            job.failed.add(rec.shard)
+            ep.failed.add(rec.shard)
             outcome = "failed"
         else:
-            job.requeue.append(rec.shard)
+            ep.requeue.append(rec.shard)
             outcome = "todo"
-        job.closed[rec.id] = (ev.trainer, outcome)
-        job.maybe_advance()
+        job.close(rec, ev.trainer, outcome)
+        job.maybe_close_epoch(ep)
         return Result({"shard_state": outcome, "already": False}, mutated=True)
 
     def _release(self, job: JobState, ev: Release, now: float) -> Result:
@@ -638,17 +799,15 @@ class MasterState:
         if ev.lease not in job.leases and self._closed_outcome(job, ev.lease, ev.trainer) == "released":
             return Result({"shard_state": "todo", "already": True}, mutated=False)
         rec = self._holder(job, ev.lease, ev.trainer, now)
-        samples = job.spec.shards[rec.shard].samples
-        if samples is not None and ev.offset > samples:
-            raise BadRequest(f"offset {ev.offset} is past the end of shard {rec.shard} ({samples} samples)")
+        self._check_offset(job, rec, ev.offset)
         # -- mutation --
         job.expire(now)
-        del job.leases[rec.id]
-        prog = job.progress[rec.shard]
+        ep = job.open[rec.epoch]
+        prog = ep.progress[rec.shard]
         gained = max(0, ev.offset - prog.offset)
         prog.offset = max(prog.offset, ev.offset)
-        job.requeue.append(rec.shard)
-        job.closed[rec.id] = (ev.trainer, "released")
+        ep.requeue.append(rec.shard)
+        job.close(rec, ev.trainer, "released")
         job.totals["released"] += 1
         return Result({"shard_state": "todo", "offset": prog.offset, "already": False}, mutated=True, progress=gained)
 
@@ -656,10 +815,18 @@ class MasterState:
 
     def status(self, name: str, now: float) -> dict[str, Any]:
         job = self.job(name)
-        trainers: dict[str, int] = {}
+        streams: dict[str, dict[str, int]] = {}
         for rec in job.leases.values():
             if rec.expires_at > now:
-                trainers[rec.trainer] = trainers.get(rec.trainer, 0) + 1
+                by_stream = streams.setdefault(rec.trainer, {})
+                by_stream[rec.stream] = by_stream.get(rec.stream, 0) + 1
+        current = job.open.get(job.epoch)
+        recent = job.recent
+        if current is not None:
+            failed, previous = current.failed_list(job.spec), (recent[0]["failed"] if recent else [])
+        else:
+            failed = recent[0]["failed"] if recent else []
+            previous = recent[1]["failed"] if len(recent) > 1 else []
         return {
             "name": name,
             "dataset": job.spec.dataset,
@@ -667,15 +834,16 @@ class MasterState:
             "epochs": job.spec.epochs,
             "finished": job.finished,
             "shards": job.counts(now),
-            "failed_shards": job.failed_list(),
-            "failed_previous_epoch": job.prev_failed,
-            "leases_by_trainer": trainers,
+            "open_epochs": [{"epoch": e, **job.counts(now, e)} for e in job.open],
+            "failed_shards": failed,
+            "failed_previous_epoch": previous,
+            "leases_by_trainer": streams,
             "totals": dict(job.totals),
             "spec": job.spec.summary(),
         }
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": 1, "last_now": self.last_now, "jobs": [job.to_json() for job in self.jobs.values()]}
+        return {"version": 2, "last_now": self.last_now, "jobs": [job.to_json() for job in self.jobs.values()]}
 
     def snapshot_text(self) -> str:
         """``to_json()`` as JSON text, spliced from each spec's cached text: the only part that
@@ -684,11 +852,11 @@ class MasterState:
         for job in self.jobs.values():
             rest = json.dumps(job.to_json(with_spec=False), separators=(",", ":"))
             jobs.append('{"spec":' + job.spec.json_text + "," + rest[1:])
-        return '{"version":1,"last_now":' + json.dumps(self.last_now) + ',"jobs":[' + ",".join(jobs) + "]}"
+        return '{"version":2,"last_now":' + json.dumps(self.last_now) + ',"jobs":[' + ",".join(jobs) + "]}"
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> MasterState:
-        if raw.get("version") != 1:
+        if raw.get("version") not in (1, 2):
             raise ValueError(f"unsupported master state version {raw.get('version')!r}")
         state = cls()
         state.last_now = float(raw["last_now"])
