@@ -152,6 +152,10 @@ class ShardLoader:
         self._trainer_base = trainer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._creator_pid = os.getpid()
         self._worker = (0, 1)
+        # A DataLoader worker's lease stream under this trainer ("w0", "w1", ...); None: the trainer itself.
+        self._stream: str | None = None
+        # Set by loader.torch's DataLoader: this process reads, the iterating one reports and completes.
+        self._ledger: Any = None
         self._shards: list[Shard] | None = None
         # static progress
         self._pos = _Position(0 if epoch is None else int(epoch))
@@ -198,35 +202,44 @@ class ShardLoader:
 
     @property
     def trainer(self) -> str:
-        """This process's trainer id for the master (one per DataLoader worker)."""
+        """This trainer's id for the master: the process that iterates, shared by its DataLoader
+        workers (each a lease ``stream`` under it)."""
         rt = self._runtime()
         if rt.trainer is None:
             base = self._trainer_base
-            worker, count = self._worker
-            if count > 1:
-                rt.trainer = f"{base}-w{worker}"
+            if self._stream is not None:
+                rt.trainer = base
             elif os.getpid() != self._creator_pid:
                 rt.trainer = f"{base}-p{os.getpid()}"  # a copy iterated in another process: its own trainer
             else:
                 rt.trainer = base
         return rt.trainer
 
+    def rebase_trainer(self) -> None:
+        """Make this process the trainer (a copy iterated by a DataLoader in another process than
+        the one that built the loader): its own id, which its DataLoader workers share."""
+        pid = os.getpid()
+        if pid != self._creator_pid:
+            self._trainer_base = f"{self._trainer_base}-p{pid}"
+            self._creator_pid = pid
+            self._runtime().trainer = None
+
     def _siblings_hold_leases(self) -> bool:
         """Whether another DataLoader worker of this trainer still holds a lease of the job."""
         if self._worker[1] <= 1:
             return False
-        prefix = f"{self._trainer_base}-w"
-        me = self.trainer
         try:
             trainers = self._client().status(self.job).get("trainers") or []
         except Exception:
             log.debug("job status for the sibling check failed", exc_info=True)
             return False
-        return any(
-            isinstance(t, dict) and t.get("trainer") != me and str(t.get("trainer", "")).startswith(prefix)
-            and int(t.get("leases") or 0) > 0
-            for t in trainers
-        )
+        for t in trainers:
+            if isinstance(t, dict) and t.get("trainer") == self.trainer:
+                return any(
+                    isinstance(s, dict) and s.get("stream") != self._stream and int(s.get("leases") or 0) > 0
+                    for s in t.get("streams") or []
+                )
+        return False
 
     def close(self) -> None:
         """Release sockets and clients (the loader can still be iterated afterwards)."""
@@ -287,6 +300,7 @@ class ShardLoader:
         clone.__setstate__(self.__getstate__())
         clone._pos = dataclasses.replace(self._pos)
         clone._worker = (worker, num_workers)
+        clone._stream = f"w{worker}"
         return clone
 
     def state_dict(self) -> dict[str, Any]:
@@ -529,6 +543,8 @@ class ShardLoader:
             # its siblings' last shards would stall them (their samples are never taken, so they
             # never complete). It ends its epoch instead; the last sibling waits for the others.
             yield_to_siblings=self._siblings_hold_leases if self._worker[1] > 1 else None,
+            stream=self._stream,
+            deferred=self._ledger is not None,
         )
         clean = False
         try:
@@ -560,14 +576,25 @@ class ShardLoader:
 
         client = self._client()
         shard = self._shard_for(held)
+        ledger = self._ledger
         try:
-            for sample in self._samples(shard, held.start):
+            samples: Iterator[Any] = self._samples(shard, held.start)
+            if ledger is not None:
+                # One sample ahead: the last one is known as last when it is handed out, so the
+                # batch that carries it says the lease is read through.
+                samples = _with_last(samples)
+            for item in samples:
                 if held.stale() and not held.lost:
                     renewer.renew(held)  # paused past the TTL: make sure the shard is still ours
                 if held.lost or self._generation != generation:
                     log.info("stopped reading %s at sample %d: lease lost", held.key, held.position)
                     return
                 held.position += 1
+                last = isinstance(item, _Last)
+                sample: dict[str, Any] = item.sample if last else item
+                if ledger is not None:
+                    held.read_through = last
+                    ledger.note(held, finished=last)
                 yield sample
         except LoaderError as exc:
             held.done = True
@@ -582,6 +609,11 @@ class ShardLoader:
             return
         if held.lost:
             return
+        if held.read_through:
+            # The iterating process completes it once it has received the last sample; until
+            # then this process keeps it alive. (A lease that yielded nothing, an empty shard or
+            # one resumed at its end, has nothing to deliver: completed here.)
+            return
         held.done = True
         renewer.discard(held)
         try:
@@ -594,3 +626,26 @@ class ShardLoader:
             log.error("could not complete %s (epoch %d): %s", held.key, held.epoch, exc)
             return
         log.debug("completed shard %s epoch %d lease %s", held.key, held.epoch, held.lease)
+
+
+class _Last:
+    """A shard's last sample, wrapped by :func:`_with_last`."""
+
+    __slots__ = ("sample",)
+
+    def __init__(self, sample: dict[str, Any]) -> None:
+        self.sample = sample
+
+
+
+def _with_last(samples: Iterator[dict[str, Any]]) -> Iterator[Any]:
+    """``samples`` with the last one wrapped in :class:`_Last` (read one ahead)."""
+    it = iter(samples)
+    try:
+        pending = next(it)
+    except StopIteration:
+        return
+    for sample in it:
+        yield pending
+        pending = sample
+    yield _Last(pending)

@@ -39,8 +39,19 @@ class Held:
     position: int = 0
     lost: bool = False
     done: bool = False  # completed or failed: no longer renewed
+    deferred: bool = False
+    """The samples go to a DataLoader's iterating process, which reports what it received and
+    completes the lease (``loader.torch.DataLoader``): this process only keeps the lease alive,
+    reporting no progress of its own."""
+    read_through: bool = False
+    """Every sample was read (deferred mode): the iterating process completes the lease."""
     renewed_at: float = field(default_factory=time.monotonic)  # last time the master confirmed it
     asked_at: float = field(default_factory=time.monotonic)  # last renewal attempt, answered or not
+
+    def report_offset(self) -> int:
+        """The offset this process may report to the master: what it handed out, or in deferred
+        mode only where the lease started (the iterating process reports what it received)."""
+        return self.start if self.deferred else self.position
 
     def stale(self) -> bool:
         """True when the master has not confirmed this lease for a whole TTL (e.g. the process was
@@ -96,6 +107,12 @@ class Renewer:
             if held in self._held:
                 self._held.remove(held)
 
+    def awaiting_delivery(self) -> bool:
+        """Deferred mode: some lease was read through and its last samples may still sit in a
+        batch that is not complete; only ending this stream hands that batch over."""
+        with self._lock:
+            return any(h.read_through and not h.lost for h in self._held)
+
     def _interval(self) -> float:
         with self._lock:
             ttls = [h.ttl_s for h in self._held]
@@ -120,12 +137,16 @@ class Renewer:
 
     def renew(self, held: Held) -> bool:
         """Renew one lease with the offset reached; False when it is lost (or could not be renewed)."""
-        position = held.position
+        position = held.report_offset()
         asked = held.asked_at = time.monotonic()
         try:
             ttl = self._client.renew(self._job, held.lease, self._trainer, position)
         except (LeaseLost, NotLeaseHolder, NoSuchJob) as exc:
-            if not held.done and not held.lost:
+            if held.read_through:
+                # The iterating process completed (or gave back) what this process read through.
+                log.debug("lease on %s closed by the iterating process", held.key)
+                held.lost = True
+            elif not held.done and not held.lost:
                 held.lost = True
                 log.warning(
                     "lease on %s (epoch %d) lost at offset %d: %s; another trainer continues it",
@@ -169,7 +190,7 @@ class Renewer:
         lease expires after its TTL, at the offset last renewed), or ``unsupported`` (a master from
         before ``release``: the caller reports the offset by renewing)."""
         try:
-            self._client.release(self._job, held.lease, self._trainer, held.position)
+            self._client.release(self._job, held.lease, self._trainer, held.report_offset())
         except (LeaseLost, NotLeaseHolder, NoSuchJob):
             held.lost = True  # gone already: nothing to give back
         except MasterUnavailable as exc:
@@ -179,7 +200,7 @@ class Renewer:
             log.info("the master cannot release the lease on %s (%s); reporting its offset instead", held.key, exc)
             return "unsupported"
         else:
-            log.info("released the lease on %s (epoch %d) at sample %d", held.key, held.epoch, held.position)
+            log.info("released the lease on %s (epoch %d) at sample %d", held.key, held.epoch, held.report_offset())
         held.done = True
         self.discard(held)
         return "released"
@@ -205,6 +226,8 @@ class LeaseStream:
         on_granted: Callable[[list[Held]], None],
         should_stop: Callable[[], bool],
         yield_to_siblings: Callable[[], bool] | None = None,
+        stream: str | None = None,
+        deferred: bool = False,
     ) -> None:
         self._client = client
         self._job = job
@@ -217,6 +240,8 @@ class LeaseStream:
         self._on_granted = on_granted
         self._should_stop = should_stop
         self._yield_to_siblings = yield_to_siblings
+        self._stream = stream
+        self._deferred = deferred
         self.queue: deque[Held] = deque()
         self.finished = False
         self.next_epoch: int | None = None
@@ -231,13 +256,24 @@ class LeaseStream:
                 # workers (a worker blocked in a request holds up its siblings' samples).
                 wait_s = self._wait_max if not self.queue and self._yield_to_siblings is None else 0.0
                 answer = self._client.lease(
-                    self._job, self._trainer, self._node, count=want, epoch=self._epoch, wait_s=wait_s
+                    self._job, self._trainer, self._node, count=want, epoch=self._epoch, wait_s=wait_s,
+                    stream=self._stream,
                 )
                 status = answer.get("status")
+                older = answer.get("epoch")
+                if status == "wait" and self._epoch is not None and isinstance(older, int) and older < self._epoch:
+                    # Our next epoch waits for an older one whose shards others let go (expired,
+                    # released) while every trainer moved on: take those first, or nobody will.
+                    drain = self._client.lease(
+                        self._job, self._trainer, self._node, count=want, epoch=older, stream=self._stream
+                    )
+                    if drain.get("status") == "ok" and drain.get("leases"):
+                        answer, status = drain, "ok"
                 if status == "ok" and answer.get("leases"):
                     waited_since = None
                     granted = [Held.from_answer(item) for item in answer["leases"]]
                     for held in granted:
+                        held.deferred = self._deferred
                         self._renewer.add(held)
                         self.queue.append(held)
                         log.debug(
@@ -250,6 +286,11 @@ class LeaseStream:
                     # Nothing to hand out now: others hold the last leases (one may expire and come
                     # back to us), or, in continuous mode, the next epoch is being opened.
                     if not self.queue:
+                        if status == "wait" and self._renewer.awaiting_delivery():
+                            # Our last samples may sit in a batch still being filled: end the
+                            # stream so that it is handed over and its leases can complete.
+                            log.debug("job %s: nothing to lease while our last batch is incomplete; stream ends", self._job)
+                            return
                         if status == "wait" and self._yield_to_siblings is not None and self._yield_to_siblings():
                             log.debug("job %s: sibling workers hold the last leases; worker's epoch ends", self._job)
                             return

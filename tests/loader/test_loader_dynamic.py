@@ -99,7 +99,9 @@ def test_torch_workers_each_lease_their_own_shards(dataset: tuple[str, Written],
         assert delivered(list(loader)) == written.samples
     st = status(master, "torchjob")
     assert st["finished"] and st["totals"]["completed"] == 2 * len(written.keys)
-    assert {t["trainer"] for t in st["trainers"]} <= {f"gpu0-w{i}" for i in range(4)}
+    # One trainer (the iterating process); its workers are lease streams under it.
+    assert [t["trainer"] for t in st["trainers"]] == ["gpu0"]
+    assert {s["stream"] for s in st["trainers"][0]["streams"]} <= {f"w{i}" for i in range(4)}
 
 
 def test_continuous_mode_runs_across_epochs(dataset: tuple[str, Written], master: str) -> None:

@@ -504,3 +504,68 @@ def test_a_retried_lease_request_returns_only_leases_still_valid() -> None:
     # Once that lease expired, the same request id is a new request: it gets a lease of its own.
     late = state.apply(Lease(JOB, "a", "n", 1, None, ("lease0003",), "req-1"), 6.0)
     assert late.mutated and [g["lease"] for g in late.answer["leases"]] == ["lease0003"]
+
+
+def test_a_continuous_request_opens_the_next_epoch_instead_of_waiting_for_a_blocked_trainer() -> None:
+    """The DDP deadlock's shape: rank A holds the last shards of epoch 0 (blocked in a collective,
+    it neither reads nor completes them); rank B, continuous, must get epoch 1's shards at once,
+    while an explicit epoch-0 request still waits (the non-continuous barrier)."""
+    state = MasterState()
+    state.apply(CreateJob(spec(n=3, epochs=2, shuffle=False)), 0.0)
+    a = state.apply(Lease(JOB, "a", "n", 3, None, ("leaseA001", "leaseA002", "leaseA003")), 0.0).answer["leases"]
+    assert [g["epoch"] for g in a] == [0, 0, 0]
+    assert state.apply(Lease(JOB, "b", "n", 1, 0, ("leaseB000",)), 1.0).answer["status"] == "wait"
+    b = state.apply(Lease(JOB, "b", "n", 2, None, ("leaseB001", "leaseB002")), 1.0).answer
+    assert b["status"] == "ok" and [g["epoch"] for g in b["leases"]] == [1, 1] and b["epoch"] == 0
+    status = state.status(JOB, 1.0)
+    assert [(e["epoch"], e["leased"]) for e in status["open_epochs"]] == [(0, 3), (1, 2)]
+    # The last epoch is leased out: nothing beyond it opens; the job waits, then finishes.
+    assert state.apply(Lease(JOB, "b", "n", 5, None, ("leaseB003", "leaseB004")), 1.0).answer["leases"][0]["epoch"] == 1
+    assert state.apply(Lease(JOB, "c", "n", 1, None, ("leaseC001",)), 1.0).answer["status"] == "wait"
+    for g in b["leases"] + a:
+        holder = "b" if g["lease"].startswith("leaseB") else "a"
+        state.apply(Complete(JOB, g["lease"], holder), 2.0)
+    # Epoch 1 cannot complete before its last shard; epoch 0 completing first keeps epoch 1 current.
+    assert state.status(JOB, 2.0)["epoch"] == 1
+    state.apply(Complete(JOB, "leaseB003", "b"), 3.0)
+    assert state.status(JOB, 3.0)["finished"]
+    assert state.status(JOB, 3.0)["totals"]["completed"] == 6
+
+
+def test_a_stream_leases_for_its_trainer_and_the_trainer_completes_it() -> None:
+    state = MasterState()
+    state.apply(CreateJob(spec(n=2)), 0.0)
+    got = state.apply(Lease(JOB, "rank0", "n", 1, None, ("leaseW001",), "r1", "w0"), 0.0).answer["leases"][0]
+    status = state.status(JOB, 0.0)
+    assert status["leases_by_trainer"] == {"rank0": {"w0": 1}}
+    state.apply(Renew(JOB, got["lease"], "rank0", 0), 1.0)
+    assert state.apply(Complete(JOB, got["lease"], "rank0"), 1.0).answer["already"] is False
+    with pytest.raises(NotLeaseHolder):
+        state.apply(Complete(JOB, got["lease"], "rank1"), 1.0)
+    # Each stream's retried request is its own.
+    again = state.apply(Lease(JOB, "rank0", "n", 1, None, ("leaseW002",), "r1", "w1"), 2.0)
+    assert again.mutated and again.answer["leases"][0]["lease"] == "leaseW002"
+
+
+def test_a_version_1_snapshot_loads_as_one_open_epoch() -> None:
+    """A master upgraded over state written before epochs could overlap keeps every lease,
+    offset, completion and failure."""
+    v1 = {
+        "version": 1, "last_now": 10.0,
+        "jobs": [{
+            "spec": spec(n=4, epochs=3, lease_ttl_s=30).to_json(), "epoch": 1, "finished": False, "cursor": 3,
+            "leases": [["leaseOld01", 2, "t1", "n1", 35.0]],
+            "progress": [[2, 5, 0, None, None], [1, 0, 1, "boom", "t2"], [0, 0, 0, None, None]],
+            "requeue": [1], "done": [0], "failed": [], "closed": [["leaseOld00", "t1", "done"]],
+            "closed_prev": [], "last_request": [["t1", "rid", ["leaseOld01"]]],
+            "prev_failed": [], "totals": {"leased": 7, "reissued": 1, "completed": 5, "expired": 0, "released": 0, "failures": 1, "epochs": 1},
+        }],
+    }
+    state = MasterState.from_json(v1)
+    status = state.status(JOB, 11.0)
+    assert status["epoch"] == 1 and status["shards"] == {"total": 4, "todo": 2, "leased": 1, "done": 1, "failed": 0}
+    assert state.apply(Renew(JOB, "leaseOld01", "t1", 6), 11.0).answer["offset"] == 6
+    nxt = state.apply(Lease(JOB, "t2", "n", 1, 1, ("leaseNew01",)), 11.0).answer["leases"][0]
+    assert nxt["shard"] != 1  # t2 just failed shard 1: another first
+    assert state.apply(Complete(JOB, "leaseOld00", "t1"), 11.0).answer["already"] is True
+    assert MasterState.from_json(json.loads(json.dumps(state.to_json()))).to_json() == state.to_json()
