@@ -11,7 +11,11 @@ member as a normal end of archive, so a cut-off shard would silently yield fewer
 reader is strict instead: header checksums are verified, data must be complete, the archive must
 end with its zero block, and (when the manifest gives them) the total size and xxh3_128 must
 match. It understands what real writers produce: POSIX ustar with prefix, GNU long names
-(``L``), PAX extended headers (``x``: ``path``, ``size``), base-256 sizes.
+(``L``), PAX extended headers (``x``: ``path``, ``size``), base-256 sizes, and GNU tar's sparse
+files (``tar --sparse``: old GNU ``S`` members with their extension headers, PAX sparse formats
+0.0, 0.1 and 1.0), which are read as the files they stand for, holes as zeros. A compressed
+stream (gzip, bzip2, xz, zstd, lz4, ...) is refused with an error that names the compression:
+shards are read by byte range and cached as they are, so they must be plain tar.
 
 Grouping follows the ``webdataset`` package exactly: a member ``dir/000123.seg.png`` belongs to
 the sample with key ``dir/000123`` under field ``seg.png`` (field lowercased); consecutive
@@ -42,6 +46,21 @@ _MAX_META_BYTES = 1 << 20  # a PAX or GNU long-name record larger than this is n
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)
 _META_RE = re.compile(r"__[^/]*__($|/)")
 _REGULAR = (b"0", b"\x00", b"7")
+_SPARSE_PREFIX = b"GNU.sparse."  # PAX records of GNU tar's sparse formats
+# Format 0.0 repeats these two keywords, one pair per map entry: their order is the map.
+_SPARSE_00_KEYS = (b"GNU.sparse.offset", b"GNU.sparse.numbytes")
+_GNU_ENTRY = 24  # an old GNU map entry: offset[12], numbytes[12]
+# (magic, compression, how to undo it): what a compressed shard starts with, for the error that
+# refuses it. tar -z/-j/-J/--zstd/--lzip/-Z and lz4 frames.
+_COMPRESSIONS = (
+    (b"\x1f\x8b", "gzip", "`gunzip -k shard.tar.gz`, or `gzip -dc shard.tar > plain.tar` for gzip data named .tar"),
+    (b"BZh", "bzip2", "`bunzip2 -k shard.tar.bz2`, or `bzip2 -dc shard.tar > plain.tar`"),
+    (b"\xfd7zXZ\x00", "xz", "`unxz -k shard.tar.xz`, or `xz -dc shard.tar > plain.tar`"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "`unzstd shard.tar.zst`, or `zstd -dc shard.tar > plain.tar`"),
+    (b"\x04\x22\x4d\x18", "lz4", "`lz4 -d shard.tar.lz4 plain.tar`"),
+    (b"LZIP", "lzip", "`lzip -dk shard.tar.lz`"),
+    (b"\x1f\x9d", "compress", "`uncompress shard.tar.Z`, or `gzip -dc shard.tar.Z > plain.tar`"),
+)
 # maps bytes > 127 to 1 and the rest to 0: counts the bytes that are negative as signed chars
 _HIGH_BYTES = bytes(1 if b > 127 else 0 for b in range(256))
 
@@ -158,6 +177,19 @@ class _Stream:
                 need -= len(data)
         self.position += n
 
+    def peek(self, n: int) -> bytes:
+        """Up to ``n`` bytes from the current position, not consumed (fewer only at the end)."""
+        while len(self._buf) - self._off < n:
+            data = self._pull(self._chunk)
+            if not data:
+                break
+            self._buf, self._off = self._buf[self._off :] + data, 0
+        return self._buf[self._off : self._off + n]
+
+    def own(self, data: bytes) -> bytes:
+        """A member built here (a sparse file): as is, iter_members makes views of what streams give."""
+        return data
+
     def read_header(self) -> bytes | None:
         """The next 512-byte block; None when the object ends exactly here (no bytes at all)."""
         if self._off == len(self._buf):
@@ -252,6 +284,14 @@ class _Mapped:
             )
         self.position += n
 
+    def peek(self, n: int) -> bytes:
+        at = self._base + self.position
+        return self._buf[at : at + n]
+
+    def own(self, data: bytes) -> bytes | memoryview:
+        """A member built here (a sparse file): a view of it with zero_copy, as other members are."""
+        return memoryview(data) if self._zero_copy else data
+
     def read_header(self) -> bytes | None:
         at = self._base + self.position
         end = at + BLOCK
@@ -330,9 +370,12 @@ def _number(field: bytes, what: str, url: str, pos: int) -> int:
         raise CorruptShard(f"invalid {what} {text[:20]!r} in tar header", url=url, position=pos) from None
 
 
-def _parse_pax(data: bytes, url: str, pos: int) -> dict[str, str]:
-    """PAX records: ``"%d %s=%s\\n" % (length, keyword, value)``."""
+def _parse_pax(data: bytes, url: str, pos: int) -> tuple[dict[str, str], list[tuple[bytes, str]] | None]:
+    """PAX records: ``"%d %s=%s\\n" % (length, keyword, value)``; and, when there are ``GNU.sparse.*``
+    records (a sparse member), the repeated offset/numbytes records of format 0.0 in their order
+    (a dict keeps only the last of each), else None."""
     records: dict[str, str] = {}
+    sparse: list[tuple[bytes, str]] | None = None
     i = 0
     while i < len(data):
         if data[i] == 0:  # some writers pad the record block with NULs
@@ -350,9 +393,14 @@ def _parse_pax(data: bytes, url: str, pos: int) -> dict[str, str]:
         keyword, eq, value = record.partition(b"=")
         if not eq:
             raise CorruptShard("malformed PAX header (record without '=')", url=url, position=pos)
+        if keyword.startswith(_SPARSE_PREFIX):
+            if sparse is None:
+                sparse = []
+            if keyword in _SPARSE_00_KEYS:
+                sparse.append((keyword, value.decode("ascii", "replace")))
         records[keyword.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
         i += length
-    return records
+    return records, sparse
 
 
 def iter_members(
@@ -419,6 +467,8 @@ def _members(
 ) -> Iterator[tuple[str, bytes | memoryview | None]]:
     long_name: str | None = None
     pax: dict[str, str] = {}
+    sparse: list[tuple[bytes, str]] | None = None  # GNU sparse records of the PAX header, if any
+    _refuse_compressed(stream.peek(BLOCK), url)
     while True:
         start = stream.position
         header = stream.read_header()
@@ -444,13 +494,20 @@ def _members(
             if typeflag == b"L":
                 long_name = data.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
             elif typeflag == b"x":
-                pax = _parse_pax(data, url, start)
+                pax, sparse = _parse_pax(data, url, start)
             continue  # 'g' (global) and 'K' (long link target) carry nothing a sample needs
         name = _member_name(header, long_name, pax)
+        if typeflag == b"S" or (sparse is not None and typeflag in _REGULAR):
+            # The slow path, for sparse members only (old GNU 'S', or a PAX header with GNU.sparse
+            # records): a map to read, holes to fill. Other members pay one comparison.
+            member = _sparse_member(stream, header, pax, sparse, name, size, url, start, max_member_bytes, want)
+            long_name, pax, sparse = None, {}, None
+            yield member
+            continue
         if pax or long_name is not None:
-            long_name, pax = None, {}
+            long_name, pax, sparse = None, {}, None
         if typeflag not in _REGULAR:
-            # Directories, links, devices: no sample data. Some types (e.g. sparse) may carry data.
+            # Directories, links, devices, unknown types: no sample data (skipped with what they carry).
             stream.skip(padded, "member", name)
             continue
         if size > max_member_bytes:
@@ -504,6 +561,265 @@ def _check_checksum(header: bytes, url: str, pos: int) -> None:
     signed = unsigned - 256 * high
     if stored != signed:
         raise CorruptShard("invalid tar header (checksum mismatch): not a tar file or corrupted", url=url, position=pos)
+
+
+def _refuse_compressed(head: bytes, url: str) -> None:
+    """Raise when the shard starts with a compressor's magic rather than a tar header.
+
+    Checked once per shard on its first bytes (a compressed stream can be shorter than one tar
+    header). A valid tar header wins: a member may well be named ``BZh91AY&SY.jpg``."""
+    for magic, kind, undo in _COMPRESSIONS:
+        if not head.startswith(magic) or (kind == "bzip2" and head[3:4] not in b"123456789"):
+            continue
+        if len(head) == BLOCK:
+            try:
+                _check_checksum(head, url, 0)
+                return
+            except CorruptShard:
+                pass
+            what = "invalid tar header (checksum mismatch)"
+        else:
+            what = f"not a tar file ({len(head)} bytes, less than one tar header)"
+        raise CorruptShard(
+            f"{what}: the shard is {kind}-compressed (it starts with the {kind} magic {magic.hex(' ')}). "
+            "WebDataset shards must be uncompressed tar: they are read by byte range and cached as they "
+            f"are. Decompress every shard ({undo}) and list the .tar files, or re-pack the samples "
+            "with `tar cf` and no compression option",
+            url=url,
+            position=0,
+        )
+
+
+def _decimal(text: str | bytes) -> int | None:
+    """A non-negative decimal of at most 20 ASCII digits (what GNU tar writes), else None."""
+    if not text or len(text) > 20 or not text.isdigit() or not text.isascii():
+        return None
+    return int(text)
+
+
+class _SparseError:
+    """Builds the errors of one sparse member: each names the member and its format."""
+
+    def __init__(self, name: str, fmt: str, url: str, pos: int) -> None:
+        self.name, self.fmt, self.url, self.pos = name, fmt, url, pos
+
+    def __call__(self, problem: str) -> CorruptShard:
+        return CorruptShard(
+            f"sparse member {self.name!r} (GNU tar --sparse, {self.fmt} format): {problem}", url=self.url, position=self.pos
+        )
+
+
+def _sparse_member(
+    stream: _Stream | _Mapped,
+    header: bytes,
+    pax: dict[str, str],
+    pax_sparse: list[tuple[bytes, str]] | None,
+    name: str,
+    size: int,
+    url: str,
+    pos: int,
+    max_member_bytes: int,
+    want: Callable[[str], bool] | None,
+) -> tuple[str, bytes | memoryview | None]:
+    """A GNU sparse member, read as the file it stands for: ``(real name, data)`` (data None when
+    ``want`` declines it). ``size`` is what the archive stores: map (format 1.0) and data chunks.
+
+    Every map is checked before any data is read or allocated: the real size against
+    ``max_member_bytes``, entries in order, disjoint, inside the real size, and adding up to the
+    stored bytes. Anything else (an unknown version, a malformed map) is CorruptShard naming the
+    member and the format: a sparse member is never yielded as its stored chunks, nor dropped."""
+    map_bytes = 0  # format 1.0: the map's blocks at the start of the member's data
+    if header[156:157] == b"S":
+        fail = _SparseError(name, "gnu", url, pos)
+        if header[257:265] != b"ustar  \x00":
+            # Other writers' 'S' members (star's) lay the map out differently: refuse, never guess.
+            raise fail("a sparse ('S') member without the GNU header magic: re-create the shard with GNU tar")
+        realsize = _number(header[483:495], f"real size of sparse member {name!r}", url, pos)
+        _check_real_size(realsize, max_member_bytes, fail)
+        entries = _gnu_sparse_map(stream, header, fail)
+    else:
+        name = pax.get("GNU.sparse.name", name)  # 0.1 and 1.0 put GNUSparseFile.<pid>/... in the header
+        major, minor = pax.get("GNU.sparse.major"), pax.get("GNU.sparse.minor")
+        if major is not None or minor is not None:
+            fail = _SparseError(name, f"pax {major}.{minor}", url, pos)
+            if (major, minor) != ("1", "0"):
+                raise fail(
+                    f"GNU sparse format {major}.{minor} is not supported (0.0, 0.1 and 1.0 are): re-create "
+                    "the shard without --sparse, or with --sparse-version=1.0"
+                )
+            realsize = _pax_real_size(pax, "GNU.sparse.realsize", fail)
+            _check_real_size(realsize, max_member_bytes, fail)
+            entries, map_bytes = _pax10_sparse_map(stream, size, fail)
+        else:
+            version = "0.0" if pax_sparse else "0.1" if "GNU.sparse.map" in pax else "(unknown version)"
+            fail = _SparseError(name, f"pax {version}", url, pos)
+            realsize = _pax_real_size(pax, "GNU.sparse.size", fail)
+            _check_real_size(realsize, max_member_bytes, fail)
+            entries = _pax0x_sparse_map(pax, pax_sparse, version, fail)
+    stored = size - map_bytes
+    _check_sparse_map(entries, realsize, stored, fail)
+    padded = (size + BLOCK - 1) // BLOCK * BLOCK - map_bytes
+    if want is not None and not want(name):
+        stream.skip(padded, "member", name)
+        return name, None
+    data = stream.read_member(stored, padded, name)
+    return name, stream.own(_expand_sparse(data, entries, realsize))
+
+
+def _check_real_size(realsize: int, max_member_bytes: int, fail: _SparseError) -> None:
+    # The limit is on what the member becomes in memory, not on the few bytes it stores.
+    if realsize > max_member_bytes:
+        raise fail(f"stands for {realsize} bytes, more than max_member_bytes={max_member_bytes}")
+
+
+def _pax_real_size(pax: dict[str, str], key: str, fail: _SparseError) -> int:
+    # 0.x write GNU.sparse.size, 1.0 GNU.sparse.realsize; take either, as GNU tar does
+    text = pax.get(key, pax.get("GNU.sparse.realsize" if key == "GNU.sparse.size" else "GNU.sparse.size"))
+    if text is None:
+        raise fail(f"no real size ({key} record) in its PAX header")
+    value = _decimal(text)
+    if value is None:
+        raise fail(f"invalid real size {text[:30]!r} ({key})")
+    return value
+
+
+def _gnu_sparse_map(stream: _Stream | _Mapped, header: bytes, fail: _SparseError) -> list[tuple[int, int]]:
+    """The old GNU map: 4 entries in the header, 21 in each extension header that follows it
+    while the previous one's isextended byte is set. An entry whose numbytes field starts with
+    NUL ends the map (as GNU tar reads it); nothing may follow that."""
+    entries: list[tuple[int, int]] = []
+    what = f"sparse map entry of member {fail.name!r}"
+    block, count, extended = header[386:482], 4, header[482]
+    ended = False
+    extensions = 0
+    while True:
+        for i in range(count):
+            entry = block[i * _GNU_ENTRY : (i + 1) * _GNU_ENTRY]
+            if entry[12] == 0:
+                ended = True
+            elif ended:
+                raise fail("a map entry after the end of the map")
+            else:
+                entries.append((_number(entry[:12], what, fail.url, fail.pos), _number(entry[12:], what, fail.url, fail.pos)))
+        if not extended:
+            return entries
+        if ended:
+            raise fail("an extension header announced after the end of the map")
+        extensions += 1
+        if extensions * BLOCK > _MAX_META_BYTES:
+            raise fail(f"a sparse map of more than {_MAX_META_BYTES} bytes of extension headers")
+        ext = stream.read_exact(BLOCK, "the sparse extension header of member", fail.name)
+        block, count, extended = ext[:504], 21, ext[504]
+
+
+def _pax0x_sparse_map(
+    pax: dict[str, str], pax_sparse: list[tuple[bytes, str]] | None, version: str, fail: _SparseError
+) -> list[tuple[int, int]]:
+    """Format 0.0: GNU.sparse.offset / GNU.sparse.numbytes records, alternating; 0.1: one
+    GNU.sparse.map record, ``offset,numbytes,...``. GNU.sparse.numblocks, when given, counts them."""
+    if version == "0.0":
+        assert pax_sparse
+        if "GNU.sparse.map" in pax:
+            raise fail("both GNU.sparse.offset records (0.0) and a GNU.sparse.map (0.1)")
+        values: list[str] = []
+        for i, (keyword, value) in enumerate(pax_sparse):
+            if keyword != _SPARSE_00_KEYS[i % 2]:
+                raise fail(f"{keyword.decode()} record out of turn: GNU.sparse.offset and GNU.sparse.numbytes must alternate")
+            values.append(value)
+        if len(values) % 2:
+            raise fail("a GNU.sparse.offset record without its GNU.sparse.numbytes")
+    elif version == "0.1":
+        text = pax["GNU.sparse.map"]
+        values = text.split(",") if text else []
+        if len(values) % 2:
+            raise fail(f"GNU.sparse.map has an odd number of values ({len(values)}): not offset,numbytes pairs")
+    else:
+        raise fail("GNU.sparse records without a sparse map (neither GNU.sparse.major/minor, GNU.sparse.map nor GNU.sparse.offset)")
+    entries = _sparse_pairs(values, fail)
+    numblocks = pax.get("GNU.sparse.numblocks")
+    if numblocks is not None and _decimal(numblocks) != len(entries):
+        raise fail(f"GNU.sparse.numblocks={numblocks[:30]!r} but the map has {len(entries)} entries")
+    return entries
+
+
+def _sparse_pairs(values: list[str] | list[bytes], fail: _SparseError) -> list[tuple[int, int]]:
+    """``offset, numbytes, offset, numbytes, ...`` as decimal text → ``[(offset, numbytes), ...]``."""
+    numbers: list[int] = []
+    for value in values:
+        number = _decimal(value)
+        if number is None:
+            raise fail(f"invalid number {value[:30]!r} in the sparse map")
+        numbers.append(number)
+    return list(zip(numbers[::2], numbers[1::2], strict=True))
+
+
+def _pax10_sparse_map(stream: _Stream | _Mapped, size: int, fail: _SparseError) -> tuple[list[tuple[int, int]], int]:
+    """Format 1.0: the map opens the member's data, decimal numbers one a line (the entry count,
+    then offset and numbytes of each), padded to a block. Returns the entries and the map's
+    length in bytes. Read a block at a time, counting newlines, so a hostile count costs no more
+    than the blocks the member really has."""
+    parts: list[bytes] = []
+    newlines = 0
+    need: int | None = None  # lines the map has: 1 + 2 x entries, once the count is read
+    while need is None or newlines < need:
+        if (len(parts) + 1) * BLOCK > size:
+            raise fail(f"the sparse map runs past the member's {size} stored bytes")
+        if (len(parts) + 1) * BLOCK > _MAX_META_BYTES:
+            raise fail(f"a sparse map of more than {_MAX_META_BYTES} bytes")
+        block = stream.read_exact(BLOCK, "the sparse map of member", fail.name)
+        parts.append(block)
+        newlines += block.count(b"\n")
+        if need is None and newlines:
+            first = b"".join(parts).split(b"\n", 1)[0]
+            count = _decimal(first)
+            if count is None:
+                raise fail(f"invalid entry count {first[:30]!r} in the sparse map")
+            if count > _MAX_META_BYTES // 4:  # each entry takes 4 bytes at least: "0\n0\n"
+                raise fail(f"a sparse map of {count} entries, larger than {_MAX_META_BYTES} bytes")
+            need = 1 + 2 * count
+    lines = b"".join(parts).split(b"\n", need)[1:need]
+    return _sparse_pairs(lines, fail), len(parts) * BLOCK
+
+
+def _check_sparse_map(entries: list[tuple[int, int]], realsize: int, stored: int, fail: _SparseError) -> None:
+    end = 0
+    total = 0
+    for offset, numbytes in entries:
+        if offset < end:
+            raise fail(
+                f"map entry at offset {offset} overlaps or comes before the previous one (ending at {end}): "
+                "entries must be in order and disjoint"
+            )
+        end = offset + numbytes
+        if end > realsize:
+            raise fail(f"map entry {offset}+{numbytes} ends past the real size {realsize}")
+        total += numbytes
+    if total != stored:
+        raise fail(f"the map covers {total} bytes but {stored} are stored")
+
+
+def _expand_sparse(data: bytes | memoryview, entries: list[tuple[int, int]], realsize: int) -> bytes:
+    """The file: the stored chunks at their offsets, zeros between them, in one allocation."""
+    view = memoryview(data)
+    largest = 0
+    end = 0
+    for offset, numbytes in entries:
+        largest = max(largest, offset - end)
+        end = offset + numbytes
+    zeros = memoryview(bytes(max(largest, realsize - end)))  # calloc'd: untouched pages cost nothing
+    parts: list[memoryview] = []
+    at = 0
+    end = 0
+    for offset, numbytes in entries:
+        if offset > end:
+            parts.append(zeros[: offset - end])
+        if numbytes:
+            parts.append(view[at : at + numbytes])
+        at += numbytes
+        end = offset + numbytes
+    if realsize > end:
+        parts.append(zeros[: realsize - end])
+    return b"".join(parts)
 
 
 def _member_name(header: bytes, long_name: str | None, pax: dict[str, str]) -> str:
