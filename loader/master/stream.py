@@ -286,6 +286,13 @@ class LeaseStream:
                     # Nothing to hand out now: others hold the last leases (one may expire and come
                     # back to us), or, in continuous mode, the next epoch is being opened.
                     if not self.queue:
+                        if status == "wait" and self._epoch is None:
+                            # Continuous mode waits only at the job's end (every epoch is leased
+                            # out). A rank waiting here for its peers' last shards would stall
+                            # them when they are in a collective with it: end instead, and let
+                            # the training loop join its peers (DDP's Join) until they finish.
+                            log.info("job %s: every shard of its last epoch is leased; this stream ends", self._job)
+                            return
                         if status == "wait" and self._renewer.awaiting_delivery():
                             # Our last samples may sit in a batch still being filled: end the
                             # stream so that it is handed over and its leases can complete.
