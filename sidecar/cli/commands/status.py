@@ -250,7 +250,13 @@ def _epoch(job: dict[str, Any]) -> str:
     epochs = job.get("epochs")
     total = str(epochs) if epochs is not None else "∞"
     epoch = int(job.get("epoch") or 0)
-    return f"{epoch if job.get('finished') else epoch + 1}/{total}"
+    if job.get("finished"):
+        return f"{epoch}/{total}"
+    # A continuous job may have several epochs open at once (the next opens while the last
+    # shards of the current one are still being read): "3-4/10".
+    opened = [int(e.get("epoch") or 0) for e in job.get("open_epochs") or [] if isinstance(e, dict)]
+    newest = max(opened, default=epoch)
+    return f"{epoch + 1}-{newest + 1}/{total}" if newest > epoch else f"{epoch + 1}/{total}"
 
 
 def _print_master(master: dict[str, Any]) -> None:
