@@ -25,7 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from loader.master.errors import BadRequest, JobConflict, LeaseLost, MasterError, NoSuchJob, NotLeaseHolder
 from loader.master.server.state import (
+    MAX_COUNT,
     MAX_OPEN_EPOCHS,
+    OPEN_SLACK,
     Complete,
     CreateJob,
     Event,
@@ -120,8 +122,9 @@ class LeaseMachine(RuleBasedStateMachine):
         held = {self.live[lid][1] for lid in self.live if self.valid(lid) and self.live[lid][3] == epoch}
         return set(range(self.n)) - ep.done - ep.failed - held
 
-    def can_open(self) -> bool:
-        return len(self.open) < MAX_OPEN_EPOCHS and (self.epochs is None or self.next_epoch < self.epochs)
+    def can_open(self, granting: int = 0) -> bool:
+        held = sum(1 for lid in self.live if self.valid(lid)) + granting
+        return len(self.open) < MAX_OPEN_EPOCHS and held < max(self.n, OPEN_SLACK) and (self.epochs is None or self.next_epoch < self.epochs)
 
     def open_next(self) -> int:
         self.open[self.next_epoch] = EpochModel()
@@ -253,9 +256,10 @@ class LeaseMachine(RuleBasedStateMachine):
                 if take:
                     plan.append((e, take))
                     left -= take
-            while left and self.can_open():
+            # A new epoch opens for the next shard only while fewer leases are live than shards.
+            while left and self.can_open(count - left):
                 e = self.open_next()
-                take = min(left, self.n)
+                take = min(left, self.n)  # once open, an epoch serves until its shards run out
                 plan.append((e, take))
                 left -= take
         assert answer["epoch"] == self.epoch
@@ -569,3 +573,20 @@ def test_a_version_1_snapshot_loads_as_one_open_epoch() -> None:
     assert nxt["shard"] != 1  # t2 just failed shard 1: another first
     assert state.apply(Complete(JOB, "leaseOld00", "t1"), 11.0).answer["already"] is True
     assert MasterState.from_json(json.loads(json.dumps(state.to_json()))).to_json() == state.to_json()
+
+
+def test_leasing_without_reading_cannot_open_epoch_after_epoch() -> None:
+    """Live leases are bounded by the shard count: once every shard of a big job is leased, a
+    continuous request waits instead of opening the next epoch (memory stays bounded)."""
+    n = OPEN_SLACK + 10
+    state = MasterState()
+    state.apply(CreateJob(spec(n=n)), 0.0)
+    granted, i = 0, 0
+    while granted < n:
+        ids = tuple(f"lease{i + j:06d}" for j in range(MAX_COUNT))
+        i += MAX_COUNT
+        answer = state.apply(Lease(JOB, "hog", "n", MAX_COUNT, None, ids), 1.0).answer
+        assert {g["epoch"] for g in answer["leases"]} == {0}
+        granted += len(answer["leases"])
+    assert state.apply(Lease(JOB, "hog", "n", 1, None, ("leaseMore01",)), 1.0).answer["status"] == "wait"
+    assert [e["epoch"] for e in state.status(JOB, 1.0)["open_epochs"]] == [0]

@@ -66,6 +66,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_LEASE_WAIT_S",
     "MAX_OPEN_EPOCHS",
+    "OPEN_SLACK",
     "CLOSED_KEEP",
     "validate_lease_id",
     "validate_job_name",
@@ -82,6 +83,9 @@ _REQUEUE_SCAN = 16
 """How far into the re-queue a lease looks for a shard the trainer did not just fail."""
 MAX_OPEN_EPOCHS = 64
 """Most epochs a continuous job keeps open at once (each costs one bit per shard)."""
+OPEN_SLACK = 4096
+"""A continuous request opens a new epoch only while the job's live leases number fewer than its
+shards or this, whichever is more."""
 CLOSED_KEEP = 65_536
 """Closed leases remembered per job, most recent first, so that a repeated complete, fail or
 release (a retry after a lost answer) is answered as done instead of refused."""
@@ -245,8 +249,9 @@ class LeaseRec:
 
 @dataclass(slots=True)
 class Progress:
-    """What an epoch knows of a shard that has been leased and is not done (dropped once done:
-    an epoch's memory then grows with its open leases and failures, not with the shard count)."""
+    """What an epoch knows of a shard beyond "leased from its start": kept only for shards with a
+    reported offset or a failure, and dropped once done, so that an epoch's memory grows with
+    the leases in progress and the failures, not with the shard count."""
 
     offset: int = 0
     failures: int = 0
@@ -276,6 +281,21 @@ class EpochState:
     def todo(self) -> int:
         return self.n - self.cursor + len(self.requeue)
 
+    def offset(self, shard: int) -> int:
+        prog = self.progress.get(shard)
+        return prog.offset if prog is not None else 0
+
+    def advance(self, shard: int, offset: int) -> int:
+        """Record that ``shard`` was read up to ``offset`` (offsets never go back); the gain."""
+        prog = self.progress.get(shard)
+        current = prog.offset if prog is not None else 0
+        if offset <= current:
+            return 0
+        if prog is None:
+            prog = self.progress[shard] = Progress()
+        prog.offset = offset
+        return offset - current
+
     def is_done(self, shard: int) -> bool:
         return bool(self.done_bits[shard >> 3] & (1 << (shard & 7)))
 
@@ -287,7 +307,8 @@ class EpochState:
     def complete(self) -> bool:
         return self.done_count + len(self.failed) >= self.n
 
-    def take(self, trainer: str) -> int:
+    def take(self, trainer: str) -> tuple[int, bool]:
+        """The next shard to hand out, and whether it was handed out before in this epoch."""
         requeue = self.requeue
         if requeue:
             for i in range(min(_REQUEUE_SCAN, len(requeue))):
@@ -295,14 +316,14 @@ class EpochState:
                 prog = self.progress.get(shard)
                 if prog is None or prog.last_failed_by != trainer:
                     del requeue[i]
-                    return shard
+                    return shard, True
             if self.cursor >= self.n:
-                return requeue.popleft()
+                return requeue.popleft(), True
         if self.cursor < self.n:
             shard = self.order[self.cursor]
             self.cursor += 1
-            return shard
-        return requeue.popleft()
+            return shard, False
+        return requeue.popleft(), True
 
     def failed_list(self, spec: JobSpec) -> list[dict[str, Any]]:
         out = []
@@ -390,9 +411,12 @@ class JobState:
         return self._heap[0][0] if self._heap else None
 
     def can_open(self) -> bool:
+        # Live leases bounded by the shard count (or OPEN_SLACK for a small job): a client leasing
+        # without reading cannot make the master open epoch after epoch and hold leases without end.
         return (
             not self.finished
             and len(self.open) < MAX_OPEN_EPOCHS
+            and len(self.leases) < max(self.n, OPEN_SLACK)
             and (self.spec.epochs is None or self.next_epoch < self.spec.epochs)
         )
 
@@ -436,12 +460,22 @@ class JobState:
 
     def _push(self, rec: LeaseRec) -> None:
         heapq.heappush(self._heap, (rec.expires_at, rec.id))
+        self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Closed and renewed leases leave their old entries in the expiry index (dropped lazily as
+        they reach its top): rebuilt from the live leases past twice their number, so the index
+        stays proportional to the leases held, not to every lease ever granted."""
+        if len(self._heap) > 2 * len(self.leases) + 4096:
+            self._heap = [(r.expires_at, r.id) for r in self.leases.values()]
+            heapq.heapify(self._heap)
 
     def close(self, rec: LeaseRec, trainer: str, outcome: str) -> None:
         del self.leases[rec.id]
         self.closed[rec.id] = (trainer, outcome)
         if len(self.closed) > CLOSED_KEEP:
             self.closed.popitem(last=False)
+        self._compact_heap()
 
     def remember_request(self, trainer: str, stream: str, request_id: str, ids: tuple[str, ...]) -> None:
         key = (trainer, stream)
@@ -677,11 +711,9 @@ class MasterState:
             ep = self._pool(job, ev.epoch)
             if ep is None:
                 break
-            shard = ep.take(ev.trainer)
-            if shard in ep.progress:
+            shard, again = ep.take(ev.trainer)
+            if again:
                 job.totals["reissued"] += 1
-            else:
-                ep.progress[shard] = Progress()
             rec = LeaseRec(lid, shard, ep.epoch, ev.trainer, stream, ev.node, now + ttl)
             job.leases[lid] = rec
             job._push(rec)
@@ -730,12 +762,10 @@ class MasterState:
         self._check_offset(job, rec, ev.offset)
         # -- mutation --
         job.expire(now)
-        prog = job.open[rec.epoch].progress[rec.shard]
-        gained = max(0, ev.offset - prog.offset)
-        prog.offset = max(prog.offset, ev.offset)
+        gained = job.open[rec.epoch].advance(rec.shard, ev.offset)
         rec.expires_at = now + job.spec.lease_ttl_s
         job._push(rec)
-        return Result({"ttl_s": job.spec.lease_ttl_s, "offset": prog.offset}, mutated=True, progress=gained)
+        return Result({"ttl_s": job.spec.lease_ttl_s, "offset": job.open[rec.epoch].offset(rec.shard)}, mutated=True, progress=gained)
 
     def _closed_outcome(self, job: JobState, lease: str, trainer: str) -> str | None:
         hit = job.closed.get(lease)
@@ -755,9 +785,8 @@ class MasterState:
         # -- mutation --
         job.expire(now)
         ep = job.open[rec.epoch]
-        prog = ep.progress[rec.shard]
         samples = job.spec.shards[rec.shard].samples
-        gained = max(0, samples - prog.offset) if samples is not None else 0
+        gained = max(0, samples - ep.offset(rec.shard)) if samples is not None else 0
         job.close(rec, ev.trainer, "done")
         ep.mark_done(rec.shard)
         job.totals["completed"] += 1
@@ -777,7 +806,7 @@ class MasterState:
         # -- mutation --
         job.expire(now)
         ep = job.open[rec.epoch]
-        prog = ep.progress[rec.shard]
+        prog = ep.progress.setdefault(rec.shard, Progress())
         prog.failures += 1
         prog.last_error = ev.error[:_MAX_ERROR_TEXT]
         prog.last_failed_by = ev.trainer
@@ -803,13 +832,11 @@ class MasterState:
         # -- mutation --
         job.expire(now)
         ep = job.open[rec.epoch]
-        prog = ep.progress[rec.shard]
-        gained = max(0, ev.offset - prog.offset)
-        prog.offset = max(prog.offset, ev.offset)
+        gained = ep.advance(rec.shard, ev.offset)
         ep.requeue.append(rec.shard)
         job.close(rec, ev.trainer, "released")
         job.totals["released"] += 1
-        return Result({"shard_state": "todo", "offset": prog.offset, "already": False}, mutated=True, progress=gained)
+        return Result({"shard_state": "todo", "offset": ep.offset(rec.shard), "already": False}, mutated=True, progress=gained)
 
     # -- read-only views --
 
