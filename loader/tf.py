@@ -7,6 +7,11 @@
 Each sample becomes a dict of scalar ``tf.string`` tensors (``__key__`` and the named fields),
 or, with ``transform``, whatever ``transform(sample)`` returns, described by ``output_signature``.
 Iterating the dataset again (``for epoch in ...: for x in ds``) reads the next epoch.
+
+In dynamic mode the offsets reported to the master are the samples the generator handed to
+tf.data, which its ``batch``/``prefetch`` buffers may still hold: a trainer's death can skip up
+to what those buffers hold (``loader.torch.DataLoader`` closes that gap for PyTorch; tf.data
+offers no hook in the iterating process for it).
 """
 
 from __future__ import annotations
