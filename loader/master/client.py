@@ -45,13 +45,16 @@ master, and the known leader is shared.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import http.client
 import json
 import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from loader.master.errors import (
@@ -85,6 +88,15 @@ __all__ = [
 _USER_AGENT = "shardcache-master-client/1"
 # Lease answers and job status are kilobytes; a far larger answer is not from a master.
 _MAX_ANSWER = 64 << 20
+# A create body this large goes gzip-compressed (a 1M-shard spec: ~70 MB as JSON, ~12 MB so).
+# Any master takes it: aiohttp's server decompresses request bodies, and the master counts its
+# --max-body limit after decompression.
+_GZIP_BODY_BYTES = 1 << 20
+# A spec with this many shards is looked up first: a trainer joining a job that exists with this
+# very spec then sends no shard list at all (a new master says the list's digest in the status).
+_LOOKUP_FIRST_SHARDS = 10_000
+_DEFAULTED = ("lease_ttl_s", "max_failures")  # defaults the master chooses: unknown here
+_SPEC_FIELDS = frozenset({"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures"})
 
 
 def split_master_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -139,7 +151,48 @@ class MasterClient:
     # -- API ------------------------------------------------------------------------------
 
     def create_job(self, spec: Mapping[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/jobs", dict(spec))
+        """Create the job or join the identical one; returns its status.
+
+        A large spec is first compared with the job's status (its shard list's SHA-256): when
+        the job exists with this very spec, joining sends no shard list (the answer is the one
+        the create would give). Otherwise the spec is sent, gzip-compressed when large."""
+        body = dict(spec)
+        shards = body.get("shards")
+        if isinstance(shards, list) and len(shards) >= _LOOKUP_FIRST_SHARDS:
+            status = self._joined_without_sending(body)
+            if status is not None:
+                return status
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        headers: dict[str, str] = {}
+        if len(payload) >= _GZIP_BODY_BYTES:
+            payload = gzip.compress(payload, compresslevel=1, mtime=0)
+            headers["Content-Encoding"] = "gzip"
+        return self._call("POST", "/v1/jobs", encoded=(payload, headers))
+
+    def _joined_without_sending(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The job's status if it exists with exactly ``body`` as its spec, else None (then the
+        create says what it says: 201, 409 naming the differences, 400...)."""
+        name = body.get("name")
+        if set(body) - _SPEC_FIELDS or not isinstance(name, str) or any(body.get(f) is None for f in _DEFAULTED):
+            return None
+        digest = _shards_sha256(body["shards"])
+        if digest is None:
+            return None
+        try:
+            status = self._call("GET", f"/v1/jobs/{_q(name)}")
+        except (NoSuchJob, BadRequest):
+            return None
+        have = status.get("spec")
+        if not isinstance(have, dict) or have.get("shards_sha256") != digest or have.get("shards") != len(body["shards"]):
+            return None
+        want = {"name": name, "dataset": body.get("dataset"), "epochs": body.get("epochs"), "seed": body.get("seed", 0),
+                "shuffle": body.get("shuffle", True), "max_failures": body.get("max_failures")}
+        if any(type(v) is not type(have.get(k)) or v != have.get(k) for k, v in want.items()):
+            return None
+        ttl = body["lease_ttl_s"]
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or float(ttl) != have.get("lease_ttl_s"):
+            return None
+        return status
 
     def jobs(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/v1/jobs")["jobs"])
@@ -207,8 +260,12 @@ class MasterClient:
 
     # -- transport ------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        payload = None if body is None else json.dumps(body).encode()
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, encoded: tuple[bytes, dict[str, str]] | None = None
+    ) -> dict[str, Any]:
+        """One API call with retries; ``encoded``: the body already encoded, and its headers."""
+        payload = encoded[0] if encoded is not None else None if body is None else json.dumps(body).encode()
+        extra = encoded[1] if encoded is not None else {}
         deadline = time.monotonic() + self._deadline
         retries = 0
         last: MasterError | None = None
@@ -218,7 +275,7 @@ class MasterClient:
                 index = self._preferred
                 url = self._urls[index]
             try:
-                status, answer = self._exchange(url, method, path, payload)
+                status, answer = self._exchange(url, method, path, payload, extra)
             except (OSError, http.client.HTTPException) as exc:
                 last = MasterUnavailable(f"master {url} unreachable: {exc.__class__.__name__}: {exc}")
                 self._rotate(index)
@@ -275,11 +332,14 @@ class MasterClient:
             return http.client.HTTPSConnection(address.host, address.port, timeout=self._timeout)
         return http.client.HTTPConnection(address.host, address.port, timeout=self._timeout)
 
-    def _exchange(self, url: str, method: str, path: str, payload: bytes | None) -> tuple[int, Any]:
+    def _exchange(
+        self, url: str, method: str, path: str, payload: bytes | None, extra: Mapping[str, str] | None = None
+    ) -> tuple[int, Any]:
         prefix = _address(url).base
         headers = {"User-Agent": _USER_AGENT, "Accept": "application/json"}
         if payload is not None:
             headers["Content-Type"] = "application/json"
+        headers.update(extra or {})
         status, _, raw = exchange(
             lambda: self._conns.get(url), lambda: self._conns.discard(url), method, prefix + path, body=payload, headers=headers,
             max_body=_MAX_ANSWER,
@@ -289,6 +349,39 @@ class MasterClient:
         except ValueError:
             answer = raw.decode("utf-8", "replace")
         return status, answer
+
+
+def _shards_sha256(shards: list[Any]) -> str | None:
+    """SHA-256 of the shard list as the master writes it (``spec.ShardTable.json_chunks``:
+    compact JSON, every shard as {"key", "size", "samples"}); None for a list the master would
+    refuse (it cannot be the list of an existing job)."""
+    digest = hashlib.sha256()
+    try:
+        for chunk in _canonical_shards(shards):
+            digest.update(chunk.encode("ascii"))
+    except (TypeError, ValueError):
+        return None
+    return digest.hexdigest()
+
+
+def _canonical_shards(shards: list[Any], block: int = 8192) -> Iterator[str]:
+    yield "["
+    for start in range(0, len(shards), block):
+        parts = []
+        for item in shards[start : start + block]:
+            key: Any
+            if isinstance(item, str):
+                key, size, samples = item, None, None
+            elif isinstance(item, dict) and not set(item) - {"key", "size", "samples"}:
+                key, size, samples = item.get("key"), item.get("size"), item.get("samples")
+            else:
+                raise ValueError("not a shard")
+            if not isinstance(key, str) or any(v is not None and type(v) is not int for v in (size, samples)):
+                raise ValueError("not a shard")
+            parts.append(f'{{"key":{encode_basestring_ascii(key)},"size":{"null" if size is None else size},'
+                         f'"samples":{"null" if samples is None else samples}}}')
+        yield ("," if start else "") + ",".join(parts)
+    yield "]"
 
 
 def _q(part: str) -> str:

@@ -16,6 +16,7 @@ __all__ = [
     "BodyTooLarge",
     "NoSuchJob",
     "JobConflict",
+    "TooManyJobs",
     "LeaseLost",
     "NotLeaseHolder",
     "MasterUnavailable",
@@ -69,6 +70,13 @@ class JobConflict(MasterError, ValueError):
     status = 409
 
 
+class TooManyJobs(MasterError):
+    """The master holds as many jobs as its ``--max-jobs`` allows; joining an existing job still works."""
+
+    code = "TooManyJobs"
+    status = 409
+
+
 class LeaseLost(MasterError):
     """The lease expired, was re-issued, failed or is unknown: drop the shard and lease another.
 
@@ -114,6 +122,7 @@ ERRORS_BY_CODE: dict[str, type[MasterError]] = {
         BodyTooLarge,
         NoSuchJob,
         JobConflict,
+        TooManyJobs,
         LeaseLost,
         NotLeaseHolder,
         MasterUnavailable,

@@ -19,14 +19,16 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import Any
 
-from loader.master.errors import MasterError, NotLeader, StateError
+from loader.master.errors import MasterError, NotLeader, StateError, TooManyJobs
 from loader.master.server.journal import Journal, Store
 from loader.master.server.metrics import MasterMetrics
 from loader.master.server.settings import MasterSettings, parse_state
+from loader.master.server.spec import ShardTable
+from loader.master.server.spec_stream import SpecStream, read_spec
 from loader.master.server.state import (
     CreateJob,
     Event,
@@ -45,6 +47,10 @@ log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 30.0
 _PRESENCE_KEEP_S = 600.0
+# Create bodies up to this size are parsed on the event loop (a thread hop costs more); above
+# it, or of unknown size, on a thread, and their shard lists built one at a time.
+_INLINE_BODY_BYTES = 64 * 1024
+_GATED_BODY_BYTES = 1024 * 1024
 # Reloading the state after a store failure: until it works or the role changes.
 _RECOVER_BACKOFF = Backoff(initial_s=0.1, max_s=5.0)
 
@@ -291,22 +297,63 @@ class MasterService:
         if progress:
             self._rates.setdefault(job, _Rate()).add(progress)
 
-    async def create_job(self, raw: Any) -> tuple[dict[str, Any], bool]:
-        def validate() -> JobSpec:
-            spec = JobSpec.from_json(
-                raw,
-                default_ttl_s=self.settings.lease_ttl_s,
-                default_max_failures=self.settings.max_failures,
-                max_shards=self.settings.max_shards,
-            )
-            spec.json_text  # noqa: B018 - computed (and cached) here, not on the event loop
-            return spec
+    # One large shard list built at a time (see spec_stream.read_spec); made on first use, in
+    # the service's event loop.
+    _create_gate: asyncio.Semaphore | None = None
 
-        shards = raw.get("shards") if isinstance(raw, dict) else None
-        big = isinstance(shards, list) and len(shards) > 2000
-        spec = await asyncio.to_thread(validate) if big else validate()
+    async def create_job(
+        self, body: dict[str, Any] | AsyncIterable[bytes], *, length: int | None = None
+    ) -> tuple[dict[str, Any], bool]:
+        """Create a job or join the identical one: (its status, created). ``body`` is the decoded
+        spec, or a create body's chunks, parsed as they arrive (``length``: the body's size when
+        known, decompressed; small bodies are parsed on the loop, unknown or large ones on a
+        thread, their shard lists built one at a time)."""
+        settings = self.settings
+        if isinstance(body, dict):
+            def validate() -> JobSpec:
+                spec = JobSpec.from_json(
+                    body,
+                    default_ttl_s=settings.lease_ttl_s,
+                    default_max_failures=settings.max_failures,
+                    max_shards=settings.max_shards,
+                )
+                spec.encode()  # its JSON text, made here, not on the event loop
+                return spec
+
+            shards = body.get("shards")
+            spec = await asyncio.to_thread(validate) if isinstance(shards, list) and len(shards) > 2000 else validate()
+        else:
+            if self._create_gate is None:
+                self._create_gate = asyncio.Semaphore(1)
+            parser = SpecStream(
+                default_ttl_s=settings.lease_ttl_s,
+                default_max_failures=settings.max_failures,
+                max_shards=settings.max_shards,
+                existing=self._job_shards,
+            )
+            small = length is not None and length <= _INLINE_BODY_BYTES
+            spec = await read_spec(
+                body, parser, self._create_gate, inline=small, gated=length is None or length > _GATED_BODY_BYTES
+            )
+        # Checked here, not in the state machine: a replay must accept what was accepted, whatever
+        # --max-jobs is now. Nothing awaits between this check and the event's apply in submit().
+        state = self.require_state()
+        if spec.name not in state.jobs and len(state.jobs) >= settings.max_jobs:
+            raise TooManyJobs(
+                f"this master holds {len(state.jobs)} jobs, its limit (--max-jobs {settings.max_jobs}); finished jobs "
+                "count too, since nothing deletes jobs yet: start the master with a higher --max-jobs, or give new "
+                "jobs another master (its own --state)",
+                jobs=len(state.jobs), max_jobs=settings.max_jobs,
+            )
         result = await self.submit(CreateJob(spec))
         return self.status(spec.name), result.created
+
+    def _job_shards(self, name: str) -> ShardTable | None:
+        """The shard list of the job named ``name``, if it exists (read by a parse thread: a
+        join then compares instead of building)."""
+        state = self.state
+        job = state.jobs.get(name) if state is not None else None
+        return job.spec.table if job is not None else None
 
     def new_lease_ids(self, count: int) -> tuple[str, ...]:
         # 96 random bits each, URL-safe: unguessable, and meaning nothing (the state maps it).

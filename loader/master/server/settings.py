@@ -45,14 +45,21 @@ class MasterSettings:
     """Compact etcd's key history after each snapshot (the master writes often; without compaction
     etcd's database grows until its quota stops the cluster)."""
 
-    max_body_bytes: int = 64 * 1024 * 1024
-    """Largest create-job body (it carries the shard list)."""
+    max_body_bytes: int = 256 * 1024 * 1024
+    """Largest create-job body (it carries the shard list), counted decompressed when sent with
+    ``Content-Encoding: gzip``. The body is parsed as it arrives, never held whole: the limit
+    bounds the parse's CPU; memory is bounded by the shard count. 256 MiB holds a
+    1,000,000-shard spec with keys of up to ~190 characters."""
 
     max_small_body_bytes: int = 64 * 1024
     """Largest body of every other request."""
 
     max_shards: int = 1_000_000
     """Most shards one job may have."""
+
+    max_jobs: int = 100
+    """Most jobs the master holds; creating one more is refused (``TooManyJobs``), joining an
+    existing one still works. Nothing deletes jobs yet: finished jobs count."""
 
     max_batch: int = 512
     """Most events in one group commit (1 commits every event on its own)."""
@@ -77,6 +84,8 @@ class MasterSettings:
             raise ValueError("election_ttl_s must be >= 2 seconds")
         if self.snapshot_min_events < 1:
             raise ValueError("snapshot_min_events must be >= 1")
+        if self.max_jobs < 1:
+            raise ValueError("max_jobs must be >= 1")
         if self.max_batch < 1 or self.max_body_bytes < 1024 or self.max_small_body_bytes < 1024:
             raise ValueError("max_batch, max_body_bytes and max_small_body_bytes must be positive (bodies >= 1 KiB)")
 

@@ -49,8 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              help="etcd mode: a dead leader is replaced within about this long")
     add_flag(parser, "--max-batch", default="512", metavar="N",
              help="most state changes made durable in one group commit (1 = commit each on its own)")
-    add_flag(parser, "--max-body", default="64MiB", metavar="SIZE",
-             help="largest create-job request body (it carries the shard list)")
+    add_flag(parser, "--max-body", default="256MiB", metavar="SIZE",
+             help="largest create-job request body (it carries the shard list), counted decompressed; "
+             "256MiB holds 1,000,000 shards with keys of up to ~190 characters")
+    add_flag(parser, "--max-jobs", default="100", metavar="N",
+             help="most jobs this master holds; creating one more is refused (TooManyJobs), joining one still "
+             "works. Nothing deletes jobs yet: finished jobs count")
     add_flag(parser, "--snapshot-events", default="10000", metavar="N",
              help="snapshot the state (and drop the log below it) after at least N logged changes "
              "and twice the total shard count")
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             election_ttl_s=int(_number(args.election_ttl, "--election-ttl", int)),
             max_batch=int(_number(args.max_batch, "--max-batch", int)),
             max_body_bytes=parse_size(args.max_body),
+            max_jobs=int(_number(args.max_jobs, "--max-jobs", int)),
             snapshot_min_events=int(_number(args.snapshot_events, "--snapshot-events", int)),
             connections=connection_limits(args),
         )
