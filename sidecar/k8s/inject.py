@@ -1,11 +1,15 @@
 """Sidecar injection: one pure function shared by ``shardcache inject`` and ``shardcache webhook``.
 
 :func:`inject` takes a Kubernetes object (a plain ``dict`` as decoded from YAML or JSON) and
-returns a new object whose pod template(s) carry the shardcache sidecar, the daemon socket dir,
-the read-only node cache dir and ``SHARDCACHE_ENDPOINT``. The input is never modified, the
-result depends only on the object and the :class:`InjectConfig`, and injecting an injected
-object changes nothing, so the offline command and the admission webhook agree byte for byte and
-a webhook called twice (``reinvocationPolicy: IfNeeded``) is harmless.
+returns a new object whose pod template(s) carry the shardcache sidecar, the daemon socket dir
+(read-only: the sidecar only connects to it), the read-only node cache dir,
+``SHARDCACHE_ENDPOINT`` and, when configured, ``SHARDCACHE_MASTER_TOKEN`` from a Secret in the
+pod's namespace. The sidecar image a pod's annotation asks for is used only when the
+configuration allows it; otherwise the default runs and the :class:`Outcome` carries a warning.
+The input is never modified, the result depends only on the object and the
+:class:`InjectConfig`, and injecting an injected object changes nothing, so the offline command
+and the admission webhook agree byte for byte and a webhook called twice
+(``reinvocationPolicy: IfNeeded``) is harmless.
 
 Injection *converges* rather than "adds once": a pod that already has the sidecar still gets the
 env var and mounts on containers that lack them (another webhook may have added a container after
@@ -35,6 +39,8 @@ __all__ = [
     "ANNOTATIONS",
     "SIDECAR_NAME",
     "ENDPOINT_ENV",
+    "MASTER_TOKEN_ENV",
+    "MASTER_TOKEN_KEY",
     "DEFAULT_IMAGE",
     "InjectConfig",
     "InjectionError",
@@ -45,6 +51,7 @@ __all__ = [
     "load_documents",
     "dump_documents",
     "inject_documents",
+    "image_allowed",
 ]
 
 
@@ -83,6 +90,10 @@ ANNOTATIONS = (
 # --- what gets injected ---
 SIDECAR_NAME = "shardcache"
 ENDPOINT_ENV = "SHARDCACHE_ENDPOINT"
+# The master's bearer token, from a Secret in the pod's own namespace (the chart's NOTES say how a
+# namespace gets its copy). The key name is the one the chart's Secret uses.
+MASTER_TOKEN_ENV = "SHARDCACHE_MASTER_TOKEN"
+MASTER_TOKEN_KEY = "token"
 VOLUME_SOCKET = "shardcache-socket"
 VOLUME_NODE_CACHE = "shardcache-node-cache"
 VOLUME_POD_CACHE = "shardcache-pod-cache"
@@ -105,6 +116,19 @@ _MEMORY_RE = re.compile(r"([0-9]{1,18}(\.[0-9]{1,9})?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}", re.ASCII)
 _PORT_RE = re.compile(r"[0-9]{1,5}", re.ASCII)
+# A Secret name: a DNS subdomain (RFC 1123), as the API server checks it.
+_SECRET_NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", re.ASCII)
+# What may follow an allow-list prefix, in the image reference grammar of distribution/reference
+# (what containerd and CRI-O parse): path components, then a tag, then a digest. Stricter than
+# _IMAGE_RE on purpose, so "registry/shardcache/*" cannot be stretched by "registry/shardcache/../x".
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+_AFTER_PREFIX = {
+    "/": re.compile(rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*(?::{_TAG})?(?:@{_DIGEST})?", re.ASCII),
+    ":": re.compile(rf"{_TAG}(?:@{_DIGEST})?", re.ASCII),
+    "@": re.compile(_DIGEST, re.ASCII),
+}
 # Longest annotation value quoted back in an error (CLI line, webhook warning).
 _SHOWN_CHARS = 60
 _MEMORY_UNITS = {
@@ -174,6 +198,19 @@ class InjectConfig:
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment of the sidecar, e.g. ``AWS_ENDPOINT_URL`` so that its standalone cache
     (node without a daemon) reads the same object store as the daemons."""
+    allowed_sidecar_images: tuple[str, ...] = ()
+    """Images the ``shardcache.io/sidecar-image`` annotation may choose, besides ``image`` (always
+    allowed). The sidecar mounts the node's socket directory, which every pod on the node connects
+    through, so its image is not the pod author's choice: any other annotated image is ignored
+    with a warning and ``image`` is used. Each entry is an exact reference
+    (``mirror.local/shardcache:0.1.0``, compared as a string: ``shardcache:1`` and
+    ``docker.io/library/shardcache:1`` are different entries), or a prefix ending in ``/*`` (any
+    image under that path), ``:*`` (any tag of that repository) or ``@*`` (any digest of it).
+    Empty: only ``image``."""
+    master_token_secret: str | None = None
+    """Name of a Secret in the pod's own namespace whose key ``token`` the app containers get as
+    ``SHARDCACHE_MASTER_TOKEN`` (an optional reference: without that Secret the variable is not
+    set and the pod starts as before). None: no such variable."""
 
     def __post_init__(self) -> None:
         # Fail at startup (CLI flags, webhook flags) rather than on the first pod.
@@ -201,6 +238,15 @@ class InjectConfig:
         for name, _ in self.env:
             if not isinstance(name, str) or not _ENV_NAME_RE.fullmatch(name):
                 raise InjectionError(f"invalid sidecar environment variable name {_shown(name)}")
+        for entry in self.allowed_sidecar_images:
+            _check_allowed_image(entry)
+        if self.master_token_secret is not None and (
+            not isinstance(self.master_token_secret, str) or not _SECRET_NAME_RE.fullmatch(self.master_token_secret)
+        ):
+            raise InjectionError(
+                f"invalid master token Secret name {_shown(self.master_token_secret)}: expected a Kubernetes "
+                "object name like shardcache-master-token (lower case letters, digits, '-' and '.')"
+            )
 
 
 @dataclass(frozen=True)
@@ -218,6 +264,9 @@ class Outcome:
     """Why, in a few words (for skipped and unsupported)."""
     templates: int = 0
     """Pod templates changed."""
+    warnings: tuple[str, ...] = ()
+    """What was ignored while injecting (an annotation naming an image that is not allowed), one
+    line each, naming the field; the CLI prints them, the webhook answers them to kubectl."""
 
     def describe(self) -> str:
         text = f"{self.kind.lower()}/{self.name}: {self.result}"
@@ -254,6 +303,7 @@ def inject(obj: Any, config: InjectConfig, *, require_label: bool = True) -> tup
     owner_labels = _string_map(result.get("metadata") or {}, "labels", "metadata")
     changed = 0
     skipped: list[str] = []
+    warnings: list[str] = []
     seen = 0
     for where, template in _pod_templates(result, api_version, kind):
         seen += 1
@@ -266,12 +316,12 @@ def inject(obj: Any, config: InjectConfig, *, require_label: bool = True) -> tup
         if value != "true" and (require_label or value is not None):
             skipped.append(f"label {INJECT_LABEL} is {_shown(value)}" if value is not None else f"no {INJECT_LABEL}=true label")
             continue
-        if _inject_template(template, config, where):
+        if _inject_template(template, config, where, warnings):
             changed += 1
     if seen == 0:
         raise InjectionError(f"{kind} {name} has no pod template to inject")
     if changed:
-        return result, Outcome(kind, name, "injected", templates=changed)
+        return result, Outcome(kind, name, "injected", templates=changed, warnings=tuple(warnings))
     if len(skipped) == seen:
         return obj, Outcome(kind, name, "skipped", skipped[0])
     return obj, Outcome(kind, name, "unchanged", "already injected")
@@ -317,8 +367,9 @@ def _pod_templates(obj: dict[str, Any], api_version: str, kind: str) -> Iterator
             yield where, _mapping(template, where.rstrip("."))
 
 
-def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str) -> InjectConfig:
-    """Apply ``shardcache.io/*`` annotations; a bad value raises with the annotation's name."""
+def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str, warnings: list[str]) -> InjectConfig:
+    """Apply ``shardcache.io/*`` annotations; a bad value raises with the annotation's name, an
+    image that is not allowed is ignored with a line in ``warnings``."""
     changes: dict[str, Any] = {}
     prefix = f"{where}metadata.annotations[{{}}]"
 
@@ -326,9 +377,17 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str) -
         return InjectionError(f"{prefix.format(key)}: invalid value {_shown(annotations[key])}: {expected}")
 
     if ANN_IMAGE in annotations:
-        if not _IMAGE_RE.fullmatch(annotations[ANN_IMAGE]):
+        image = annotations[ANN_IMAGE]
+        if not _IMAGE_RE.fullmatch(image):
             raise bad(ANN_IMAGE, "expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
-        changes["image"] = annotations[ANN_IMAGE]
+        if image_allowed(image, config):
+            changes["image"] = image
+        else:
+            # Not an error: the pod still gets a working sidecar, only not the image it asked for.
+            warnings.append(
+                f"{where}annotation {ANN_IMAGE} {_shown(image)} ignored: not on the allow-list "
+                f"(webhook.allowedSidecarImages, --allow-sidecar-image); the sidecar runs {config.image}"
+            )
     if ANN_PORT in annotations:
         raw = annotations[ANN_PORT].strip()
         if not _PORT_RE.fullmatch(raw) or not 1 <= int(raw) <= 65535:
@@ -364,14 +423,16 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str) -
     return resolved
 
 
-def _inject_template(template: dict[str, Any], config: InjectConfig, where: str) -> bool:
+def _inject_template(template: dict[str, Any], config: InjectConfig, where: str, warnings: list[str]) -> bool:
     """Bring one pod template (``{"metadata": ..., "spec": ...}``) to the injected state.
 
-    Mutates ``template`` (a private deep copy); returns whether anything changed.
+    Mutates ``template`` (a private deep copy); returns whether anything changed. What was
+    ignored on the way is appended to ``warnings``.
     """
     meta = template["metadata"]
     annotations = _string_map(meta, "annotations", f"{where}metadata")
-    effective = _resolve(config, annotations, where)
+    ignored: list[str] = []
+    effective = _resolve(config, annotations, where, ignored)
     spec = template.get("spec")
     if spec is None:
         raise InjectionError(f"{where}spec is missing")
@@ -390,6 +451,9 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str)
     if sidecar_at is None and _find(containers, SIDECAR_NAME) is None:
         _check_conflicts(containers + init_containers, volumes, effective, where)
         sidecar = _sidecar(effective)
+        # Only the sidecar created now runs the image we chose: a pod that already has one (a
+        # second webhook call) needs no second warning.
+        warnings.extend(ignored)
         if effective.native_sidecar:
             sidecar_at = 0
             init_containers.insert(0, sidecar)
@@ -438,6 +502,11 @@ def _inject_app_container(container: dict[str, Any], config: InjectConfig, where
     env = _named_list(container, "env", where)
     if _find(env, ENDPOINT_ENV) is None:  # a value the user set wins
         env.append({"name": ENDPOINT_ENV, "value": f"http://127.0.0.1:{config.port}"})
+    if config.master_token_secret is not None and _find(env, MASTER_TOKEN_ENV) is None:
+        # optional: the webhook cannot see whether the pod's namespace holds the Secret (it calls
+        # no API), and a namespace without it must still start its pods.
+        secret_ref = {"name": config.master_token_secret, "key": MASTER_TOKEN_KEY, "optional": True}
+        env.append({"name": MASTER_TOKEN_ENV, "valueFrom": {"secretKeyRef": secret_ref}})
     container["env"] = env
     if config.short_circuit:
         mounts = _named_list(container, "volumeMounts", where)
@@ -471,7 +540,11 @@ def _sidecar(config: InjectConfig) -> dict[str, Any]:
         "resources": _resources(config),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [
-            {"name": VOLUME_SOCKET, "mountPath": SOCKET_MOUNT},
+            # Read-only: connecting to a unix socket needs no write access to its directory, and
+            # a writable mount would let the sidecar replace daemon.sock, the socket every pod
+            # on the node connects through. The sidecar creates nothing there (its cache is the
+            # emptyDir below and it listens on TCP).
+            {"name": VOLUME_SOCKET, "mountPath": SOCKET_MOUNT, "readOnly": True},
             {"name": VOLUME_POD_CACHE, "mountPath": POD_CACHE_MOUNT},
         ],
     }
@@ -603,6 +676,35 @@ def _type_name(value: Any) -> str:
 def _check_image(value: str, what: str) -> None:
     if not isinstance(value, str) or not _IMAGE_RE.fullmatch(value):
         raise InjectionError(f"invalid {what} {_shown(value)}: expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
+
+
+def image_allowed(image: str, config: InjectConfig) -> bool:
+    """Whether ``shardcache.io/sidecar-image: image`` may be honoured under ``config``: the
+    default image, an exact allow-list entry, or under a ``/*``, ``:*`` or ``@*`` prefix entry."""
+    if image == config.image:
+        return True
+    for entry in config.allowed_sidecar_images:
+        if not entry.endswith("*"):
+            if image == entry:
+                return True
+            continue
+        prefix = entry[:-1]
+        rest = image[len(prefix):] if image.startswith(prefix) else None
+        if rest is not None and _AFTER_PREFIX[prefix[-1]].fullmatch(rest):
+            return True
+    return False
+
+
+def _check_allowed_image(entry: str) -> None:
+    if not isinstance(entry, str) or not entry:
+        raise InjectionError(f"invalid allowed sidecar image {_shown(entry)}: expected an image reference")
+    if "*" in entry[:-1] or entry == "*" or (entry.endswith("*") and entry[-2:-1] not in ("/", ":", "@")):
+        raise InjectionError(
+            f"invalid allowed sidecar image {_shown(entry)}: '*' is allowed only at the end, after '/', ':' or '@' "
+            "(registry.example.com/shardcache/*, ghcr.io/shardcache/shardcache:*); to allow any image, list "
+            "the registries instead"
+        )
+    _check_image(entry.removesuffix("*"), "allowed sidecar image")
 
 
 def _check_port(value: int, what: str) -> None:

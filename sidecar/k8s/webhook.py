@@ -8,8 +8,10 @@ configuration declares ``sideEffects: None`` and dry-run requests are answered t
 
 When an object cannot be injected (malformed, conflicting, a bad annotation) the answer follows
 ``--failure-policy``: ``ignore`` admits the object unchanged with a warning that ``kubectl``
-prints; ``fail`` refuses it with the reason. A request that is not an AdmissionReview at all gets
-HTTP 400; the API server then applies the configuration's own failurePolicy.
+prints; ``fail`` refuses it with the reason. A pod injected other than it asked (its
+``shardcache.io/sidecar-image`` is not on the allow-list, so the default image runs) is admitted
+with the patch and a warning, under either policy. A request that is not an AdmissionReview at
+all gets HTTP 400; the API server then applies the configuration's own failurePolicy.
 
 TLS certificates are reloaded when their files change (cert-manager renews them in place): a new
 ``SSLContext`` is built off the event loop and handed to new connections from the SNI callback,
@@ -143,13 +145,19 @@ def review(raw: bytes, settings: WebhookSettings) -> Verdict:
     if outcome.result != "injected":
         return _allow(uid, kind, outcome.result)
     patch = json_patch(obj, new)
-    response = {
+    response: dict[str, Any] = {
         "uid": uid,
         "allowed": True,
         "patchType": "JSONPatch",
         "patch": base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode(),
     }
-    log.info("injected %s (%d patch operations)", _describe(request), len(patch))
+    what = _printable(_describe(request))
+    if outcome.warnings:
+        # Injected, but not quite as asked (an image that is not allowed): kubectl prints these.
+        response["warnings"] = [_warning(f"shardcache: {what}: {_printable(text)}") for text in outcome.warnings]
+        for text in outcome.warnings:
+            log.warning("%s: %s", what, _printable(text))
+    log.info("injected %s (%d patch operations)", what, len(patch))
     return Verdict(200, _envelope(response), kind, "injected")
 
 
@@ -181,10 +189,12 @@ def _refuse_or_warn(uid: str, kind: str, what: str, reason: str, policy: Failure
             "status": {"code": 400, "reason": "BadRequest", "message": f"shardcache: cannot inject {what}: {reason}"},
         }
         return Verdict(200, _envelope(response), kind, "refused")
-    warning = f"shardcache: sidecar not injected into {what}: {reason}"
-    if len(warning) > MAX_WARNING_CHARS:
-        warning = warning[: MAX_WARNING_CHARS - 3] + "..."
+    warning = _warning(f"shardcache: sidecar not injected into {what}: {reason}")
     return Verdict(200, _envelope({"uid": uid, "allowed": True, "warnings": [warning]}), kind, "error-ignored")
+
+
+def _warning(text: str) -> str:
+    return text if len(text) <= MAX_WARNING_CHARS else text[: MAX_WARNING_CHARS - 3] + "..."
 
 
 def _allow(uid: str, kind: str, result: str) -> Verdict:
@@ -395,12 +405,14 @@ async def serve(settings: WebhookSettings, tls: TLSReloader, stop: asyncio.Event
                            port=settings.port, ssl_context=tls.server_context, reuse_address=True)
         await site.start()
         log.info(
-            "admission webhook listening on https://%s:%d/mutate (failure policy %s, %s sidecar, image %s)",
+            "admission webhook listening on https://%s:%d/mutate (failure policy %s, %s sidecar, image %s, "
+            "other images allowed: %s)",
             settings.host,
             site.port,
             settings.failure_policy,
             "native" if settings.inject.native_sidecar else "container",
             settings.inject.image,
+            ", ".join(settings.inject.allowed_sidecar_images) or "none",
         )
         await stop.wait()
     finally:

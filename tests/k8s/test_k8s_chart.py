@@ -3,6 +3,7 @@ the defaults and each documented option, and the rendered objects checked."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import copy
 import json
@@ -31,7 +32,7 @@ from tests.k8s.support import (
 NS = "shardcache"
 BUILTIN_KINDS = {
     "DaemonSet", "Deployment", "Service", "ServiceAccount", "Secret", "PersistentVolumeClaim",
-    "PodDisruptionBudget", "MutatingWebhookConfiguration", "PriorityClass",
+    "PodDisruptionBudget", "MutatingWebhookConfiguration", "PriorityClass", "NetworkPolicy",
 }
 RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
 
@@ -74,6 +75,19 @@ OPTIONS: dict[str, dict[str, Any]] = {
                      "imagePullSecrets": [{"name": "regcred"}], "commonLabels": {"team": "ml-infra"}},
     "names": {"fullnameOverride": "cache"},
     "only-node": {"master": {"enabled": False}, "webhook": {"enabled": False}},
+    "tenancy": {
+        "networkPolicy": {
+            "trainingNamespaceSelector": {"matchLabels": {"shardcache.io/training": "true"}},
+            "metricsNamespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["prom"]}]},
+            "apiServerCIDRs": ["10.0.0.0/28"],
+            "extraFrom": {"node": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}],
+                          "webhook": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                                       "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}}}]},
+        },
+        "webhook": {"allowedSidecarImages": ["mirror.local/shardcache:*", "registry.example.com/ml/*", "ghcr.io/shardcache/shardcache:0.1.0"]},
+        "master": {"auth": {"existingSecret": "my-master-token"}},
+    },
+    "open": {"networkPolicy": {"enabled": False}, "master": {"auth": {"enabled": False}}},
 }
 
 
@@ -277,7 +291,8 @@ def test_master_sqlite_default(rendered: dict[str, list[dict[str, Any]]]) -> Non
     objects = rendered["defaults"]
     deployment = find(objects, "Deployment", "-master")
     c = container(deployment)
-    assert c["args"] == ["--log-level", "INFO", "master", "--listen", "tcp://0.0.0.0:8700", "--state", "sqlite:///var/lib/shardcache/master.db"]
+    assert c["args"] == ["--log-level", "INFO", "master", "--listen", "tcp://0.0.0.0:8700", "--state", "sqlite:///var/lib/shardcache/master.db",
+                         "--token-file", "/etc/shardcache/master-token/token"]
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     pvc = find(objects, "PersistentVolumeClaim", "-master")
     volume = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}["state"]
@@ -311,9 +326,18 @@ def test_master_args_parse_with_the_real_master_command(rendered: dict[str, list
     parser = build_parser()
     if "master" not in subcommands(parser):
         pytest.skip("sidecar.cli.commands.master is not in this tree yet")
-    for option in ("defaults", "etcd-ha"):
-        args = parser.parse_args(container(find(rendered[option], "Deployment", "-master"))["args"])
+    master = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["master"]
+    # `--token-file` is being added to `shardcache master` alongside the chart: until it is, check the rest.
+    has_token_file = "--token-file" in master._option_string_actions
+    for option in ("defaults", "etcd-ha", "open"):
+        argv = container(find(rendered[option], "Deployment", "-master"))["args"]
+        if not has_token_file and "--token-file" in argv:
+            at = argv.index("--token-file")
+            argv = argv[:at] + argv[at + 2:]
+        args = parser.parse_args(argv)
         assert args.command == "master"
+        if has_token_file and option != "open":
+            assert args.token_file == "/etc/shardcache/master-token/token"
 
 
 def test_master_persistence_options(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -440,7 +464,7 @@ def test_self_signed_certificate_is_fresh_per_render(renderer: Renderer) -> None
 def test_cert_manager_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objects = rendered["cert-manager"]
     mwc, svc, deployment = _webhook_parts(objects)
-    assert not [o for o in objects if o["kind"] == "Secret"]
+    assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-tls")]
     assert "caBundle" not in mwc["webhooks"][0]["clientConfig"]
     serving = find(objects, "Certificate", svc["metadata"]["name"])
     assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NS}/{serving['metadata']['name']}"
@@ -461,7 +485,7 @@ def test_cert_manager_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
 def test_existing_secret_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objects = rendered["tls-secret"]
     mwc, _, deployment = _webhook_parts(objects)
-    assert not [o for o in objects if o["kind"] == "Secret"]
+    assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-tls")]
     assert mwc["webhooks"][0]["clientConfig"]["caBundle"] == OPTIONS["tls-secret"]["webhook"]["tls"]["secret"]["caBundle"]
     assert {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}["tls"]["secret"]["secretName"] == "my-tls"
 
@@ -537,6 +561,14 @@ def test_notes_tell_the_user_what_to_do(renderer: Renderer) -> None:
     assert "shardcache inject -f" in notes and "pod-security.kubernetes.io/enforce=privileged" in notes
     no_persist = renderer.files({"master": {"persistence": {"enabled": False}}})["shardcache/templates/NOTES.txt"]
     assert "job state is lost" in no_persist
+    # How a training namespace gets the master token, and how trainers read it.
+    assert "kubectl -n shardcache get secret sc-shardcache-master-token -o jsonpath='{.data.token}' | base64 -d" in notes
+    assert "kubectl -n TRAINING_NS create secret generic sc-shardcache-master-token --from-file=token=/dev/stdin" in notes
+    assert "reflector.v1.k8s.emberstack.com/reflection-auto-enabled" in notes
+    assert "name: SHARDCACHE_MASTER_TOKEN" in notes and "secretKeyRef: {name: sc-shardcache-master-token, key: token}" in notes
+    assert "networkPolicy.apiServerCIDRs (0.0.0.0/0, ::/0)" in notes
+    open_notes = renderer.files(OPTIONS["open"])["shardcache/templates/NOTES.txt"]
+    assert "SHARDCACHE_MASTER_TOKEN" not in open_notes and "NetworkPolicies" not in open_notes
 
 
 # ----------------------------------------------------------------------------- values: schema, checks, docs
@@ -568,6 +600,13 @@ def test_notes_tell_the_user_what_to_do(renderer: Renderer) -> None:
         ({"image": {"digest": "md5:abc"}}, "/image/digest"),
         ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
         ({"webhook": {"tls": {"certManager": {"issuerRef": {"kind": "Vault"}}}}}, "/webhook/tls/certManager/issuerRef/kind"),
+        ({"webhook": {"allowedSidecarImages": ["registry.example.com/*/shardcache"]}}, "/webhook/allowedSidecarImages/0"),
+        ({"webhook": {"allowedSidecarImages": "mirror.local/shardcache:1"}}, "/webhook/allowedSidecarImages"),
+        ({"master": {"auth": {"existingSecret": "My_Token"}}}, "/master/auth/existingSecret"),
+        ({"networkPolicy": {"apiServerCIDRs": ["10.0.0.1"]}}, "/networkPolicy/apiServerCIDRs/0"),
+        ({"networkPolicy": {"enabled": "yes"}}, "/networkPolicy/enabled"),
+        ({"networkPolicy": {"extraFrom": {"node": [{"ipBlock": {"cidr": "everywhere"}}]}}}, "/networkPolicy/extraFrom/node/0/ipBlock/cidr"),
+        ({"networkPolicy": {"extraFrom": {"daemon": []}}}, "daemon"),
     ],
 )
 def test_schema_rejects_bad_values(renderer: Renderer, values: dict[str, Any], where: str) -> None:

@@ -134,7 +134,8 @@ def test_sidecar_matches_the_serve_contract() -> None:
     assert volumes["shardcache-node-cache"]["hostPath"]["path"] == "/var/cache/shardcache"
     assert volumes["shardcache-pod-cache"]["emptyDir"] == {"sizeLimit": "10Gi"}
     mounts = {m["mountPath"]: m for m in sidecar["volumeMounts"]}
-    assert mounts["/run/shardcache"]["name"] == "shardcache-socket"
+    # Read-only: the sidecar only connects to daemon.sock and must not be able to replace it.
+    assert mounts["/run/shardcache"] == {"name": "shardcache-socket", "mountPath": "/run/shardcache", "readOnly": True}
     assert mounts["/var/cache/shardcache"] == {"name": "shardcache-node-cache", "mountPath": "/var/cache/shardcache", "readOnly": True}
     assert mounts["/var/cache/shardcache-pod"]["name"] == "shardcache-pod-cache"
     for probe in ("readinessProbe", "startupProbe"):
@@ -294,6 +295,8 @@ def test_init_containers_before_an_existing_sidecar_are_left_alone() -> None:
 
 
 def test_annotations_override_the_configuration() -> None:
+    # The image annotation is honoured for allow-listed images only (tests/k8s/test_k8s_tenancy.py).
+    config = InjectConfig(image="registry.example.com/shardcache:1.2.3", allowed_sidecar_images=("mirror.local/shardcache:*",))
     obj = pod(annotations={
         "shardcache.io/sidecar-image": "mirror.local/shardcache:2.0.0",
         "shardcache.io/sidecar-cpu-request": "2",
@@ -303,7 +306,7 @@ def test_annotations_override_the_configuration() -> None:
         "shardcache.io/port": "9700",
         "shardcache.io/pod-cache-size": "50Gi",
     })
-    spec = inject(obj, CONFIG)[0]["spec"]
+    spec = inject(obj, config)[0]["spec"]
     sidecar = sidecar_of(spec)
     assert sidecar["image"] == "mirror.local/shardcache:2.0.0"
     assert sidecar["resources"] == {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"cpu": "4"}}
@@ -313,7 +316,7 @@ def test_annotations_override_the_configuration() -> None:
     assert env_of(spec["containers"][0])[ENDPOINT_ENV] == "http://127.0.0.1:9700"
     assert volumes_of(spec)["shardcache-pod-cache"]["emptyDir"]["sizeLimit"] == "50Gi"
     assert int(sidecar["args"][sidecar["args"].index("--cache-size") + 1]) == int(50 * 2**30 * 0.9)
-    validate_k8s(inject(obj, CONFIG)[0], "1.30")
+    validate_k8s(inject(obj, config)[0], "1.30")
 
 
 def test_short_circuit_can_be_turned_off_per_pod() -> None:

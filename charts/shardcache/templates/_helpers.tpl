@@ -108,6 +108,36 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 - {{ $svc }}.{{ $ns }}.svc.cluster.local
 {{- end }}
 
+{{/* Namespaces the webhook injects: webhook.namespaceSelector, else all but kube-system and the release's. */}}
+{{- define "shardcache.injectedNamespaceSelector" -}}
+{{- if .Values.webhook.namespaceSelector }}
+{{- toYaml .Values.webhook.namespaceSelector }}
+{{- else -}}
+matchExpressions:
+  - key: kubernetes.io/metadata.name
+    operator: NotIn
+    values:
+      - kube-system
+      - {{ .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* Training namespaces (NetworkPolicies): networkPolicy.trainingNamespaceSelector, else the injected ones. */}}
+{{- define "shardcache.trainingNamespaceSelector" -}}
+{{- if .Values.networkPolicy.trainingNamespaceSelector }}
+{{- toYaml .Values.networkPolicy.trainingNamespaceSelector }}
+{{- else }}
+{{- include "shardcache.injectedNamespaceSelector" . }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the master's bearer token (key "token"): the user's, or the chart's. */}}
+{{- define "shardcache.master.tokenSecretName" -}}
+{{- default (printf "%s-token" (include "shardcache.componentName" (dict "ctx" . "component" "master"))) .Values.master.auth.existingSecret }}
+{{- end }}
+
+{{- define "shardcache.master.tokenDir" -}}/etc/shardcache/master-token{{- end }}
+
 {{- define "shardcache.master.url" -}}
 {{- printf "http://%s.%s.svc:%d" (include "shardcache.componentName" (dict "ctx" . "component" "master")) .Release.Namespace (int .Values.master.port) }}
 {{- end }}

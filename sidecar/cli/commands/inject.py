@@ -27,11 +27,16 @@ examples:
   # a Kubeflow PyTorchJob, as a regular container for a cluster older than 1.29
   shardcache inject --no-native-sidecar -f pytorchjob.yaml > pytorchjob.injected.yaml
 
+  # honour shardcache.io/sidecar-image annotations naming the mirror's images (others: a warning)
+  shardcache inject --allow-sidecar-image 'mirror.local/shardcache:*' -f job.yaml
+
 Every pod template in the input is injected (Pod, Deployment, StatefulSet, DaemonSet, ReplicaSet,
 Job, CronJob, Kubeflow PyTorchJob/TFJob/MPIJob... replica specs) except those labelled
 shardcache.io/inject: "false"; --labelled-only injects only those labelled "true", as the webhook
 does. Other documents pass through unchanged. Injecting twice changes nothing. A report of what
-was done goes to stderr; with an error nothing is written and the exit status is 2.
+was done goes to stderr; with an error nothing is written and the exit status is 2. An annotation
+shardcache.io/sidecar-image naming an image that is neither --sidecar-image nor allowed by
+--allow-sidecar-image is ignored (the default image is used) with a warning on stderr.
 """
 
 
@@ -86,6 +91,13 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(parser, "--startup-timeout", default=defaults["startup_timeout_seconds"].default, type=int, metavar="SECONDS",
              help="how long app containers wait for the sidecar to be ready")
+    add_flag(parser, "--allow-sidecar-image", action="append", default=[], metavar="IMAGE",
+             help="an image the shardcache.io/sidecar-image annotation may choose besides --sidecar-image: an exact "
+             "reference, or a prefix ending in /* (any image under it), :* (any tag) or @* (any digest); repeatable. "
+             "Other annotated images are ignored with a warning (the sidecar mounts the node's socket directory)")
+    add_flag(parser, "--master-token-secret", default="", metavar="NAME",
+             help="Secret in the pod's namespace whose key 'token' the app containers get as SHARDCACHE_MASTER_TOKEN "
+             "(an optional reference: pods start without it); '' for none")
 
 
 def injection_config(args: argparse.Namespace) -> Any:
@@ -114,6 +126,8 @@ def injection_config(args: argparse.Namespace) -> Any:
             memory_limit=args.sidecar_memory_limit or None,
             startup_timeout_seconds=int(args.startup_timeout),
             env=tuple(env),
+            allowed_sidecar_images=tuple(args.allow_sidecar_image),
+            master_token_secret=args.master_token_secret or None,
         )
     except (InjectionError, ValueError) as exc:
         raise UserError(str(exc)) from exc
@@ -136,7 +150,7 @@ def register(subparsers: Any) -> None:
         "--labelled-only", action="store_true",
         help='inject only pod templates labelled shardcache.io/inject: "true" (what the webhook does)',
     )
-    parser.add_argument("-q", "--quiet", action="store_true", help="no report on stderr")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no report on stderr (warnings are still printed)")
     add_injection_flags(parser)
     parser.set_defaults(func=run)
 
@@ -183,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
         outcomes.extend(done)
     sys.stdout.write(dump_documents(docs))
     sys.stdout.flush()
+    # Warnings even with --quiet: the output is not what its author asked for.
+    for outcome in outcomes:
+        for warning in outcome.warnings:
+            print(f"warning: {outcome.kind.lower()}/{outcome.name}: {warning}", file=sys.stderr)
     if not args.quiet:
         for outcome in outcomes:
             print(outcome.describe(), file=sys.stderr)

@@ -31,11 +31,17 @@ examples:
   # a cluster older than Kubernetes 1.29: inject a regular container
   shardcache webhook --no-native-sidecar --tls-cert tls.crt --tls-key tls.key
 
+  # pods may pick the mirror's images with shardcache.io/sidecar-image; trainers get the master token
+  shardcache webhook --allow-sidecar-image 'mirror.local/shardcache:*' \
+      --master-token-secret shardcache-master-token --tls-cert tls.crt --tls-key tls.key
+
 Endpoints (HTTPS): POST /mutate (AdmissionReview v1), GET /healthz, /readyz, /metrics.
 Only pods labelled shardcache.io/inject: "true" are injected. --failure-policy says what to answer
 for a pod that cannot be injected (bad annotation, conflicting volume or port): ignore admits it
 unchanged with a warning kubectl prints, fail refuses it. Set it to the MutatingWebhookConfiguration's
-failurePolicy (the Helm chart does). TLS files are re-read when they change (cert-manager renewals).
+failurePolicy (the Helm chart does). A shardcache.io/sidecar-image annotation naming an image that
+--allow-sidecar-image does not allow is ignored: the pod gets --sidecar-image and a warning. TLS files
+are re-read when they change (cert-manager renewals).
 """
 
 
