@@ -11,6 +11,7 @@ from loader.master.errors import (
     BadRequest,
     BodyTooLarge,
     JobConflict,
+    JobInUse,
     LeaseLost,
     MasterError,
     MasterUnavailable,
@@ -18,6 +19,8 @@ from loader.master.errors import (
     NotLeader,
     NotLeaseHolder,
     StateError,
+    TooManyJobs,
+    Unauthorized,
 )
 
 __all__ = [
@@ -27,6 +30,9 @@ __all__ = [
     "BodyTooLarge",
     "NoSuchJob",
     "JobConflict",
+    "TooManyJobs",
+    "Unauthorized",
+    "JobInUse",
     "LeaseLost",
     "NotLeaseHolder",
     "MasterUnavailable",

@@ -16,7 +16,11 @@ Usage::
 Methods (the HTTP contract is ``docs/master-api.md``):
 
 - ``create_job(spec) -> dict``: create the job or join the identical existing one; returns its
-  status. :class:`JobConflict` if a job with that name has a different spec.
+  status. :class:`JobConflict` if a job with that name has a different spec,
+  :class:`TooManyJobs` if it is new and the master holds its ``--max-jobs``.
+- ``delete_job(job, force=False) -> dict``: ``{"deleted": True}``: the job and its state are
+  gone. :class:`JobInUse` while trainers hold live leases on it, unless ``force`` (they then get
+  :class:`NoSuchJob`); :class:`NoSuchJob` if there is no such job.
 - ``lease(job, trainer, node, count, epoch=None) -> dict``: ``{"status": "ok"|"wait"|"epoch_done"|
   "finished", "epoch": int, "leases": [{"lease", "key", "shard", "epoch", "offset", "size",
   "samples", "ttl_s"}], "retry_after_s": float|None}``. ``offset`` is the sample to resume at.
@@ -34,7 +38,8 @@ Methods (the HTTP contract is ``docs/master-api.md``):
   ``leader() -> dict``: the answering master's role and the leader it knows.
 
 Errors are typed, under :class:`MasterError`: :class:`NoSuchJob`, :class:`JobConflict`,
-:class:`LeaseLost`, :class:`NotLeaseHolder`, :class:`BadRequest`, and :class:`MasterUnavailable`
+:class:`TooManyJobs`, :class:`JobInUse`, :class:`LeaseLost`, :class:`NotLeaseHolder`,
+:class:`BadRequest`, and :class:`MasterUnavailable`
 once every master stayed unreachable (connection errors, 503, ``NotLeader`` without a reachable
 leader) for ``retry_deadline_s``. Connection errors and 503 answers are retried with exponential
 backoff and jitter, trying the next master of the list and following ``NotLeader`` hints.
@@ -49,6 +54,7 @@ import gzip
 import hashlib
 import http.client
 import json
+import os
 import threading
 import time
 import urllib.parse
@@ -60,12 +66,15 @@ from typing import Any
 from loader.master.errors import (
     BadRequest,
     JobConflict,
+    JobInUse,
     LeaseLost,
     MasterError,
     MasterUnavailable,
     NoSuchJob,
     NotLeader,
     NotLeaseHolder,
+    TooManyJobs,
+    Unauthorized,
     error_from_answer,
 )
 from wire.errors import InvalidName
@@ -77,15 +86,20 @@ from wire.retry import Backoff
 __all__ = [
     "BadRequest",
     "JobConflict",
+    "JobInUse",
     "LeaseLost",
     "MasterClient",
     "MasterError",
     "MasterUnavailable",
     "NoSuchJob",
     "NotLeaseHolder",
+    "TooManyJobs",
+    "Unauthorized",
 ]
 
 _USER_AGENT = "shardcache-master-client/1"
+TOKEN_ENV = "SHARDCACHE_MASTER_TOKEN"
+"""Where trainers and ``shardcache status`` find the master's bearer token."""
 # Lease answers and job status are kilobytes; a far larger answer is not from a master.
 _MAX_ANSWER = 64 << 20
 # A create body this large goes gzip-compressed (a 1M-shard spec: ~70 MB as JSON, ~12 MB so).
@@ -129,11 +143,15 @@ class MasterClient:
         retry_deadline_s: float = 60.0,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
+        token: str | None = None,
     ) -> None:
         """``master``: one URL or several (list, or comma-separated string).
         ``timeout_s``: per HTTP exchange. ``retry_deadline_s``: how long one call keeps retrying
-        connection errors and 503 answers before raising :class:`MasterUnavailable`."""
+        connection errors and 503 answers before raising :class:`MasterUnavailable`.
+        ``token``: the master's bearer token (``--token-file``); default ``SHARDCACHE_MASTER_TOKEN``."""
         self._urls = split_master_urls(master)
+        token = os.environ.get(TOKEN_ENV, "") if token is None else token
+        self._auth = {"Authorization": f"Bearer {token.strip()}"} if token.strip() else {}
         self._timeout = float(timeout_s)
         self._long_poll = True
         self._deadline = float(retry_deadline_s)
@@ -193,6 +211,22 @@ class MasterClient:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or float(ttl) != have.get("lease_ttl_s"):
             return None
         return status
+
+    def delete_job(self, job: str, force: bool = False) -> dict[str, Any]:
+        """Delete ``job`` and everything the master holds for it: ``{"deleted": True}``.
+
+        :class:`JobInUse` while trainers hold live leases on it (wait until they are done, or
+        pass ``force``: their next call gets :class:`NoSuchJob`); :class:`NoSuchJob` if there is
+        no such job. A delete retried after its answer was lost (the master unreachable or
+        failing over meanwhile) that then finds no job answers ``{"deleted": True, "already": True}``."""
+        path = f"/v1/jobs/{_q(job)}" + ("?force=true" if force else "")
+        retried: list[MasterError] = []
+        try:
+            return self._call("DELETE", path, retried=retried)
+        except NoSuchJob:
+            if not retried:
+                raise
+            return {"deleted": True, "already": True}
 
     def jobs(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/v1/jobs")["jobs"])
@@ -261,9 +295,11 @@ class MasterClient:
     # -- transport ------------------------------------------------------------------------
 
     def _call(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, encoded: tuple[bytes, dict[str, str]] | None = None
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, encoded: tuple[bytes, dict[str, str]] | None = None,
+        retried: list[MasterError] | None = None,
     ) -> dict[str, Any]:
-        """One API call with retries; ``encoded``: the body already encoded, and its headers."""
+        """One API call with retries; ``encoded``: the body already encoded, and its headers;
+        ``retried`` collects the error of every attempt that was retried."""
         payload = encoded[0] if encoded is not None else None if body is None else json.dumps(body).encode()
         extra = encoded[1] if encoded is not None else {}
         deadline = time.monotonic() + self._deadline
@@ -294,6 +330,8 @@ class MasterClient:
                 else:
                     self._rotate(index)
             retries += 1
+            if retried is not None and last is not None:
+                retried.append(last)
             if time.monotonic() + self._backoff.bound(retries) > deadline:
                 assert last is not None
                 raise MasterUnavailable(
@@ -336,7 +374,7 @@ class MasterClient:
         self, url: str, method: str, path: str, payload: bytes | None, extra: Mapping[str, str] | None = None
     ) -> tuple[int, Any]:
         prefix = _address(url).base
-        headers = {"User-Agent": _USER_AGENT, "Accept": "application/json"}
+        headers = {"User-Agent": _USER_AGENT, "Accept": "application/json", **self._auth}
         if payload is not None:
             headers["Content-Type"] = "application/json"
         headers.update(extra or {})

@@ -17,8 +17,10 @@ __all__ = [
     "NoSuchJob",
     "JobConflict",
     "TooManyJobs",
+    "JobInUse",
     "LeaseLost",
     "NotLeaseHolder",
+    "Unauthorized",
     "MasterUnavailable",
     "NotLeader",
     "StateError",
@@ -77,6 +79,14 @@ class TooManyJobs(MasterError):
     status = 409
 
 
+class JobInUse(MasterError):
+    """The job has live leases, so it is not deleted: wait until its trainers are done, or delete it
+    with ``force`` (its trainers then get :class:`NoSuchJob`)."""
+
+    code = "JobInUse"
+    status = 409
+
+
 class LeaseLost(MasterError):
     """The lease expired, was re-issued, failed or is unknown: drop the shard and lease another.
 
@@ -114,6 +124,13 @@ class StateError(MasterError, OSError):
     status = 503
 
 
+class Unauthorized(MasterError, PermissionError):
+    """The master requires a token (``--token-file``) and the call carried none or another one."""
+
+    code = "Unauthorized"
+    status = 401
+
+
 ERRORS_BY_CODE: dict[str, type[MasterError]] = {
     cls.code: cls
     for cls in (
@@ -123,8 +140,10 @@ ERRORS_BY_CODE: dict[str, type[MasterError]] = {
         NoSuchJob,
         JobConflict,
         TooManyJobs,
+        JobInUse,
         LeaseLost,
         NotLeaseHolder,
+        Unauthorized,
         MasterUnavailable,
         NotLeader,
         StateError,

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
+import functools
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -26,12 +29,14 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError
+from loader.master.server.auth import TokenFile, token_middleware
 from loader.master.server.service import MasterService
 from loader.master.server.settings import MasterSettings, listen_address
 from loader.master.server.state import (
     MAX_COUNT,
     MAX_LEASE_WAIT_S,
     Complete,
+    DeleteJob,
     Fail,
     Lease,
     Release,
@@ -42,12 +47,67 @@ from loader.master.server.state import (
 from wire import errors as wire_errors
 from wire.web import ConnectionGuard, GuardedSite, error_middleware, http_code, read_json_object
 
-__all__ = ["build_app", "serve", "run_forever", "SERVICE_KEY", "SETTINGS_KEY"]
+__all__ = ["build_app", "serve", "run_forever", "tune_allocator", "trim_allocator", "SERVICE_KEY", "SETTINGS_KEY"]
 
 log = logging.getLogger(__name__)
 
 SETTINGS_KEY = web.AppKey("master_settings", MasterSettings)
 SERVICE_KEY = web.AppKey("master_service", MasterService)
+
+# -- the allocator ---------------------------------------------------------------------------
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+_MMAP_THRESHOLD_BYTES = 128 * 1024
+# A job this large frees tens of MB at once when it is created, has an epoch closed or is
+# deleted: then, and once the state is loaded, free heap pages go back to the system.
+_TRIM_SHARDS = 100_000
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (the allocator tuning below is glibc's), else None."""
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+        return ctypes.CDLL("libc.so.6")
+    except (ValueError, OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return None
+
+
+def tune_allocator() -> bool:
+    """Fix glibc's mmap threshold at 128 KiB (its initial value) for the master process.
+
+    glibc raises its threshold to the size of any mmapped block that is freed (up to 32 MiB): after
+    one 73 MB create record or snapshot text came and went, every later buffer up to 32 MiB (a
+    lease dict's table, a parse's columns, a batch of log text) went on the heap, where freeing it
+    returns nothing to the system while anything above it lives. A fixed threshold keeps such
+    buffers mmapped, unmapped when freed. An operator's own ``MALLOC_MMAP_THRESHOLD_`` wins. A
+    no-op (False) off glibc."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    libc = _glibc()
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
+
+
+def trim_allocator() -> bool:
+    """Give free heap pages back to the system (glibc ``malloc_trim(0)``: also the free pages in
+    the middle of the heap, which ``free`` never returns); False off glibc. Takes milliseconds
+    to tens of them on a large heap: run it off the event loop."""
+    libc = _glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+_trimming: set[asyncio.Task[bool]] = set()
+
+
+def _trim_soon() -> None:
+    """:func:`trim_allocator` on a thread, at most one at a time, never awaited by a request."""
+    if _trimming:
+        return
+    task = asyncio.ensure_future(asyncio.to_thread(trim_allocator))
+    _trimming.add(task)
+    task.add_done_callback(_trimming.discard)
+
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(
@@ -123,6 +183,8 @@ async def create_job(request: web.Request) -> web.Response:
         raise BodyTooLarge(f"request body of {length} bytes is over the {limit}-byte limit; {_create_advice(limit)}")
     encoded = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower() not in ("", "identity")
     status, created = await service.create_job(_create_body(request, limit), length=None if encoded else length)
+    if created and status["shards"]["total"] >= _TRIM_SHARDS:
+        _trim_soon()  # the parse's buffers and the create record's text are freed by now
     return _json(status, 201 if created else 200)
 
 
@@ -158,6 +220,27 @@ async def _create_body(request: web.Request, limit: int) -> AsyncIterator[bytes]
             pending.clear()
         if not chunk:
             return
+
+
+async def delete_job(request: web.Request) -> web.Response:
+    service = _service(request)
+    job = _job(request)
+    unknown = sorted(set(request.query) - {"force"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s) {[u[:40] for u in unknown[:10]]}: expected only 'force'")
+    force = request.query.get("force", "false").lower()
+    if force not in ("true", "false", "1", "0"):
+        raise BadRequest(f"'force' must be true or false, got {force[:40]!r}")
+    state = service.require_state()
+    found = state.jobs.get(job)
+    result = await service.submit(DeleteJob(job, force in ("true", "1")))
+    # What the service keeps per job beside the state (trainer presence, the samples/s window:
+    # a point per completion) goes with it; a job created later under the name starts afresh.
+    service._presence.pop(job, None)
+    service._rates.pop(job, None)
+    if found is not None and found.n >= _TRIM_SHARDS:
+        _trim_soon()  # its columns and lease state are freed
+    return _json(result.answer)
 
 
 async def list_jobs(request: web.Request) -> web.Response:
@@ -211,13 +294,23 @@ async def _lease_call(request: web.Request, action: str, fields: set[str], make:
     lease_id = validate_lease_id(request.match_info["lease"])
     body = await read_json_object(request, service.settings.max_small_body_bytes)
     _only(body, fields)
+    epochs = _closed_epochs(service, job)
     try:
         result = await service.submit(make(job, lease_id, body))
     except LeaseLost:
         service.metrics.refused.labels(action).inc()
         raise
+    if epochs is not None and _closed_epochs(service, job) != epochs:
+        _trim_soon()  # a large job's epoch closed (its done bits, requeue and progress are gone)
     service.note(job, body.get("trainer"), None, result.progress)
     return _json(result.answer)
+
+
+def _closed_epochs(service: MasterService, job: str) -> int | None:
+    """How many epochs ``job`` closed so far, for a job large enough to trim after; else None."""
+    state = service.state
+    found = state.jobs.get(job) if state is not None else None
+    return found.totals["epochs"] if found is not None and found.n >= _TRIM_SHARDS else None
 
 
 def _get(body: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -271,12 +364,16 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.time) -> web.Application:
     # client_max_size is aiohttp's own cap; read_json_object() applies the tighter per-route limits.
     errors = error_middleware(_error_answer, known=(MasterError, wire_errors.WireError), log=log)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_observe, errors])
+    # The token check sits inside the error middleware, so a refusal is the usual JSON answer.
+    checks = [token_middleware(TokenFile(settings.token_file))] if settings.token_file is not None else []
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_observe, errors, *checks])
     app[SETTINGS_KEY] = settings
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         service = MasterService(settings, clock=clock)
         await service.start()
+        # Loading the state (a snapshot's text, a replayed create record) freed what it parsed.
+        await asyncio.to_thread(trim_allocator)
         app[SERVICE_KEY] = service
         try:
             yield
@@ -287,6 +384,7 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     app.router.add_post("/v1/jobs", create_job)
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job}", job_status)
+    app.router.add_delete("/v1/jobs/{job}", delete_job)
     app.router.add_post("/v1/jobs/{job}/leases", lease)
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/renew", renew)
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/complete", complete)
@@ -336,6 +434,7 @@ def run_forever(settings: MasterSettings) -> None:
     # default 5 ms switch interval each hand-over can wait that long behind a busy event loop,
     # which dominated commit latency under load. 0.5 ms bounds it at a small cost in switches.
     sys.setswitchinterval(0.0005)
+    tune_allocator()
     # Each request allocates many short-lived containers; with the default thresholds the cyclic
     # collector ran constantly and its full passes walked the whole job state. Rarer collections,
     # and the state loaded at start frozen out of them, gave ~25% more round trips/s and a

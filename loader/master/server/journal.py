@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+import zlib
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from loader.master.errors import StateError
 
-__all__ = ["Journal", "Store", "LogRecord"]
+__all__ = ["Journal", "Store", "LogRecord", "compress_text"]
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,15 @@ class Store(Protocol):
 
     async def open(self) -> None: ...
 
+    async def load_text(self) -> tuple[str | None, int, Iterable[LogRecord]]:
+        """(the snapshot's JSON text or None, its sequence number, the records after it in
+        order). The text, not its decoded dict: a 1M-shard job's spec is read from it into
+        columns (``MasterState.from_text``), where ``json.loads`` made ~600 MB of dicts. The
+        records may be produced as they are consumed (iterate once)."""
+        ...
+
     async def load(self) -> tuple[dict[str, Any] | None, int, list[LogRecord]]:
-        """(snapshot state or None, the snapshot's sequence number, records after it in order)."""
+        """:meth:`load_text` with the snapshot decoded and the records in a list."""
         ...
 
     async def write(self, records: list[LogRecord], snapshot: tuple[int, str] | None) -> None:
@@ -148,7 +156,13 @@ class Journal:
                         return
                     if self._observe is not None:
                         self._observe(len(batch), time.perf_counter() - started)
-                    for _, fut in batch:
+                    futures = [fut for _, fut in batch]
+                    # Let go of the batch and the snapshot now (no loop variable left holding a
+                    # record either): held until the next batch, the last records written (a
+                    # 1M-shard job's create record is ~73 MB of text) and the last snapshot stayed
+                    # in memory for as long as the master was idle.
+                    del batch, snapshot
+                    for fut in futures:
                         if not fut.done():
                             fut.set_result(None)
         except asyncio.CancelledError:
@@ -156,3 +170,13 @@ class Journal:
         except Exception:  # a bug here must not leave callers hanging
             log.exception("journal writer crashed")
             self.abort(StateError("the master's journal writer crashed; retry shortly"))
+
+
+def compress_text(text: str, level: int = 3) -> bytes:
+    """``zlib.compress(text.encode(), level)`` a megabyte at a time: a snapshot's text (~73 MB for
+    a 1M-shard job) is never also held whole as bytes."""
+    packer = zlib.compressobj(level)
+    step = 1 << 20
+    out = [packer.compress(text[i : i + step].encode()) for i in range(0, len(text), step)]
+    out.append(packer.flush())
+    return b"".join(out)

@@ -51,6 +51,9 @@ class MasterSettings:
     bounds the parse's CPU; memory is bounded by the shard count. 256 MiB holds a
     1,000,000-shard spec with keys of up to ~190 characters."""
 
+    token_file: Path | None = None
+    """File holding the bearer token every API call must carry (``--token-file``); None: open."""
+
     max_small_body_bytes: int = 64 * 1024
     """Largest body of every other request."""
 

@@ -41,6 +41,7 @@ __all__ = [
     "ShardTable",
     "TableBuilder",
     "JobSpec",
+    "read_log_spec",
     "spec_diff",
     "validate_job_name",
     "check_ident",
@@ -71,6 +72,10 @@ _SHARD_FIELDS = frozenset({"key", "size", "samples"})
 _PLAIN_TEXT_SHARDS = 4096
 _TEXT_BLOCK = 8192
 _SP = "surrogatepass"  # keys are str; a lone surrogate (legal in a Python str) must round-trip
+# A logged shard list is decoded this many characters at a time (~3,000 shards): a few MB of
+# dicts at once, where the whole list decoded at once was ~600 MB for 1M shards.
+_LOG_BLOCK_CHARS = 1 << 18
+_DECODER = json.JSONDecoder()
 
 
 def validate_job_name(name: Any) -> str:
@@ -671,6 +676,15 @@ class JobSpec:
         }
 
     @classmethod
+    def from_log_text(cls, text: str) -> JobSpec:
+        """:meth:`from_log` of the spec's JSON text (:attr:`json_text`), read in place; see
+        :func:`read_log_spec`."""
+        spec, end = read_log_spec(text)
+        if end != len(text):
+            raise ValueError("trailing text after the job spec")
+        return spec
+
+    @classmethod
     def from_log(cls, s: dict[str, Any]) -> JobSpec:
         """A spec from the journal or a snapshot: it was validated when it was accepted, so it is
         rebuilt as it was, without defaults applied again. Its text is made now (replay runs
@@ -679,6 +693,63 @@ class JobSpec:
         spec = cls(s["name"], s["dataset"], table, s["epochs"], s["seed"], s["shuffle"], float(s["lease_ttl_s"]), s["max_failures"])
         spec.encode()
         return spec
+
+
+def read_log_spec(text: str, pos: int = 0) -> tuple[JobSpec, int]:
+    """The spec whose JSON text, as :attr:`JobSpec.json_text` writes it, starts at ``text[pos]``
+    (in a journal record or a snapshot), and the index just after it.
+
+    The text is read in place: the fields one by one, the shard list a block at a time into the
+    columns, never a dict per shard. Like :meth:`JobSpec.from_log` (what the log holds was
+    validated when it was accepted) nothing is checked again or defaulted. ValueError for text
+    not laid out as ``json_text`` lays it out (the caller decodes it whole instead)."""
+    i = _expect(text, pos, '{"name":')
+    name, i = _DECODER.raw_decode(text, i)
+    dataset, i = _DECODER.raw_decode(text, _expect(text, i, ',"dataset":'))
+    table, i = _read_log_shards(text, _expect(text, i, ',"shards":['))
+    epochs, i = _DECODER.raw_decode(text, _expect(text, i, ',"epochs":'))
+    seed, i = _DECODER.raw_decode(text, _expect(text, i, ',"seed":'))
+    shuffle, i = _DECODER.raw_decode(text, _expect(text, i, ',"shuffle":'))
+    ttl, i = _DECODER.raw_decode(text, _expect(text, i, ',"lease_ttl_s":'))
+    max_failures, i = _DECODER.raw_decode(text, _expect(text, i, ',"max_failures":'))
+    end = _expect(text, i, "}")
+    if not isinstance(name, str) or not isinstance(dataset, str) or not isinstance(shuffle, bool):
+        raise ValueError("not a logged job spec")
+    spec = JobSpec(name, dataset, table, epochs, seed, shuffle, float(ttl), max_failures)
+    spec.encode()  # as from_log: made now, before serving, not at the first snapshot
+    return spec, end
+
+
+def _read_log_shards(text: str, i: int) -> tuple[ShardTable, int]:
+    """The shard list starting at ``text[i]`` (just after its ``[``) and the index after its ``]``.
+
+    Its end is the first ``],"epochs":`` from there: in JSON text a ``"`` inside a string is
+    always escaped, so that sequence is never part of a key, and nothing else in a spec's list
+    puts a ``]`` before a ``,"``. Blocks end between two shards (``},{"key":``, structural for
+    the same reason)."""
+    close = text.find('],"epochs":', i)
+    if close < 0:
+        raise ValueError("not a logged shard list")
+    builder = TableBuilder(dedupe=False)
+    keys, sizes, samples = builder.keys, builder.sizes, builder.samples
+    while i < close:
+        cut = text.find('},{"key":', min(i + _LOG_BLOCK_CHARS, close), close)
+        last = close if cut < 0 else cut + 1
+        block = json.loads("[" + text[i:last] + "]")
+        keys.extend([item["key"] for item in block])
+        sizes.extend([-1 if item["size"] is None else item["size"] for item in block])
+        samples.extend([-1 if item["samples"] is None else item["samples"] for item in block])
+        del block
+        builder.flush()
+        i = last + 1  # past the comma between two shards, or onto the list's `]`
+    return builder.build(), close + 1
+
+
+def _expect(text: str, i: int, literal: str) -> int:
+    """The index after ``literal``, which must be at ``text[i]`` (ValueError otherwise)."""
+    if not text.startswith(literal, i):
+        raise ValueError(f"expected {literal!r} at {i}")
+    return i + len(literal)
 
 
 _DIFF_FIELDS = ("name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures")

@@ -42,8 +42,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from loader.master.errors import BadRequest, JobConflict, LeaseLost, NoSuchJob, NotLeaseHolder
-from loader.master.server.spec import JobSpec, ShardSpec, check_ident, check_int, spec_diff, validate_job_name
+from loader.master.errors import BadRequest, JobConflict, JobInUse, LeaseLost, NoSuchJob, NotLeaseHolder
+from loader.master.server.spec import JobSpec, ShardSpec, check_ident, check_int, read_log_spec, spec_diff, validate_job_name
 from wire.shuffle import EpochOrder
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "Fail",
     "Release",
     "Resume",
+    "DeleteJob",
     "Event",
     "Result",
     "JobState",
@@ -165,7 +166,16 @@ class Resume:
     from now, since its holder could not renew while no master was serving."""
 
 
-Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume
+@dataclass(frozen=True)
+class DeleteJob:
+    """Forget a job and all its state. Refused (``JobInUse``) while it has live leases, unless
+    ``force``: its trainers' next calls then get ``NoSuchJob``."""
+
+    job: str
+    force: bool = False
+
+
+Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob
 
 
 def event_to_json(event: Event) -> dict[str, Any]:
@@ -186,6 +196,8 @@ def event_to_json(event: Event) -> dict[str, Any]:
         return {"t": "release", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset}
     if isinstance(event, Resume):
         return {"t": "resume"}
+    if isinstance(event, DeleteJob):
+        return {"t": "delete", "job": event.job, "force": event.force}
     raise TypeError(f"not an event: {event!r}")
 
 
@@ -215,6 +227,8 @@ def event_from_json(raw: dict[str, Any]) -> Event:
         return Release(raw["job"], raw["lease"], raw["trainer"], raw["offset"])
     if kind == "resume":
         return Resume()
+    if kind == "delete":
+        return DeleteJob(raw["job"], bool(raw["force"]))
     raise ValueError(f"unknown event type {kind!r}")
 
 
@@ -526,8 +540,10 @@ class JobState:
         return out
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> JobState:
-        spec = JobSpec.from_log(raw["spec"])
+    def from_json(cls, raw: dict[str, Any], spec: JobSpec | None = None) -> JobState:
+        """A job from its snapshot; ``spec``: its spec, already read (then ``raw`` has none)."""
+        if spec is None:
+            spec = JobSpec.from_log(raw["spec"])
         if "open" not in raw:
             return cls._from_v1(raw, spec)
         job = cls(spec, next_epoch=raw["next_epoch"], finished=raw["finished"])
@@ -610,6 +626,8 @@ class MasterState:
                 result = self._fail(job, event, now)
             elif isinstance(event, Release):
                 result = self._release(job, event, now)
+            elif isinstance(event, DeleteJob):
+                result = self._delete(job, event, now)
             else:
                 raise TypeError(f"not an event: {event!r}")
         result.now = now
@@ -622,7 +640,11 @@ class MasterState:
     def job(self, name: str) -> JobState:
         job = self.jobs.get(name)
         if job is None:
-            raise NoSuchJob(f"no job named {name!r} on this master: create it first (POST /v1/jobs)", job=name)
+            raise NoSuchJob(
+                f"no job named {name!r} on this master: it was never created, or it was deleted (DELETE "
+                f"/v1/jobs/{name}); create it first (POST /v1/jobs)",
+                job=name,
+            )
         return job
 
     # -- handlers: validate everything, then mutate (a refusal leaves the state untouched) --
@@ -821,6 +843,21 @@ class MasterState:
         job.maybe_close_epoch(ep)
         return Result({"shard_state": outcome, "already": False}, mutated=True)
 
+    def _delete(self, job: JobState, ev: DeleteJob, now: float) -> Result:
+        live = [rec for rec in job.leases.values() if rec.expires_at > now]
+        if live and not ev.force:
+            trainers = sorted({rec.trainer for rec in live})
+            shown = ", ".join(repr(t) for t in trainers[:5]) + (f" and {len(trainers) - 5} more" if len(trainers) > 5 else "")
+            raise JobInUse(
+                f"job {ev.job!r} has {len(live)} live lease(s), held by {shown}: delete it once its trainers are done "
+                f"(or stopped and their leases expired, within {job.spec.lease_ttl_s:g}s), or now with ?force=true "
+                "(its trainers' next calls then get NoSuchJob)",
+                job=ev.job, leases=len(live), trainers=trainers[:20],
+            )
+        # -- mutation --
+        del self.jobs[ev.job]
+        return Result({"deleted": True}, mutated=True)
+
     def _release(self, job: JobState, ev: Release, now: float) -> Result:
         validate_lease_id(ev.lease)
         check_ident(ev.trainer, "trainer")
@@ -882,6 +919,42 @@ class MasterState:
         return '{"version":2,"last_now":' + json.dumps(self.last_now) + ',"jobs":[' + ",".join(jobs) + "]}"
 
     @classmethod
+    def from_text(cls, text: str) -> MasterState:
+        """A state from its snapshot's JSON text. The text :meth:`snapshot_text` writes is read in
+        place: each job's spec by :func:`~loader.master.server.spec.read_log_spec` (into columns,
+        never a dict a shard: ``json.loads`` made ~600 MB of them for 1M shards), the rest with
+        ``json``. Any other text (an older master's) is decoded whole, as :meth:`from_json` takes it."""
+        try:
+            state = cls._from_snapshot_text(text)
+        except (ValueError, KeyError, TypeError):  # not as snapshot_text writes it: decoded whole below
+            state = None
+        return state if state is not None else cls.from_json(json.loads(text))
+
+    @classmethod
+    def _from_snapshot_text(cls, text: str) -> MasterState | None:
+        head = '{"version":2,"last_now":'
+        if not text.startswith(head):
+            return None
+        state = cls()
+        last_now, i = _DECODER.raw_decode(text, len(head))
+        state.last_now = float(last_now)
+        i = _expect(text, i, ',"jobs":[')
+        while not text.startswith("]}", i):
+            if state.jobs:
+                i = _expect(text, i, ",")
+            spec, i = read_log_spec(text, _expect(text, i, '{"spec":'))
+            rest: dict[str, Any] = {}
+            while text.startswith(",", i):  # the job's other members, each decoded alone
+                key, i = _DECODER.raw_decode(text, i + 1)
+                rest[key], i = _DECODER.raw_decode(text, _expect(text, i, ":"))
+            i = _expect(text, i, "}")
+            job = JobState.from_json(rest, spec)
+            state.jobs[spec.name] = job
+        if i + 2 != len(text):
+            raise ValueError("trailing text after the snapshot")
+        return state
+
+    @classmethod
     def from_json(cls, raw: dict[str, Any]) -> MasterState:
         if raw.get("version") not in (1, 2):
             raise ValueError(f"unsupported master state version {raw.get('version')!r}")
@@ -891,6 +964,16 @@ class MasterState:
             job = JobState.from_json(item)
             state.jobs[job.spec.name] = job
         return state
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _expect(text: str, i: int, literal: str) -> int:
+    """The index after ``literal``, which must be at ``text[i]`` (ValueError otherwise)."""
+    if not text.startswith(literal, i):
+        raise ValueError(f"expected {literal!r} at {i}")
+    return i + len(literal)
 
 
 def _lease_status(status: str, epoch: int, retry_after_s: float | None = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loader.master.server.etcd import EtcdClient, EtcdError, cmp_create_revision, op_delete, op_put, prefix_end
-from loader.master.server.journal import LogRecord
+from loader.master.server.journal import LogRecord, compress_text
 
 __all__ = ["EtcdStore", "Fenced"]
 
@@ -85,14 +85,21 @@ class EtcdStore:
         return b"".join(kv.value for kv in kvs[:count])
 
     async def load(self) -> tuple[dict[str, Any] | None, int, list[LogRecord]]:
-        snap: dict[str, Any] | None = None
+        snap, snap_seq, records = await self.load_text()
+        return (json.loads(snap) if snap is not None else None), snap_seq, records
+
+    async def load_text(self) -> tuple[str | None, int, list[LogRecord]]:
+        snap: str | None = None
         snap_seq = 0
         meta = await self._etcd.get(self.key("snap"))
         if meta is not None:
             info = json.loads(meta.value)
             snap_seq = int(info["seq"])
             data = await self._get_chunks(f"snapdata/{_seq_key(snap_seq)}", int(info["chunks"]))
-            snap = await asyncio.to_thread(lambda: json.loads(zlib.decompress(data)))
+            # The text, not its decoded dict (MasterState.from_text reads the specs in place);
+            # inflated on a thread: the election's keep-alive runs on the event loop meanwhile.
+            snap = await asyncio.to_thread(_inflate, data)
+            del data
         start = self.key("log", _seq_key(snap_seq + 1))
         kvs = await self._etcd.range_all(start, prefix_end(self.key("log", "")))
         records: list[LogRecord] = []
@@ -120,7 +127,7 @@ class EtcdStore:
 
     async def _write_snapshot(self, seq: int, state: str) -> None:
         # The snapshot covers every record of this batch: they need no log entry of their own.
-        data = await asyncio.to_thread(lambda: zlib.compress(state.encode(), 3))
+        data = await asyncio.to_thread(compress_text, state)
         sk = _seq_key(seq)
         count = await self._put_chunks(f"snapdata/{sk}", data)
         above = _seq_key(seq + 1)
@@ -137,3 +144,8 @@ class EtcdStore:
                 await self._etcd.compact(revision)
             except EtcdError:
                 pass  # history compaction is housekeeping; the next snapshot tries again
+
+
+def _inflate(data: bytes) -> str:
+    text = zlib.decompress(data)
+    return text.decode("utf-8")

@@ -15,13 +15,13 @@ import json
 import os
 import sqlite3
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from loader.master.errors import StateError
-from loader.master.server.journal import LogRecord
+from loader.master.server.journal import LogRecord, compress_text
 
 __all__ = ["SqliteStore"]
 
@@ -51,8 +51,13 @@ class SqliteStore:
     async def open(self) -> None:
         await self._call(self._open)
 
+    async def load_text(self) -> tuple[str | None, int, Iterator[LogRecord]]:
+        snap, snap_seq, rows = await self._call(self._load)
+        return snap, snap_seq, _split_rows(rows, snap_seq)
+
     async def load(self) -> tuple[dict[str, Any] | None, int, list[LogRecord]]:
-        return await self._call(self._load)
+        snap, snap_seq, records = await self.load_text()
+        return (json.loads(snap) if snap is not None else None), snap_seq, list(records)
 
     async def write(self, records: list[LogRecord], snapshot: tuple[int, str] | None) -> None:
         await self._call(self._write, records, snapshot)
@@ -83,7 +88,11 @@ class SqliteStore:
             ) from exc
         self._lock_fd = fd
         try:
-            conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+            # No statement cache: a cached statement keeps its last bound parameters (SQLite's
+            # copy of them) until it is bound again, so the ~73 MB text of a 1M-shard job's create
+            # record stayed in memory until the next write. Preparing a statement per batch
+            # costs microseconds.
+            conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, cached_statements=0)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             conn.executescript(_SCHEMA)
@@ -97,28 +106,34 @@ class SqliteStore:
             raise StateError(f"cannot open the master state file {self.path}: {exc}") from exc
         self._conn = conn
 
-    def _load(self) -> tuple[dict[str, Any] | None, int, list[LogRecord]]:
+    def _load(self) -> tuple[str | None, int, list[tuple[int, int, str]]]:
+        """The snapshot's text and the log's rows (one per batch, still joined: a million small
+        records cost their text, not a million string objects, until they are replayed)."""
         conn = self._require()
         try:
             row = conn.execute("SELECT seq, state FROM snapshot WHERE id = 1").fetchone()
-            snap: dict[str, Any] | None = None
+            snap: str | None = None
             snap_seq = 0
             if row is not None:
                 snap_seq = int(row[0])
-                snap = json.loads(zlib.decompress(row[1]))
-            records: list[LogRecord] = []
+                data = zlib.decompress(row[1])
+                del row
+                snap = data.decode("utf-8")
+                del data  # the text alone from here on (a 1M-shard job's is ~73 MB)
+            rows: list[tuple[int, int, str]] = []
             for last, first, text in conn.execute("SELECT last, first, records FROM log WHERE last > ? ORDER BY last", (snap_seq,)):
-                lines = str(text).split("\n")
-                if len(lines) != last - first + 1:
-                    raise ValueError(f"log batch {first}..{last} holds {len(lines)} records")
-                records.extend((seq, line) for seq, line in zip(range(first, last + 1), lines, strict=True) if seq > snap_seq)
+                text = str(text)
+                count = text.count("\n") + 1
+                if count != last - first + 1:
+                    raise ValueError(f"log batch {first}..{last} holds {count} records")
+                rows.append((int(last), int(first), text))
         except (sqlite3.Error, zlib.error, ValueError) as exc:
             raise StateError(f"cannot read the master state from {self.path}: {exc}") from exc
-        return snap, snap_seq, records
+        return snap, snap_seq, rows
 
     def _write(self, records: list[LogRecord], snapshot: tuple[int, str] | None) -> None:
         conn = self._require()
-        blob = zlib.compress(snapshot[1].encode(), 3) if snapshot else None
+        blob = compress_text(snapshot[1]) if snapshot else None
         # One row per batch, not per record: each SQLite step releases and re-takes the GIL, and
         # every re-take can wait behind the busy event loop thread. Records are JSON (no raw
         # newline) with consecutive sequence numbers, so a batch is their lines.
@@ -155,3 +170,23 @@ class SqliteStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _split_rows(rows: list[tuple[int, int, str]], after: int) -> Iterator[LogRecord]:
+    """The records of the log ``rows`` with a sequence number above ``after``, in order, each row
+    split as it is reached and let go once replayed."""
+    rows.reverse()
+    while rows:
+        last, first, text = rows.pop()
+        if first == last:  # one record (a large job's create often is): the row's text is it
+            if first > after:
+                yield first, text
+            continue
+        start = 0
+        for seq in range(first, last + 1):
+            end = text.find("\n", start)
+            if end < 0:
+                end = len(text)
+            if seq > after:
+                yield seq, text[start:end]
+            start = end + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from sidecar.cli.util import EXIT_UNAVAILABLE, RawDefaultsFormatter, UserError, add_connection_flags, add_flag, connection_limits
 
@@ -55,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(parser, "--max-jobs", default="100", metavar="N",
              help="most jobs this master holds; creating one more is refused (TooManyJobs), joining one still "
              "works. Nothing deletes jobs yet: finished jobs count")
+    add_flag(parser, "--token-file", default=None, metavar="PATH",
+             help="refuse API calls without 'Authorization: Bearer <token>', the token being this file's "
+             "content (re-read when it changes; trainers send SHARDCACHE_MASTER_TOKEN); /healthz, /readyz "
+             "and /metrics stay open")
     add_flag(parser, "--snapshot-events", default="10000", metavar="N",
              help="snapshot the state (and drop the log below it) after at least N logged changes "
              "and twice the total shard count")
@@ -67,6 +72,16 @@ def _number(text: str, flag: str, cast: type = float) -> float:
         return cast(text)
     except (TypeError, ValueError):
         raise UserError(f"invalid {flag} {text!r}: expected a number") from None
+
+
+def _token_file(path: str | None) -> Path | None:
+    """The token file, checked now (readable, not empty) so that a bad one stops the start."""
+    if not path:
+        return None
+    from loader.master.server.auth import TokenFile
+
+    TokenFile(Path(path))  # raises ValueError saying what is wrong
+    return Path(path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=parse_size(args.max_body),
             max_jobs=int(_number(args.max_jobs, "--max-jobs", int)),
             snapshot_min_events=int(_number(args.snapshot_events, "--snapshot-events", int)),
+            token_file=_token_file(args.token_file),
             connections=connection_limits(args),
         )
     except ValueError as exc:
