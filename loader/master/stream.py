@@ -149,8 +149,9 @@ class Renewer:
             elif not held.done and not held.lost:
                 held.lost = True
                 log.warning(
-                    "lease on %s (epoch %d) lost at offset %d: %s; another trainer continues it",
+                    "lease on %s (epoch %d) lost at offset %d: %s; %s",
                     held.key, held.epoch, position, exc,
+                    "the job is gone from the master" if isinstance(exc, NoSuchJob) else "another trainer continues it",
                 )
             self.discard(held)
             return False

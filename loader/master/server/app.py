@@ -236,8 +236,7 @@ async def delete_job(request: web.Request) -> web.Response:
     result = await service.submit(DeleteJob(job, force in ("true", "1")))
     # What the service keeps per job beside the state (trainer presence, the samples/s window:
     # a point per completion) goes with it; a job created later under the name starts afresh.
-    service._presence.pop(job, None)
-    service._rates.pop(job, None)
+    service.forget(job)
     if found is not None and found.n >= _TRIM_SHARDS:
         _trim_soon()  # its columns and lease state are freed
     return _json(result.answer)

@@ -56,20 +56,32 @@ _RECOVER_BACKOFF = Backoff(initial_s=0.1, max_s=5.0)
 
 
 class _Rate:
-    """Samples processed over a sliding window (not durable: a rate, not an account)."""
+    """Samples processed over a sliding window (not durable: a rate, not an account), counted in
+    one-second buckets: its memory is the window's length, however many completions arrive and
+    whether or not anyone reads the rate."""
 
     def __init__(self) -> None:
-        self._points: deque[tuple[float, int]] = deque()
+        self._points: deque[list[int]] = deque()  # [second, samples]
         self._started = time.monotonic()
 
+    def _trim(self, now: float) -> None:
+        while self._points and self._points[0][0] < now - _RATE_WINDOW_S:
+            self._points.popleft()
+
     def add(self, samples: int) -> None:
-        if samples > 0:
-            self._points.append((time.monotonic(), samples))
+        if samples <= 0:
+            return
+        now = time.monotonic()
+        second = int(now)
+        if self._points and self._points[-1][0] == second:
+            self._points[-1][1] += samples
+        else:
+            self._points.append([second, samples])
+            self._trim(now)
 
     def per_s(self) -> float:
         now = time.monotonic()
-        while self._points and self._points[0][0] < now - _RATE_WINDOW_S:
-            self._points.popleft()
+        self._trim(now)
         span = min(_RATE_WINDOW_S, max(now - self._started, 1.0))
         return round(sum(n for _, n in self._points) / span, 1)
 
@@ -312,6 +324,11 @@ class MasterService:
         changed = self._changes.setdefault(job, asyncio.Event())
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(changed.wait(), timeout_s)
+
+    def forget(self, job: str) -> None:
+        """Drop what the service keeps of a deleted job in memory (presence, rate)."""
+        self._presence.pop(job, None)
+        self._rates.pop(job, None)
 
     def note(self, job: str, trainer: str | None, node: str | None, progress: int = 0) -> None:
         """Trainer presence and throughput for the status (in memory only)."""
