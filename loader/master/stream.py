@@ -289,17 +289,26 @@ class LeaseStream:
                     if not self.queue:
                         if status == "wait" and self._epoch is None:
                             # Continuous mode waits only at the job's end (every epoch is leased
-                            # out). A rank waiting here for its peers' last shards would stall
-                            # them when they are in a collective with it: end instead, and let
-                            # the training loop join its peers (DDP's Join) until they finish.
-                            log.info("job %s: every shard of its last epoch is leased; this stream ends", self._job)
-                            return
-                        if status == "wait" and self._renewer.awaiting_delivery():
+                            # out). A rank waiting for its peers' last shards would stall them
+                            # when they are in a collective with it: it ends instead (the
+                            # training loop joins its peers, DDP's Join, until they finish),
+                            # unless some lease looks abandoned (its holder stopped renewing: a
+                            # dead rank, e.g. before an elastic restart), whose shard comes back
+                            # at expiry. It waits long enough for a just-dead holder's leases to
+                            # look abandoned: a bounded stall of a live peer, never a deadlock.
+                            if waited_since is None:
+                                waited_since = time.monotonic()
+                            patience = answer.get("stale_after_s")
+                            patience = float(patience) if isinstance(patience, (int, float)) else 0.0
+                            if not answer.get("stale_leases") and time.monotonic() - waited_since >= patience:
+                                log.info("job %s: every shard of its last epoch is leased; this stream ends", self._job)
+                                return
+                        elif status == "wait" and self._renewer.awaiting_delivery():
                             # Our last samples may sit in a batch still being filled: end the
                             # stream so that it is handed over and its leases can complete.
                             log.debug("job %s: nothing to lease while our last batch is incomplete; stream ends", self._job)
                             return
-                        if status == "wait" and self._yield_to_siblings is not None and self._yield_to_siblings():
+                        elif status == "wait" and self._yield_to_siblings is not None and self._yield_to_siblings():
                             log.debug("job %s: sibling workers hold the last leases; worker's epoch ends", self._job)
                             return
                         if waited_since is None:

@@ -92,6 +92,9 @@ CLOSED_KEEP = 65_536
 release (a retry after a lost answer) is answered as done instead of refused."""
 _REQUEST_KEEP = 4096
 """Lease streams whose last request id is remembered per job (retried lease requests)."""
+_STALE_FRACTION = 1 / 3
+"""A lease not renewed for this fraction of its TTL (plus a second) looks abandoned: holders renew
+every third of it (``LoaderSettings.renew_fraction``)."""
 _WAIT_MAX_S = 1.0
 _WAIT_MIN_S = 0.05
 
@@ -716,7 +719,17 @@ class MasterState:
         can_open = ev.epoch is None and job.can_open()
         if job.todo_count(ev.epoch) == 0 and not can_open and (next_expiry is None or next_expiry > now):
             retry = _WAIT_MAX_S if next_expiry is None else min(max(next_expiry - now, _WAIT_MIN_S), _WAIT_MAX_S)
-            return Result(_lease_status("wait", job.epoch, round(retry, 3)), mutated=False)
+            answer = _lease_status("wait", job.epoch, round(retry, 3))
+            if ev.epoch is None:
+                # Continuous mode waits only at the job's end. Whether to wait there is the
+                # trainer's call: its peers' last shards may be held by a rank blocked in a
+                # collective with it (renewing: do not wait for it) or by a dead one (not renewing:
+                # its leases come back at expiry). Say how many look abandoned.
+                ttl = job.spec.lease_ttl_s
+                after = ttl * _STALE_FRACTION + 1.0
+                answer["stale_after_s"] = round(after, 3)
+                answer["stale_leases"] = sum(1 for r in job.leases.values() if now - (r.expires_at - ttl) > after)
+            return Result(answer, mutated=False)
         # -- mutation from here on --
         job.expire(now)
         ttl = job.spec.lease_ttl_s
