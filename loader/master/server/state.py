@@ -786,7 +786,7 @@ class MasterState:
         return rec
 
     def _check_offset(self, job: JobState, rec: LeaseRec, offset: int) -> None:
-        check_int(offset, "offset")
+        """``offset`` (already checked to be an integer >= 0) within the shard's samples."""
         samples = job.spec.shards[rec.shard].samples
         if samples is not None and offset > samples:
             raise BadRequest(f"offset {offset} is past the end of shard {rec.shard} ({samples} samples)")
