@@ -5,11 +5,9 @@ the state machine, on a real master process over HTTP (and across its restart), 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import socket
-import threading
 import tracemalloc
 from collections.abc import Callable
 from http.client import HTTPResponse
@@ -34,6 +32,7 @@ from loader.master.server.state import (
 )
 from tests.loader.shards import write_manifest, write_shards
 from tests.master.conftest import MasterProcess, http, job_spec
+from tests.master.tcpforward import TcpForwarder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -242,27 +241,17 @@ def test_the_client_deletes_and_too_many_jobs_points_at_delete(
     assert sorted(j["name"] for j in client.jobs()) == ["c", "d"]
 
 
-class _LosingProxy:
+class _LosingProxy(TcpForwarder):
     """A TCP forwarder in front of a real master that passes the first ``lose`` requests on, reads
     the master's answers and drops them (closing the client's connection): answers lost on the way
     back, the case a client's retry must not mistake for a failure."""
 
     def __init__(self, port: int, lose: int) -> None:
-        self.target, self.lose = port, lose
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.lose = lose
         self.lost: list[int] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
+    def serve(self, client: socket.socket) -> None:
         upstream = socket.create_connection(("127.0.0.1", self.target))
         if len(self.lost) < self.lose:
             head = b""
@@ -276,22 +265,7 @@ class _LosingProxy:
             client.close()
             upstream.close()
             return
-        for src, dst in ((client, upstream), (upstream, client)):
-            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.listener.close()
+        self.forward(client, upstream)
 
 
 def test_a_delete_retried_after_its_answer_was_lost_is_answered_as_done(

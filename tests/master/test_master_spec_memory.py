@@ -8,12 +8,10 @@ records and snapshots read in place, the journal and SQLite letting go of the la
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import http.client as httpclient
 import json
 import random
-import socket
 import sys
 import threading
 import tracemalloc
@@ -35,6 +33,7 @@ from loader.master.server.spec_stream import SpecStream
 from loader.master.server.state import Complete, CreateJob, Fail, Lease, MasterState, event_from_json, event_to_text
 from loader.master.server.store_sqlite import SqliteStore
 from tests.master.conftest import MasterProcess, http, job_spec
+from tests.master.tcpforward import TcpForwarder
 from wire.errors import InvalidBody
 from wire.web import decode_json_object
 
@@ -573,46 +572,21 @@ def test_concurrent_creates_of_one_new_job_make_it_once_and_join_it(limited_mast
     assert sorted(results) == [200] * 5 + [201], results
 
 
-class _CountingProxy:
+class _CountingProxy(TcpForwarder):
     """A TCP forwarder between a client and a real master that counts what the client sends and
     keeps its request heads: what went over the wire, seen from outside both."""
 
     def __init__(self, port: int) -> None:
-        self.target = port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.sent = 0
         self.heads: list[bytes] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if counted:
-                    with self._lock:
-                        self.sent += len(data)
-                        if data[:5] in (b"POST ", b"GET /"):
-                            self.heads.append(data[: data.find(b"\r\n\r\n")])
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.listener.close()
+    def seen(self, data: bytes) -> None:
+        with self._lock:
+            self.sent += len(data)
+            if data[:5] in (b"POST ", b"GET /"):
+                self.heads.append(data[: data.find(b"\r\n\r\n")])
 
 
 def test_the_client_sends_gzip_and_joins_by_digest_without_the_list(
