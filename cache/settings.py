@@ -34,6 +34,13 @@ class StoreSettings:
     """Identity of the origin (e.g. ``s3`` + endpoint, or ``file:///root``). Part of every entry id,
     so a cache directory reused with another origin never serves the other origin's bytes."""
 
+    tenant_quota_bytes: int | None = None
+    """Upper bound on the bytes one tenant (the authenticated caller whose request caused a fill)
+    brings into the cache: its published entries plus its fills in progress. A fill that would
+    pass it evicts that tenant's own least recently used entries first, whatever ``eviction``
+    says; one that cannot fit (larger than the quota, or the tenant's entries are in use) is
+    served uncached. Entries filled without a tenant count for nobody. ``None``: no quota."""
+
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, not {self.eviction!r}")
@@ -41,3 +48,5 @@ class StoreSettings:
             raise ValueError("min_free_ratio must be in [0, 1)")
         if self.capacity_bytes <= 0 or self.max_items <= 0:
             raise ValueError("capacity_bytes and max_items must be positive")
+        if self.tenant_quota_bytes is not None and self.tenant_quota_bytes <= 0:
+            raise ValueError("tenant_quota_bytes must be positive (None for no quota)")

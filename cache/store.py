@@ -5,8 +5,9 @@ Layout under ``settings.root``::
     v1/LOCK                    flock'ed by the owning process
     v1/tmp/<random>.part       fills in progress (discarded at start-up)
     v1/data/<id[:2]>/<id>      published object bytes, exactly the object (read-only, 0444)
-    v1/meta/<id[:2]>/<id>.json what the bytes are: bucket, key, etag, size, xxh3-128, and the
-                               origin's Last-Modified and stored object headers
+    v1/meta/<id[:2]>/<id>.json what the bytes are: bucket, key, etag, size, xxh3-128, the
+                               origin's Last-Modified and stored object headers, and the tenant
+                               whose request filled them
 
 An entry exists only once both its data file and its meta file are in place. Publishing renames
 the (fsync'ed) data file first and then atomically writes the meta file, so a crash at any moment
@@ -14,6 +15,11 @@ leaves either a complete entry or orphans that :meth:`Store.open` deletes. Publi
 never modified in place: a reader holding one open (the daemon's sendfile, or a pod's
 short-circuit read) keeps valid bytes even if the entry is evicted, because unlink only drops the
 name.
+
+Tenants (``StoreSettings.tenant_quota_bytes``): an entry counts for the tenant whose request
+caused its fill. A fill that would take that tenant past its quota first evicts the tenant's own
+least recently used entries, from a per-tenant LRU kept in step with the global one, so the cost
+is per eviction and not a scan of the index; entries of tenant "" count for nobody.
 
 Integrity: the xxh3-128 of every entry is computed while it is filled and checked against the
 expected checksum when the caller knows it (manifest). A published file is re-hashed before it is
@@ -56,6 +62,9 @@ _HASH_CHUNK = 4 * 1024 * 1024
 # An entry's object headers, as a sanity bound on what a meta file may hold (the daemon refuses
 # far less from an origin; this only keeps a tampered meta file from being loaded or replayed).
 _MAX_HEADER_BYTES = 64 * 1024
+# A tenant is an IAM principal ARN or ``key:<access key id>``; ARNs stay far below this. The bound
+# keeps a tampered meta file (or a caller) from making every entry carry megabytes of name.
+_MAX_TENANT_CHARS = 2048
 
 
 def entry_id(namespace: str, bucket: str, key: str, etag: str) -> str:
@@ -115,6 +124,9 @@ class Entry:
     # clients that ask. Older meta files have neither: unverified.
     verified: str = ""
     checksums: tuple[tuple[str, str], ...] = ()
+    # Whose request caused the fill (an IAM principal ARN, ``key:AKIA...``): the entry's bytes
+    # count against that tenant's quota. "" (no auth, or a meta file older than tenants): nobody's.
+    tenant: str = ""
 
     def meta(self) -> dict[str, object]:
         data = asdict(self)
@@ -152,9 +164,9 @@ class Writer:
     def __init__(
         self, store: Store, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None,
         last_modified: str | None = None, headers: tuple[tuple[str, str], ...] = (),
-        verifier: Verifier | None = None, checksums: tuple[tuple[str, str], ...] = (),
+        verifier: Verifier | None = None, checksums: tuple[tuple[str, str], ...] = (), tenant: str = "",
     ) -> None:
-        """Made by :meth:`Store.begin`, which has checked ``last_modified`` and ``headers``."""
+        """Made by :meth:`Store.begin`, which has checked ``last_modified``, ``headers`` and ``tenant``."""
         self.store = store
         self.bucket = bucket
         self.key = key
@@ -165,6 +177,7 @@ class Writer:
         self.headers = headers
         self.verifier = verifier
         self.checksums = checksums
+        self.tenant = tenant
         self.digest: str | None = None  # the xxh3-128, once sealed
         self.path = store._tmp_dir / f"{secrets.token_hex(8)}.part"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -299,6 +312,56 @@ class Writer:
             os.close(self.fd)
 
 
+class _Tenants:
+    """Per-tenant figures behind the quota; the store's lock guards every call.
+
+    For each tenant (never ""): its entries' ids in LRU order, oldest first, moved in step with
+    the store's own LRU (so quota eviction takes the oldest without scanning), the bytes of those
+    entries, and the bytes its fills in progress reserve. A tenant with nothing left is dropped,
+    so the maps hold only tenants with something in the cache."""
+
+    def __init__(self) -> None:
+        self.lru: dict[str, OrderedDict[str, int]] = {}  # tenant -> {entry id: size}, oldest first
+        self.used: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+
+    def add(self, entry: Entry) -> None:
+        if entry.tenant:
+            self.lru.setdefault(entry.tenant, OrderedDict())[entry.id] = entry.size
+            self.used[entry.tenant] = self.used.get(entry.tenant, 0) + entry.size
+
+    def discard(self, entry: Entry) -> None:
+        ids = self.lru.get(entry.tenant)
+        if ids is None or ids.pop(entry.id, None) is None:
+            return
+        self.used[entry.tenant] -= entry.size
+        if not ids:
+            del self.lru[entry.tenant]
+            del self.used[entry.tenant]
+
+    def touch(self, entry: Entry) -> None:
+        ids = self.lru.get(entry.tenant)
+        if ids is not None and entry.id in ids:
+            ids.move_to_end(entry.id)
+
+    def reserve(self, tenant: str, delta: int) -> None:
+        if not tenant:
+            return
+        left = self.reserved.get(tenant, 0) + delta
+        if left:
+            self.reserved[tenant] = left
+        else:
+            self.reserved.pop(tenant, None)
+
+    def charged(self, tenant: str) -> int:
+        """What counts against the tenant's quota: its entries plus its fills in progress."""
+        return self.used.get(tenant, 0) + self.reserved.get(tenant, 0)
+
+    def over(self, quota: int) -> int:
+        """How many tenants are past ``quota`` (possible after a restart with a smaller one)."""
+        return sum(1 for tenant in self.used.keys() | self.reserved.keys() if self.charged(tenant) > quota)
+
+
 class Store:
     """A byte-capacity-bounded directory of immutable objects. See the module docstring."""
 
@@ -321,6 +384,7 @@ class Store:
         self._used = 0
         self._unverified = [0, 0]  # entries and bytes with Entry.verified == ""
         self._reserved = 0
+        self._tenants = _Tenants()
         self._writers: set[Writer] = set()
         self._lock_fd: int | None = None
         self._no_space_until = 0.0
@@ -333,6 +397,8 @@ class Store:
             "corrupt_removed": 0,
             "no_space": 0,
         }
+        # Reported in stats()["tenants"] only, apart from the capacity figures above.
+        self._tenant_counters = {"quota_evictions": 0, "quota_evicted_bytes": 0, "rejected_quota": 0}
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -401,6 +467,7 @@ class Store:
                 headers=_checked_headers(meta.get("headers", [])),
                 verified=_checked_text(meta.get("verified")) or "",
                 checksums=_checked_headers(meta.get("checksums", [])),
+                tenant=_checked_tenant(meta.get("tenant")),  # absent before tenants: nobody's
             )
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("discarding unreadable cache meta %s", meta_path)
@@ -536,8 +603,10 @@ class Store:
         """Refresh LRU recency without touching the disk (the on-disk recency is refreshed by
         the next :meth:`touch`)."""
         with self._lock:
-            if entry.id in self._entries:
+            current = self._entries.get(entry.id)
+            if current is not None:
                 self._entries.move_to_end(entry.id)
+                self._tenants.touch(current)
 
     def touch(self, entry: Entry) -> None:
         now = time.time()
@@ -561,36 +630,59 @@ class Store:
         # Bytes reserved for fills in progress are not on disk yet but will be.
         return free - self._reserved - extra >= self.settings.min_free_ratio * total
 
-    def _fits(self, size: int) -> bool:
+    def _fits(self, size: int, freed_bytes: int = 0, freed_items: int = 0) -> bool:
+        """Whether ``size`` more bytes fit now, or once entries of ``freed_bytes`` and
+        ``freed_items`` are gone (an estimate on disk: an open reader keeps its file's blocks)."""
         return (
-            self._used + self._reserved + size <= self.settings.capacity_bytes
-            and len(self._entries) + len(self._writers) + 1 <= self.settings.max_items
-            and self._disk_free_after(size)
+            self._used - freed_bytes + self._reserved + size <= self.settings.capacity_bytes
+            and len(self._entries) - freed_items + len(self._writers) + 1 <= self.settings.max_items
+            and self._disk_free_after(size - freed_bytes)
         )
 
     def begin(
         self, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None = None,
         last_modified: str | None = None, headers: Sequence[tuple[str, str]] = (),
-        verifier: Verifier | None = None, checksums: Sequence[tuple[str, str]] = (),
+        verifier: Verifier | None = None, checksums: Sequence[tuple[str, str]] = (), tenant: str = "",
     ) -> Writer | None:
         """Reserve room for a new entry and start filling it, or ``None`` if the policy does not
-        admit it now (no room under ``hold``, or everything evictable is in use). ``last_modified``
-        and ``headers`` are kept with the entry as given (raises ``ValueError`` if they could not
-        be answered again as headers), and so are ``checksums`` (the origin's checksum headers);
-        ``verifier`` checks the bytes at :meth:`Writer.seal`."""
+        admit it now (no room under ``hold``, everything evictable is in use, or ``tenant``'s
+        quota cannot make room). ``last_modified`` and ``headers`` are kept with the entry as given
+        (raises ``ValueError`` if they could not be answered again as headers), and so are
+        ``checksums`` (the origin's checksum headers); ``verifier`` checks the bytes at
+        :meth:`Writer.seal`. ``tenant`` is whose request causes the fill ("" for nobody): past
+        its quota, its own least recently used entries go first, under either eviction policy."""
         headers = _checked_headers([list(pair) for pair in headers])
         checksums = _checked_headers([list(pair) for pair in checksums])
         _checked_text(last_modified)
+        tenant = _checked_tenant(tenant)
         with self._lock:
             if size > self.settings.capacity_bytes or time.monotonic() < self._no_space_until:
                 self._counters["rejected_full"] += 1
                 return None
+            quota = self.settings.tenant_quota_bytes
+            if tenant and quota is not None:
+                victims = self._quota_victims(tenant, size, quota)
+                if victims is None:
+                    self._tenant_counters["rejected_quota"] += 1
+                    return None
+                freed = sum(entry.size for entry in victims)
+                if victims and self.settings.eviction != "lru" and not self._fits(size, freed, len(victims)):
+                    # Under hold nothing else makes room: evicting the tenant's entries would
+                    # lose them and still cache nothing.
+                    self._counters["rejected_full"] += 1
+                    return None
+                for entry in victims:
+                    self._tenant_counters["quota_evictions"] += 1
+                    self._tenant_counters["quota_evicted_bytes"] += entry.size
+                    self._remove_locked(entry)
             while not self._fits(size):
                 if self.settings.eviction != "lru" or not self._evict_one():
                     self._counters["rejected_full"] += 1
                     return None
             try:
-                writer = Writer(self, bucket, key, etag, size, expected_xxh3, last_modified, headers, verifier, checksums)
+                writer = Writer(
+                    self, bucket, key, etag, size, expected_xxh3, last_modified, headers, verifier, checksums, tenant
+                )
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     self._counters["no_space"] += 1
@@ -598,12 +690,33 @@ class Store:
                     return None
                 raise
             self._reserved += size
+            self._tenants.reserve(tenant, size)
             self._writers.add(writer)
             return writer
+
+    def _quota_victims(self, tenant: str, size: int, quota: int) -> list[Entry] | None:
+        """The tenant's unpinned entries, least recently used first, whose eviction brings its
+        entries plus fills in progress plus ``size`` within ``quota``; ``None`` if they cannot."""
+        if size > quota:
+            return None
+        excess = self._tenants.charged(tenant) + size - quota
+        victims: list[Entry] = []
+        for ident in self._tenants.lru.get(tenant, ()):
+            if excess <= 0:
+                break
+            entry = self._entries[ident]
+            if entry.pins == 0:
+                victims.append(entry)
+                excess -= entry.size
+        return victims if excess <= 0 else None
 
     def _account(self, entry: Entry, sign: int) -> None:
         """Add (1) or take away (-1) an indexed entry's bytes; the caller holds the lock."""
         self._used += sign * entry.size
+        if sign > 0:
+            self._tenants.add(entry)
+        else:
+            self._tenants.discard(entry)
         if not entry.verified:
             self._unverified[0] += sign
             self._unverified[1] += sign * entry.size
@@ -622,6 +735,7 @@ class Store:
             if writer in self._writers:
                 self._writers.discard(writer)
                 self._reserved -= writer._reserved
+                self._tenants.reserve(writer.tenant, -writer._reserved)
 
     def _publish(self, writer: Writer, digest: str) -> Entry:
         ident = entry_id(self.settings.namespace, writer.bucket, writer.key, writer.etag)
@@ -630,6 +744,7 @@ class Store:
             id=ident, bucket=writer.bucket, key=writer.key, etag=writer.etag, size=writer.size,
             xxh3_128=digest, created=now, last_access=now, last_modified=writer.last_modified, headers=writer.headers,
             verified=writer.verifier.algorithm if writer.verifier is not None else "", checksums=writer.checksums,
+            tenant=writer.tenant,
         )
         data_path = self._data_path(ident)
         meta_path = self._meta_path(ident)
@@ -659,6 +774,7 @@ class Store:
         with self._lock:
             self._writers.discard(writer)
             self._reserved -= writer._reserved
+            self._tenants.reserve(writer.tenant, -writer._reserved)
             previous = self._entries.pop(ident, None)
             if previous is not None:
                 self._account(previous, -1)
@@ -703,6 +819,30 @@ class Store:
 
     # -- reporting --------------------------------------------------------------------------
 
+    def tenant_usage(self, tenant: str) -> dict[str, object]:
+        """What ``tenant`` has brought into the cache, for that tenant's own eyes (its name is in
+        it). ``quota_bytes`` is ``None`` without a quota, and for tenant "" (never subject to one)."""
+        with self._lock:
+            ids = self._tenants.lru.get(tenant) if tenant else None
+            return {
+                "tenant": tenant,
+                "used_bytes": self._tenants.used.get(tenant, 0) if tenant else 0,
+                "reserved_bytes": self._tenants.reserved.get(tenant, 0) if tenant else 0,
+                "items": len(ids) if ids else 0,
+                "quota_bytes": self.settings.tenant_quota_bytes if tenant else None,
+            }
+
+    def _tenant_stats(self) -> dict[str, object]:
+        """The tenants block of :meth:`stats`: figures only, never a name (every tenant reads
+        /stats); the caller holds the lock."""
+        quota = self.settings.tenant_quota_bytes
+        return {
+            "quota_bytes": quota,
+            "count": len(self._tenants.lru),
+            "over_quota": self._tenants.over(quota) if quota is not None else 0,
+            **self._tenant_counters,
+        }
+
     def stats(self) -> dict[str, object]:
         try:
             usage = shutil.disk_usage(self.base)
@@ -726,6 +866,7 @@ class Store:
                 "fs_free_bytes": fs_free,
                 "min_free_ratio": self.settings.min_free_ratio,
                 **self._counters,
+                "tenants": self._tenant_stats(),
             }
 
 
@@ -737,6 +878,19 @@ def _checked_text(value: object) -> str | None:
     if not isinstance(value, str) or any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F for c in value):
         raise ValueError(f"not a header value: {value!r}")
     return value
+
+
+def _checked_tenant(value: object) -> str:
+    """A tenant name as a meta file or a caller may give it: bounded text with no control
+    characters ("" when absent), or ``ValueError``."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > _MAX_TENANT_CHARS:
+        raise ValueError(f"a tenant is text of at most {_MAX_TENANT_CHARS} characters, not {str(value)[:80]!r}")
+    try:
+        return _checked_text(value) or ""
+    except ValueError:
+        raise ValueError(f"a tenant holds no control characters: {value[:80]!r}") from None
 
 
 def _checked_headers(value: object) -> tuple[tuple[str, str], ...]:

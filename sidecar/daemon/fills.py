@@ -95,10 +95,13 @@ class FetchSettings:
 class Fill:
     """One fetch of one object, shared by every reader that wants it."""
 
-    def __init__(self, bucket: str, key: str, priority: int) -> None:
+    def __init__(self, bucket: str, key: str, priority: int, tenant: str = "") -> None:
         self.bucket = bucket
         self.key = key
         self.priority = priority
+        # Whose request started the fill: the cached entry counts against that tenant's quota
+        # (cache.StoreSettings.tenant_quota_bytes). Readers who join later change nothing.
+        self.tenant = tenant
         self.info: ObjectInfo | None = None
         self.check: OriginChecksum | None = None  # what the origin vouches for, once info is known
         self.sealed: str | None = None  # the xxh3-128 of the bytes, once all are in and checked
@@ -441,14 +444,17 @@ class Fetcher:
             for fill in self.inflight.values()
         )
 
-    def start(self, bucket: str, key: str, priority: int) -> tuple[Fill, bool]:
-        """The fill of ``bucket/key``: the running one (``False``) or a new one (``True``)."""
+    def start(self, bucket: str, key: str, priority: int, tenant: str = "") -> tuple[Fill, bool]:
+        """The fill of ``bucket/key``: the running one (``False``) or a new one (``True``).
+
+        ``tenant`` is whose request this is ("" without auth); a new fill's entry counts for it,
+        while joining a running fill keeps the tenant that started it (whose quota holds its bytes)."""
         name = (bucket, key)
         fill = self.inflight.get(name)
         if fill is not None:
             fill.priority = min(fill.priority, priority)  # a demand read promotes a prefetch
             return fill, False
-        fill = Fill(bucket, key, priority)
+        fill = Fill(bucket, key, priority, tenant)
         self.inflight[name] = fill
         fill.task = asyncio.create_task(self._run(fill), name=f"fill:{bucket}/{key}")
         return fill, True
@@ -511,12 +517,14 @@ class Fetcher:
                 writer = await asyncio.to_thread(
                     self.store.begin, fill.bucket, fill.key, info.etag, info.size, None,
                     info.last_modified, info.headers, fill.check.verifier() if fill.check else None, info.checksums,
+                    tenant=fill.tenant,
                 )
             except OSError as exc:
                 log.warning("cannot cache %s/%s: %s", fill.bucket, fill.key, exc)
                 writer = None
         if writer is None:
-            # No room (hold policy full, all in use, disk full): callers stream from the origin.
+            # No room (hold policy full, all in use, disk full, the tenant's quota): callers
+            # stream from the origin.
             self.origin.release(first_body)
             fill.cacheable = False
             fill.info = info

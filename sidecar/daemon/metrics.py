@@ -73,6 +73,32 @@ class _StoreCollector(Collector):
         }
         for name, (field, doc) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(stats.get(field, 0)))  # type: ignore[arg-type]
+        yield from _tenant_families(stats.get("tenants"))
+
+
+def _tenant_families(block: object) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The store's ``tenants`` block (per-tenant quota): totals only, no tenant label, since a
+    label per IAM principal would grow the series without bound and show every name to anyone
+    who can scrape."""
+    tenants = block if isinstance(block, dict) else {}
+    quota = tenants.get("quota_bytes")
+    yield GaugeMetricFamily(
+        "shardcache_tenant_quota_bytes", "Bytes one tenant may bring into the cache (0: no quota)",
+        value=float(quota or 0),
+    )
+    gauges = {
+        "shardcache_tenants": ("count", "Tenants with entries in the cache"),
+        "shardcache_tenants_over_quota": ("over_quota", "Tenants whose entries and fills exceed the quota"),
+    }
+    for name, (field, doc) in gauges.items():
+        yield GaugeMetricFamily(name, doc, value=float(tenants.get(field, 0)))
+    counters = {
+        "shardcache_tenant_quota_evictions": ("quota_evictions", "Entries evicted to keep a tenant within its quota"),
+        "shardcache_tenant_quota_evicted_bytes": ("quota_evicted_bytes", "Bytes evicted to keep a tenant within its quota"),
+        "shardcache_tenant_quota_rejections": ("rejected_quota", "Objects not cached because the tenant's quota had no room"),
+    }
+    for name, (field, doc) in counters.items():
+        yield CounterMetricFamily(name, doc, value=float(tenants.get(field, 0)))
 
 
 class Metrics:

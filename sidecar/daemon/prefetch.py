@@ -35,6 +35,9 @@ class PrefetchItem:
 
     bucket: str
     key: str
+    tenant: str = ""
+    """Whose request asked for it ("" without auth): the fill's entry counts against that
+    tenant's quota. Last, so ``PrefetchItem(bucket, key)`` still reads as before."""
 
 
 class Prefetcher:
@@ -122,7 +125,7 @@ class Prefetcher:
                 await self._yield_to_demand()
                 if self.store is not None and self.store.lookup(item.bucket, item.key):
                     continue
-                fill, _ = self.fetcher.start(item.bucket, item.key, priority)
+                fill, _ = self.fetcher.start(item.bucket, item.key, priority, item.tenant)
                 await fill.wait_done()
                 self.done += 1
             except asyncio.CancelledError:

@@ -93,3 +93,44 @@ def test_status_unreachable_and_unknown_job(master: Master):
     assert json.loads(master_down.stdout)["master"]["masters"][0]["error"]
     bad = run_cli(["status", "--master", "ftp://x"])
     assert bad.returncode == 2 and "invalid master address" in bad.stderr
+
+
+def test_status_shows_the_tenant_quota(file_dataset: Dataset, daemon_factory: Any, tmp_path: Path) -> None:
+    daemon: Daemon = daemon_factory(f"file://{tmp_path}/root", extra=("--tenant-quota", "5GiB"))
+    result = run_cli(["status", "--daemon", daemon.url, "--interval", "0"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if "tenants:" in line)
+    assert line == (f"{daemon.url}: tenants: 0 with entries, quota 5.0 GiB each, 0 over it; "
+                    "quota evictions 0 (0 B), not cached for quota 0")
+    as_json = run_cli(["status", "--daemon", daemon.url, "--interval", "0", "--json"])
+    (report,) = json.loads(as_json.stdout)["daemons"]
+    assert report["stats"]["cache"]["tenants"] == {
+        "quota_bytes": 5 * 1024**3, "count": 0, "over_quota": 0,
+        "quota_evictions": 0, "quota_evicted_bytes": 0, "rejected_quota": 0,
+    }
+    # Without a quota and with no tenants, the table is all there is (output as before tenants).
+    plain: Daemon = daemon_factory(f"file://{tmp_path}/root")
+    result = run_cli(["status", "--daemon", plain.url, "--interval", "0"])
+    assert result.returncode == 0 and "tenant" not in result.stdout
+
+
+def test_status_line_for_the_callers_own_tenant() -> None:
+    # The shape of a daemon's /_shardcache/stats answer to an authenticated caller: the totals
+    # under cache.tenants, the caller's own use at the top level.
+    from sidecar.cli.commands.status import tenant_lines
+
+    stats = {
+        "cache": {"tenants": {"quota_bytes": 5 * 1024**3, "count": 3, "over_quota": 1, "quota_evictions": 12,
+                              "quota_evicted_bytes": 3 * 1024**3, "rejected_quota": 2}},
+        "tenant": {"tenant": "arn:aws:iam::123456789012:user/alice", "used_bytes": int(1.2 * 1024**3),
+                   "reserved_bytes": 64 * 1024**2, "items": 12, "quota_bytes": 5 * 1024**3},
+    }
+    assert tenant_lines(stats) == [
+        "tenants: 3 with entries, quota 5.0 GiB each, 1 over it; quota evictions 12 (3.0 GiB), not cached for quota 2",
+        "tenant arn:aws:iam::123456789012:user/alice: 1.2 GiB (+64.0 MiB filling) of 5.0 GiB quota, 12 items",
+    ]
+    stats["tenant"] = {"tenant": "key:AKIA\x1b[2J", "used_bytes": 0, "reserved_bytes": 0, "items": 0,
+                       "quota_bytes": None}
+    assert tenant_lines({"tenant": stats["tenant"]}) == ["tenant key:AKIA?[2J: 0 B, no quota, 0 items"]
+    assert tenant_lines({"cache": {"tenants": {"quota_bytes": None, "count": 2}}}) == ["tenants: 2 with entries, no quota"]
+    assert tenant_lines({"cache": {"tenants": {"quota_bytes": None, "count": 0}}}) == []

@@ -18,7 +18,7 @@ from sidecar.cli.util import (
     add_flag,
 )
 
-__all__ = ["daemon_report", "master_report", "register", "run"]
+__all__ = ["daemon_report", "master_report", "register", "run", "tenant_lines"]
 
 EXAMPLES = """\
 examples:
@@ -240,9 +240,46 @@ def _print_daemons(reports: list[dict[str, Any]]) -> None:
     for report in reports:
         if report["error"]:
             print(f"{report['daemon']}: {report['error']}")
+    for report in reports:
+        if not report["error"]:
+            for line in tenant_lines(report["stats"]):
+                print(f"{report['daemon']}: {line}")
     if warmups:
         print()
         _table([["WARM-UP", "DAEMON", "STATE", "FILES", "BYTES", "FAILED", "RATE"], *warmups])
+
+
+def tenant_lines(stats: dict[str, Any]) -> list[str]:
+    """The per-tenant quota of one daemon: its totals (``cache.tenants``, no names: every tenant
+    reads them), and the caller's own use when the daemon knows who asks (top-level ``tenant``).
+    Nothing for a daemon with no quota and no tenants, so output without auth stays as it was."""
+    from sidecar.cli.progress import format_bytes
+
+    lines: list[str] = []
+    block = (stats.get("cache") or {}).get("tenants")
+    if isinstance(block, dict) and (block.get("quota_bytes") or block.get("count")):
+        quota = block.get("quota_bytes")
+        line = f"tenants: {int(block.get('count') or 0)} with entries, "
+        if quota:
+            line += (
+                f"quota {format_bytes(quota)} each, {int(block.get('over_quota') or 0)} over it; "
+                f"quota evictions {int(block.get('quota_evictions') or 0)} "
+                f"({format_bytes(block.get('quota_evicted_bytes') or 0)}), "
+                f"not cached for quota {int(block.get('rejected_quota') or 0)}"
+            )
+        else:
+            line += "no quota"
+        lines.append(line)
+    own = stats.get("tenant")
+    if isinstance(own, dict) and own.get("tenant"):
+        # The name comes from the daemon: printed with anything unprintable replaced.
+        name = "".join(c if c.isprintable() else "?" for c in str(own["tenant"]))
+        used, reserved = int(own.get("used_bytes") or 0), int(own.get("reserved_bytes") or 0)
+        filling = f" (+{format_bytes(reserved)} filling)" if reserved else ""
+        quota = own.get("quota_bytes")
+        of = f" of {format_bytes(quota)} quota" if quota else ", no quota"
+        lines.append(f"tenant {name}: {format_bytes(used)}{filling}{of}, {int(own.get('items') or 0)} items")
+    return lines
 
 
 def _epoch(job: dict[str, Any]) -> str:
