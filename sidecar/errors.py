@@ -17,6 +17,7 @@ __all__ = [
     "ObjectNotFound",
     "BucketNotFound",
     "AccessDenied",
+    "NotAuthorized",
     "InvalidRange",
     "OriginUnavailable",
     "OriginThrottled",
@@ -62,6 +63,16 @@ class Busy(SidecarError):
     def __init__(self, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class NotAuthorized(SidecarError, PermissionError):
+    """A request ``--auth sigv4`` refuses: no session or proof, a malformed one, or one the origin
+    refused. ``renew``: a new session would cure it (expired, unknown after a daemon restart,
+    rotated credentials); the sidecar then starts one and retries once."""
+
+    def __init__(self, message: str, renew: bool = False) -> None:
+        super().__init__(message)
+        self.renew = renew
 
 
 class ChecksumMismatch(SidecarError):
@@ -118,6 +129,7 @@ S3_ERRORS: list[tuple[type[BaseException], int, str]] = [
     (ChecksumMismatch, 409, "ChecksumMismatch"),
     (ObjectNotFound, 404, "NoSuchKey"),
     (BucketNotFound, 404, "NoSuchBucket"),
+    (NotAuthorized, 403, "AccessDenied"),
     (AccessDenied, 403, "AccessDenied"),
     (InvalidRange, 416, "InvalidRange"),
     (OriginThrottled, 503, "SlowDown"),

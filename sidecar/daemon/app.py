@@ -20,6 +20,8 @@ from aiohttp.typedefs import Handler
 
 from cache import CacheError, Store
 from sidecar.daemon import control, warmups
+from sidecar.daemon.auth import RENEW_HEADER, Authorizer
+from sidecar.daemon.auth import http as auth_http
 from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
 from sidecar.daemon.keys import CLAIMS, CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE
@@ -74,6 +76,8 @@ def error_answer(request: web.Request, exc: Exception) -> web.Response:
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
+    if getattr(exc, "renew", False):
+        headers[RENEW_HEADER] = "renew"  # the sidecar starts a new session and retries once
     if control:
         return web.json_response({"error": code, "message": message}, status=status, headers=headers)
     size = getattr(exc, "size", None)
@@ -123,6 +127,14 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
         origin = make_origin(settings)
         await origin.start()
         app[ORIGIN] = origin
+        if settings.auth.mode == "sigv4":
+            if not isinstance(origin, S3Origin):
+                await origin.close()
+                raise ValueError("--auth sigv4 needs an S3 origin")
+            endpoint, region, style = origin.proof_endpoint()
+            app[auth_http.AUTH] = Authorizer(settings.auth, origin.replay, endpoint, region, style)
+            log.info("--auth sigv4: proofs replayed against %s (%s), identity by %s", endpoint, region,
+                     settings.auth.identity)
         store: Store | None = None
         if with_store:
             # The origin's identity is part of every entry id: a cache dir reused with another
@@ -166,6 +178,7 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
     app.router.add_get(CONTROL + "stats", control.stats_handler)
     app.router.add_get(CONTROL + "cached", control.cached_handler)
     warmups.setup(app)
+    auth_http.setup(app)
     # Every path, newlines included: "." does not match "\n", which made a key with %0A a 404
     # instead of the 400 every other control character gets from wire.names.
     app.router.add_route("*", "/{path:[\\s\\S]*}", s3_handler)

@@ -5,6 +5,7 @@ Warm-up jobs have their own module, :mod:`sidecar.daemon.warmups`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sidecar.daemon.auth.http import AUTH, batch_access, listing_access, optional_caller
 from sidecar.daemon.fills import retrying
 from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE, file_root
 from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_by, counter_value
@@ -61,11 +63,21 @@ async def prefetch_handler(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
     items = _prefetch_items(request, body)
+    # --auth sigv4: only what the caller proved it may read, counted for it (--tenant-quota).
+    tenant, refusals = await batch_access(request, body, [(item.bucket, item.key) for item in items])
+    allowed = [dataclasses.replace(item, tenant=tenant) for item, refused in zip(items, refusals, strict=True) if refused is None]
     try:
-        accepted = request.app[PREFETCHER].submit(items, priority)
+        accepted = request.app[PREFETCHER].submit(allowed, priority) if allowed else 0
     except QueueFull as exc:
         raise Busy(f"{exc}; retry later", retry_after=1) from exc
-    return web.json_response({"accepted": accepted, "requested": len(items)}, status=202)
+    answer: dict[str, Any] = {"accepted": accepted, "requested": len(items)}
+    if len(allowed) < len(items):
+        answer["refused"] = len(items) - len(allowed)
+        answer["refusals"] = [
+            {"bucket": item.bucket, "key": item.key, "reason": str(refused)}
+            for item, refused in zip(items, refusals, strict=True) if refused is not None
+        ][:20]
+    return web.json_response(answer, status=202)
 
 
 def stats(app: web.Application) -> dict[str, Any]:
@@ -106,7 +118,15 @@ def stats(app: web.Application) -> dict[str, Any]:
 
 async def stats_handler(request: web.Request) -> web.Response:
     # store.stats() asks the file system for free space: off the loop.
-    return web.json_response(await asyncio.to_thread(stats, request.app))
+    answer = await asyncio.to_thread(stats, request.app)
+    auth = request.app.get(AUTH)
+    answer["auth"] = {"mode": "sigv4", "identity": auth.settings.identity, **auth.counts} if auth else {"mode": "none"}
+    # Every caller sees the totals; a tenant (a valid session) sees its own share, no one else's.
+    session = optional_caller(request)
+    store = request.app.get(STORE)
+    if session is not None and store is not None:
+        answer["tenant"] = store.tenant_usage(session.tenant)
+    return web.json_response(answer)
 
 
 async def cached_handler(request: web.Request) -> web.Response:
@@ -118,6 +138,7 @@ async def cached_handler(request: web.Request) -> web.Response:
     origin_root = file_root(settings)
     bucket, prefix = parse_object_url(url, origin_root)
     validate_prefix(prefix)
+    await listing_access(request, bucket, prefix)
     store = request.app.get(STORE)
     origin = request.app[ORIGIN]
     fetch_settings = request.app[FETCHER].settings

@@ -15,8 +15,12 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from sidecar.daemon.auth import RENEW_HEADER, Prover
+from sidecar.daemon.warmups import MAX_BODY
+from sidecar.errors import NotAuthorized, OriginUnavailable
 from wire.errors import InvalidName
 from wire.names import DAEMON_PORT, parse_connect
+from wire.web import read_body
 
 __all__ = ["Upstream", "forward_middleware", "UPSTREAM"]
 
@@ -27,6 +31,7 @@ _HOP_BY_HOP = {
     "transfer-encoding", "upgrade", "host", "content-length",
 }
 _LOCAL_ONLY = {"/healthz", "/metrics"}
+_AUTH_HEADERS = {"x-shardcache-session", "x-shardcache-proof"}
 
 
 class Upstream:
@@ -47,6 +52,8 @@ class Upstream:
         else:
             self._connector_args = {}
             self.base = upstream.url
+        # Proves each request with the pod's credentials when the daemon runs --auth sigv4.
+        self.prover = Prover(self.base)
 
     async def start(self) -> None:
         connector: aiohttp.BaseConnector
@@ -84,21 +91,32 @@ class Upstream:
     async def forward(self, request: web.Request) -> web.StreamResponse | None:
         """Proxy ``request``; ``None`` if the upstream could not be reached (serve locally)."""
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-        data = await request.read() if request.can_read_body else None
+        # Proofs and sessions are the sidecar's to add: a pod's own are dropped, not passed on.
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP | _AUTH_HEADERS}
+        # A warm-up body may be 32 MiB (sidecar/daemon/warmups.py), more than aiohttp's default.
+        data = await read_body(request, MAX_BODY, advice="split the warm-up") if request.can_read_body else None
         # The request target exactly as the pod sent it: the decoded, dot-resolved ``rel_url``
         # would turn ``/bk/%2e%2e/other/key`` into bucket ``other`` and ``a%252Fb`` into ``a/b``.
         # ``encoded=True`` keeps yarl from normalising it again; the node daemon then applies its
         # own checks to the very bytes it would have got directly (a traversal is its 400).
         url = URL(self.base + request.raw_path, encoded=True)
-        try:
-            upstream = await self._session.request(
-                request.method, url, headers=headers, data=data, allow_redirects=False,
-            )
-        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
-            log.info("upstream %s unreachable (%s); serving from the standalone cache", self.address, exc)
-            self.mark_down()
-            return None
+        for attempt in range(2):
+            try:
+                extra, body = await self.prover.prove(self._session, request, data)
+                upstream = await self._session.request(
+                    request.method, url, headers={**headers, **extra}, data=body, allow_redirects=False,
+                )
+            except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
+                log.info("upstream %s unreachable (%s); serving from the standalone cache", self.address, exc)
+                self.mark_down()
+                return None
+            if upstream.status == 403 and upstream.headers.get(RENEW_HEADER) == "renew" and attempt == 0:
+                # Expired or unknown session (the daemon restarted), rotated keys, or a daemon that
+                # has just turned --auth on: a new session, and the request once more.
+                upstream.release()
+                self.prover.invalidate()
+                continue
+            break
         try:
             response = web.StreamResponse(
                 status=upstream.status,
@@ -130,7 +148,13 @@ async def forward_middleware(request: web.Request, handler: Any) -> web.StreamRe
     # the sidecar's own handlers answer it (and refuse it the way the node daemon would).
     if request.path in _LOCAL_ONLY or not upstream.believed_up or not request.raw_path.startswith("/"):
         return await handler(request)
-    response = await upstream.forward(request)
+    try:
+        response = await upstream.forward(request)
+    except (NotAuthorized, OriginUnavailable) as exc:
+        # Outside the app's error middleware: answered here, in the same words.
+        from sidecar.daemon.app import error_answer
+
+        return error_answer(request, exc)
     if response is None:
         return await handler(request)
     return response

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, Store
+from sidecar.daemon.auth.http import listing_access, object_access
 from sidecar.daemon.claims import caller_of
 from sidecar.daemon.fills import Fetcher, Fill, retrying
 from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, ORIGIN, STORE
@@ -136,19 +137,22 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
         )
     if not key:
         if request.method == "HEAD":
+            await listing_access(request, bucket, "")  # S3 asks s3:ListBucket of a HeadBucket
             return await _head_bucket(request, bucket)
         return await _bucket_get(request, bucket)
     validate_key(key)
     expected = request.headers.get("x-shardcache-xxh3-128")
     if expected is not None:
         expected = validate_xxh3_128(expected, "x-shardcache-xxh3-128")
+    # Before the cache is looked at: a cached object is refused like any other (--auth sigv4).
+    tenant = await object_access(request, bucket, key)
     store = request.app.get(STORE)
     if key.rsplit("/", 1)[-1] in UNCACHED_NAMES:
         # The manifest is the mutable index of immutable shards: always the origin's current copy.
         store = None
     if request.method == "HEAD":
         return await _head(request, store, bucket, key, expected)
-    return await _get(request, store, bucket, key, expected)
+    return await _get(request, store, bucket, key, expected, tenant)
 
 
 # Bucket subresources S3 answers with documents of their own: a listing in their place would be
@@ -181,6 +185,7 @@ async def _bucket_get(request: web.Request, bucket: str) -> web.Response:
     query = request.query
     origin = request.app[ORIGIN]
     if "location" in query:
+        await listing_access(request, bucket, "")
         body = await _origin_call(request, "location", f"location of {bucket}", origin.bucket_location, bucket)
         return web.Response(body=body, content_type="application/xml")
     refused = sorted(set(query) & _SUBRESOURCES)
@@ -195,6 +200,7 @@ async def _bucket_get(request: web.Request, bucket: str) -> web.Response:
     if max_keys is not None and not (max_keys.isascii() and max_keys.isdigit()):
         raise BadRequest("max-keys must be a non-negative integer")
     validate_prefix(query.get("prefix", ""))
+    await listing_access(request, bucket, query.get("prefix", ""))
     lister = origin.list_objects_v2 if list_type == "2" else origin.list_objects
     body = await _origin_call(request, "list", f"list {bucket}", lister, bucket, dict(query))
     return web.Response(body=body, content_type="application/xml")
@@ -260,7 +266,9 @@ def _mismatch(what: str, etag: str, vouched: str, digest: str, claim: str) -> Ch
     )
 
 
-async def _get(request: web.Request, store: Store | None, bucket: str, key: str, claim: str | None) -> web.StreamResponse:
+async def _get(
+    request: web.Request, store: Store | None, bucket: str, key: str, claim: str | None, tenant: str = ""
+) -> web.StreamResponse:
     metrics = request.app[METRICS]
     began = time.perf_counter()
     short_circuit = request.headers.get("x-shardcache-short-circuit") == "1"
@@ -285,7 +293,7 @@ async def _get(request: web.Request, store: Store | None, bucket: str, key: str,
     fetcher = request.app[FETCHER]
     if store is None:
         return await _passthrough_get(request, bucket, key)
-    fill, created = fetcher.start(bucket, key, DEMAND)
+    fill, created = fetcher.start(bucket, key, DEMAND, tenant=tenant)
     state = "miss" if created else "coalesced"
     metrics.cache_lookups.labels(result=state).inc()
     info = await fill.wait_info()

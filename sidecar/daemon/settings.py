@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cache import StoreSettings
+from sidecar.daemon.auth.authorizer import AuthSettings
 from sidecar.daemon.claims import ClaimSettings
 from sidecar.daemon.fills import FetchSettings
 from sidecar.daemon.origins.s3 import S3Settings
@@ -55,6 +56,9 @@ class ServeSettings:
     shutdown_timeout_s: float = 10.0
     """On SIGTERM, seconds to let requests in progress finish."""
 
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    """``--auth sigv4``: each caller proves its own right to what it reads (sidecar/daemon/auth/)."""
+
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     """Header-read and idle timeouts and connections at once, every listener together."""
 
@@ -63,3 +67,7 @@ class ServeSettings:
             raise ValueError(f"mode must be one of {MODES}")
         if self.mode == "sidecar" and not self.upstream:
             raise ValueError("sidecar mode needs an upstream (the node daemon's address)")
+        if self.auth.mode != "none" and self.origin != "s3":
+            raise ValueError("--auth sigv4 checks callers against an S3 origin (its IAM and STS): use --origin s3")
+        if self.auth.mode != "none" and self.mode == "sidecar":
+            raise ValueError("--auth is the node daemon's: a sidecar proves with the pod's credentials by itself")

@@ -20,17 +20,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from cache import CorruptEntry, Entry, EntryNotFound, IntegrityError, NoSpace, Store
+from sidecar.daemon.auth.http import AUTH, caller
+from sidecar.daemon.auth.proofs import InvalidProof, ProofBatch
 from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
 from sidecar.daemon.keys import CLAIMS, FETCHER, SETTINGS, STORE, file_root
@@ -51,7 +54,10 @@ KEEP_FINISHED = 64
 MAX_LISTED_FAILURES = 1000
 MAX_CONCURRENCY = 64
 _RATE_WINDOW_S = 10.0
-_ALLOWED_FIELDS = {"id", "objects", "urls", "priority", "bandwidth_bytes_per_s", "concurrency"}
+_ALLOWED_FIELDS = {"id", "objects", "urls", "priority", "bandwidth_bytes_per_s", "concurrency", "proofs"}
+# With --auth sigv4 the pod's sidecar adds a signature of 64 hex digits per object.
+MAX_PROVED_BODY = MAX_BODY + 64 * MAX_OBJECTS + 4096
+MAX_RUNNING_PER_TENANT = 16
 _OBJECT_FIELDS = {"bucket", "key", "xxh3_128", "size"}
 
 
@@ -97,6 +103,10 @@ class WarmupJob:
     inflight: dict[tuple[str, str], Any] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     error: str | None = None
+    owner: str = ""
+    """The tenant that asked for it (``--auth sigv4``): the only one who sees or cancels it."""
+    access: Callable[[], Awaitable[list[BaseException | None]]] | None = None
+    """Checks, before any fill, which objects the owner may read (each one's refusal or None)."""
     _samples: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=256))
     _sized_bytes: int = -1
 
@@ -192,13 +202,13 @@ class WarmupManager:
         self.fetcher = fetcher
         self.claims = claims
         self.default_concurrency = default_concurrency
-        self.jobs: dict[str, WarmupJob] = {}
+        self.jobs: dict[tuple[str, str], WarmupJob] = {}  # by (owner, id): tenants never share ids
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def submit(self, job: WarmupJob) -> tuple[WarmupJob, bool]:
         """Start ``job``, or return the running one with its id (``False``: attached)."""
-        current = self.jobs.get(job.id)
+        current = self.jobs.get((job.owner, job.id))
         if current is not None and current.state == "running":
             if not current.same_request(job):
                 raise WarmupConflict(f"warm-up {job.id!r} is running with other objects; pick another id")
@@ -206,8 +216,13 @@ class WarmupManager:
         running = sum(1 for j in self.jobs.values() if j.state == "running")
         if running >= MAX_RUNNING:
             raise Busy(f"{running} warm-ups are running (max {MAX_RUNNING}); wait for one to finish", retry_after=5)
-        self.jobs.pop(job.id, None)  # a finished job of that id is replaced by a new run
-        self.jobs[job.id] = job
+        mine = sum(1 for j in self.jobs.values() if j.state == "running" and j.owner == job.owner)
+        if job.owner and mine >= MAX_RUNNING_PER_TENANT:
+            # One tenant cannot take every slot of a node the others share.
+            raise Busy(f"{mine} of your warm-ups are running (max {MAX_RUNNING_PER_TENANT}); wait for one to finish",
+                       retry_after=5)
+        self.jobs.pop((job.owner, job.id), None)  # a finished job of that id is replaced by a new run
+        self.jobs[(job.owner, job.id)] = job
         self._forget_old()
         job.task = asyncio.create_task(self._guarded(job), name=f"warmup:{job.id}")
         return job, True
@@ -216,7 +231,7 @@ class WarmupManager:
         finished = [j for j in self.jobs.values() if j.state != "running"]
         finished.sort(key=lambda j: j.finished or 0.0)
         for job in finished[: max(len(finished) - KEEP_FINISHED, 0)]:
-            del self.jobs[job.id]
+            del self.jobs[(job.owner, job.id)]
 
     async def cancel(self, job: WarmupJob) -> None:
         if job.task is not None and not job.task.done():
@@ -255,7 +270,18 @@ class WarmupManager:
 
     async def _run(self, job: WarmupJob) -> None:
         bucket = TokenBucket(job.bandwidth_bytes_per_s) if job.bandwidth_bytes_per_s else None
-        pending = iter(job.items)
+        items = job.items
+        if job.access is not None:
+            # Every object proved first (a fill is shared, so it must not start for a refused one).
+            refusals = await job.access()
+            job.access = None
+            items = []
+            for item, refused in zip(job.items, refusals, strict=True):
+                if refused is None:
+                    items.append(item)
+                else:
+                    job.failures[(item.bucket, item.key)] = f"access refused: {refused}"
+        pending = iter(items)
 
         async def worker() -> None:
             for item in pending:  # shared iterator: each item taken by exactly one worker
@@ -334,7 +360,7 @@ class WarmupManager:
             return
         if bucket is not None and item.size is not None:
             await bucket.acquire(item.size)
-        fill, _ = self.fetcher.start(item.bucket, item.key, job.priority)
+        fill, _ = self.fetcher.start(item.bucket, item.key, job.priority, tenant=job.owner)
         job.inflight[name] = fill
         try:
             entry = await fill.wait_done()
@@ -394,6 +420,7 @@ class _Request:
     priority: int
     bandwidth: int | None
     concurrency: int | None
+    proofs: Any = None
 
 
 def _parse_items(body: dict[str, Any], file_root: str | None) -> list[WarmupItem]:
@@ -453,19 +480,33 @@ def _parse_request(raw: bytes, file_root: str | None) -> _Request:
     concurrency = body.get("concurrency")
     if concurrency is not None:
         concurrency = _count(concurrency, "'concurrency'", 1, MAX_CONCURRENCY)
-    return _Request(items, job_id_for(items), ident, priority_value(priority_name), bandwidth, concurrency)
+    return _Request(items, job_id_for(items), ident, priority_value(priority_name), bandwidth, concurrency,
+                    body.get("proofs"))
 
 
 async def create_handler(request: web.Request) -> web.Response:
-    raw = await read_body(request, MAX_BODY, advice="split the warm-up")
+    session = caller(request)
+    raw = await read_body(request, MAX_BODY if session is None else MAX_PROVED_BODY, advice="split the warm-up")
     settings = request.app[SETTINGS]
     origin_root = file_root(settings)
     parsed = await asyncio.to_thread(_parse_request, raw, origin_root)
     manager = request.app[WARMUPS]
+    access = None
+    if session is not None:
+        if parsed.proofs is None:
+            raise InvalidProof("a warm-up names objects the caller must prove it may read: send it through the "
+                               "pod's shardcache sidecar")
+        auth = request.app[AUTH]
+        objects = [(item.bucket, item.key) for item in parsed.items]
+        # Shape and date checked now, while the caller waits for an answer; each object in the job.
+        batch = ProofBatch.from_json(parsed.proofs, len(objects))
+        auth.check_date(batch[0])
+        access = functools.partial(auth.authorize_batch, session, batch, objects)
     job = WarmupJob(
         id=parsed.ident or parsed.content_id, items=parsed.items, content_id=parsed.content_id,
         priority=parsed.priority, bandwidth_bytes_per_s=parsed.bandwidth,
         concurrency=parsed.concurrency or manager.default_concurrency,
+        owner=session.tenant if session is not None else "", access=access,
     )
     job, created = manager.submit(job)
     return web.json_response(job.status(), status=201 if created else 200)
@@ -475,7 +516,8 @@ def _job(request: web.Request) -> WarmupJob:
     ident = request.match_info["id"]
     if not is_id(ident):
         raise BadRequest(f"warm-up ids are {ID_RULE}")
-    job = request.app[WARMUPS].jobs.get(ident)
+    session = caller(request)
+    job = request.app[WARMUPS].jobs.get((session.tenant if session is not None else "", ident))
     if job is None:
         raise NoSuchWarmup(
             f"no warm-up {ident!r} on this daemon (finished long ago, or the daemon restarted: run the warm-up again)"
@@ -488,7 +530,9 @@ async def get_handler(request: web.Request) -> web.Response:
 
 
 async def list_handler(request: web.Request) -> web.Response:
-    jobs = sorted(request.app[WARMUPS].jobs.values(), key=lambda j: j.created)
+    session = caller(request)
+    owner = session.tenant if session is not None else ""
+    jobs = sorted((j for j in request.app[WARMUPS].jobs.values() if j.owner == owner), key=lambda j: j.created)
     return web.json_response({"warmups": [job.status(full=False) for job in jobs]})
 
 

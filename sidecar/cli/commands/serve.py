@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--max-items", default="1000000", help="maximum number of cached objects")
     add_flag(parser, "--eviction", default="lru", choices=["lru", "hold"],
              help="lru: evict least recently used; hold: admit until full, then serve misses uncached")
+    add_flag(parser, "--tenant-quota", default=None, metavar="SIZE",
+             help="bytes one authenticated tenant may bring into the cache, e.g. 50GiB; past it that "
+                  "tenant's own least recently used entries are evicted first (default: no quota)")
     add_flag(parser, "--origin", default="s3", help="s3 or file:///abs/root")
     add_flag(parser, "--s3-endpoint", default=None,
              help="S3 endpoint URL (default: boto3's resolution, including AWS_ENDPOINT_URL)")
@@ -69,6 +72,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                   "(single-part, not SSE-KMS/SSE-C); costs ~1.2 CPU-s/GB")
     add_flag(parser, "--scrub-rate", default="32MB",
              help="bytes per second to re-hash cached files at while idle (0: off); each at most daily")
+    add_flag(parser, "--auth", default="none", choices=["none", "sigv4"],
+             help="sigv4: every read, listing and control call proves the caller's own right to it with the "
+                  "pod's AWS credentials (made by the pod's sidecar, checked against the origin); node mode only")
+    add_flag(parser, "--auth-identity", default="sts", choices=["sts", "access-key"],
+             help="who a caller is under --auth sigv4: the principal STS GetCallerIdentity reports, or the "
+                  "access key (object stores without STS)")
+    add_flag(parser, "--sts-endpoint", default=None,
+             help="STS endpoint for --auth sigv4 (default: the S3 endpoint when it is a custom one, else AWS's "
+                  "regional STS)")
+    add_flag(parser, "--auth-cache-ttl", default="120",
+             help="seconds the origin's yes to (caller, object) is reused before the proof is checked again")
     add_connection_flags(parser, max_connections=1024)
     parser.set_defaults(func=run)
 
@@ -81,6 +95,18 @@ def _int(value: str, flag: str, minimum: int = 0) -> int:
     if number < minimum:
         raise UserError(f"{flag} must be at least {minimum}")
     return number
+
+
+def _tenant_quota(value: str | None) -> int | None:
+    if value is None or not str(value).strip():
+        return None  # SHARDCACHE_TENANT_QUOTA= (empty) means no quota too
+    try:
+        quota = parse_size(value)
+    except UserError as exc:
+        raise UserError(f"--tenant-quota: {exc}; leave it out for no quota") from None
+    if quota <= 0:
+        raise UserError(f"--tenant-quota must be a positive size such as 50GiB, not {value!r}; leave it out for no quota")
+    return quota
 
 
 def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -106,6 +132,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if args.mode == "sidecar" and not args.upstream:
         raise UserError("--mode sidecar needs --upstream unix:///run/shardcache/daemon.sock")
     concurrency = _int(args.origin_concurrency, "--origin-concurrency", 2)
+    auth = _auth_settings(args)
     try:
         store = StoreSettings(
             root=Path(args.cache_dir),
@@ -113,6 +140,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             min_free_ratio=parse_ratio(args.min_free),
             max_items=_int(args.max_items, "--max-items", 1),
             eviction=args.eviction,
+            tenant_quota_bytes=_tenant_quota(args.tenant_quota),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -134,7 +162,28 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         upstream=args.upstream,
         prefetch_workers=_int(args.prefetch_workers, "--prefetch-workers", 1),
         connections=connection_limits(args),
+        auth=auth,
     )
+
+
+def _auth_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from sidecar.daemon.auth import AuthSettings
+
+    if args.auth == "none":
+        return AuthSettings()
+    if args.mode == "sidecar":
+        raise UserError("--auth is the node daemon's: a sidecar proves with the pod's credentials by itself")
+    if args.origin != "s3":
+        raise UserError("--auth sigv4 checks callers against an S3 origin (its IAM and STS): use --origin s3")
+    try:
+        ttl = float(args.auth_cache_ttl)
+    except ValueError:
+        raise UserError(f"--auth-cache-ttl must be seconds, not {args.auth_cache_ttl!r}") from None
+    if not 0 <= ttl <= 3600:
+        raise UserError("--auth-cache-ttl must be between 0 and 3600 seconds")
+    if args.sts_endpoint is not None and not args.sts_endpoint.startswith(("http://", "https://")):
+        raise UserError(f"--sts-endpoint must be an http(s) URL, not {args.sts_endpoint!r}")
+    return AuthSettings(mode="sigv4", identity=args.auth_identity, sts_endpoint=args.sts_endpoint, decision_ttl_s=ttl)
 
 
 def run(args: argparse.Namespace) -> int:

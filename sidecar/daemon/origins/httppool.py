@@ -58,8 +58,8 @@ class HTTPPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def request(self, method: str, url: str, headers: Mapping[str, str] | None = None) -> Response:
-        """Send a request without a body and return the response once its headers arrived."""
+    def request(self, method: str, url: str, headers: Mapping[str, str] | None = None, body: bytes | None = None) -> Response:
+        """Send a request (a small ``body``, or none) and return the response once its headers arrived."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise OriginUnavailable(f"cannot request {url!r}: not an http(s) URL")
@@ -68,7 +68,7 @@ class HTTPPool:
         for attempt in range(2):
             conn, reused = self._take(key)
             try:
-                conn.request(method, target, headers=dict(headers or {}))
+                conn.request(method, target, body=body, headers=dict(headers or {}))
                 resp = conn.getresponse()
             except _STALE as exc:
                 conn.close()

@@ -136,6 +136,27 @@ class S3Origin(Origin):
             self._pool = None
         await super().close()
 
+    def proof_endpoint(self) -> tuple[str, str, str]:
+        """(endpoint URL, signing region, ``path`` or ``virtual``) of this origin's own client: where
+        ``--auth sigv4`` replays a pod's proofs, so they reach the very service fills read from."""
+        assert self._client is not None, "S3Origin.start() was not awaited"
+        meta = self._client.meta
+        style = (meta.config.s3 or {}).get("addressing_style", "auto")
+        return meta.endpoint_url, meta.region_name or "us-east-1", "path" if style == "path" else "virtual"
+
+    async def replay(self, method: str, url: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
+        """Send a request signed by someone else (a proof) as it is; its status and (bounded) body."""
+        return await self.call(self._replay, method, url, headers, body)
+
+    def _replay(self, method: str, url: str, headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
+        assert self._pool is not None, "S3Origin.start() was not awaited"
+        resp = self._pool.request(method, url, headers, body or None)
+        try:
+            data = b"" if method == "HEAD" else resp.read(MAX_ERROR_BYTES)
+        finally:
+            resp.close()
+        return resp.status, data
+
     # -- blocking requests, on the origin's threads -------------------------------------------
 
     def _request(
