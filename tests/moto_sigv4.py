@@ -32,14 +32,18 @@ The fixes: the canonical request is built from the raw request target (werkzeug'
 its query canonicalized as AWS does (each name and value percent-decoded, re-encoded RFC 3986,
 sorted: botocore's own code); presigned requests are verified with botocore's query signers; STS
 is routed and identified by ``X-Amz-Credential``; AWS's date rules apply (``_check_signature``);
-a request with no SigV4 credential gets AWS's answer instead of a 500 (``_init``).
+a request with no SigV4 credential, or an incomplete presigned URL, gets AWS's answer instead of a
+500 (``_init``). A presigned non-S3 request is accepted with either payload hash in use by AWS's
+own SDKs (``_check_signature``: botocore signs UNSIGNED-PAYLOAD through awscrt).
 
 While IAM is not enforced (moto's default) requests are authorized as before; two things differ:
 a presigned non-S3 request reaches its own service instead of S3 (2), and a presigned request is
 attributed to its own access key (3), as AWS does.
 
 Not modelled: presigned URLs dated in the future, the session token's own expiry capping a
-presigned URL, ``x-amz-*`` headers sent unsigned (S3 refuses them, moto and this patch accept them).
+presigned URL, ``x-amz-*`` headers sent unsigned (S3 refuses them, moto and this patch accept them);
+an unsigned GET or HEAD of an existing private object is refused (403) by moto's own ACL check in
+``S3Response._key_response``, before IAM, with an empty body where S3 sends AccessDenied.
 """
 
 from __future__ import annotations
@@ -71,8 +75,13 @@ MAX_EXPIRES = 7 * 24 * 3600
 # The patches reach into moto internals; they were written against these versions.
 TESTED_MOTO = ("5.2",)
 
-# S3 in a SigV4-only region, word for word, to anonymous-looking SigV2 requests.
+# What S3 answers a SigV2 request in a SigV4-only region, and an incomplete presigned URL.
 _SIGV2_REFUSED = "The authorization mechanism you have provided is not supported. Please use AWS4-HMAC-SHA256."
+_PRESIGN_INCOMPLETE = (
+    "Query-string authentication version 4 requires the X-Amz-Algorithm, X-Amz-Credential, X-Amz-Signature, "
+    "X-Amz-Date, X-Amz-SignedHeaders, and X-Amz-Expires parameters."
+)
+_PRESIGN_PARAMS = ("X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Signature", "X-Amz-Date", "X-Amz-SignedHeaders", "X-Amz-Expires")
 
 F = TypeVar("F", bound=Callable[..., Any])
 _ORIGINALS: dict[tuple[type, str], Any] = {}
@@ -116,7 +125,8 @@ class _QueryError(_RESTError):
 
 
 class _S3Error(HTTPException):
-    """S3's ``<Error>`` document with any status (moto's S3 errors take theirs from a fixed table)."""
+    """S3's ``<Error>`` document with the status given. moto's S3 errors take their status from the
+    error shapes of botocore's service model, which has none for RequestTimeTooSkewed and the like."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__()
@@ -202,6 +212,9 @@ def _init(
     self.__dict__["_sigv4_presigned"] = None
     authorization = headers.get("Authorization")
     if authorization is None and "X-Amz-Credential" in query:
+        missing = [name for name in _PRESIGN_PARAMS if name not in query]
+        if missing:  # AWS's answer; moto would KeyError (500) further on
+            raise _refuse(self, 400, "AuthorizationQueryParametersError", _PRESIGN_INCOMPLETE + f" (missing: {', '.join(missing)})")
         self.__dict__["_sigv4_presigned"] = query
         headers = dict(headers.items())  # werkzeug's headers are read-only
         # The rest of moto reads the key, scope and signature from this header.

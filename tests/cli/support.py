@@ -213,7 +213,7 @@ class Daemon:
             return json.loads(resp.read())
 
     def stats(self) -> dict[str, Any]:
-        return self.get("/_shardcache/stats")  # type: ignore[no-any-return]
+        return self.get("/_shardcache/stats")
 
     def cached_keys(self) -> set[tuple[str, str]]:
         """(bucket, key) of every entry in the cache dir's published meta files."""

@@ -26,7 +26,22 @@ from botocore.config import Config
 from tests.cli.support import make_tar
 from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
 
-__all__ = ["ACCOUNT", "IamS3", "LauncherServer", "REGION", "TENANTS", "iam_s3", "sigv4_s3", "start_iam_s3", "start_launcher"]
+__all__ = [
+    "ACCOUNT",
+    "EMPTY_KEY",
+    "ODD_KEY",
+    "REGION",
+    "SHARDS",
+    "TENANTS",
+    "Creds",
+    "IamS3",
+    "LauncherServer",
+    "iam_s3",
+    "sigv4_s3",
+    "start_iam_s3",
+    "start_launcher",
+    "tenant_objects",
+]
 
 ACCOUNT = "123456789012"  # moto's default account: every ARN below lives in it
 REGION = "us-east-1"

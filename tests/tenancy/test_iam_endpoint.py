@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import urllib.error
@@ -119,6 +120,10 @@ def test_bad_credentials_refused(iam_s3: Any) -> None:
     with pytest.raises(ClientError) as exc:
         iam_s3.client(("testing", "testing")).get_object(Bucket="tenant-a", Key=SHARD)
     assert refused(exc) == (403, "InvalidAccessKeyId")
+    # A presigned URL without one of its X-Amz-* parameters: 400, as S3 answers.
+    url = iam_s3.client("alice").generate_presigned_url("get_object", Params={"Bucket": "tenant-a", "Key": SHARD}, ExpiresIn=60)
+    status, body = fetch(re.sub(r"&X-Amz-Date=[^&]*", "", url))
+    assert status == 400 and b"<Code>AuthorizationQueryParametersError</Code>" in body
     # Unsigned: AWS's 403 AccessDenied (stock moto: a 500 from a KeyError). An existing private
     # object is refused by moto's own ACL check first, with no body.
     assert fetch(f"{iam_s3.endpoint}/tenant-a/{SHARD}")[0] == 403

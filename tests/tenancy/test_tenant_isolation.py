@@ -8,8 +8,10 @@ tenant with that tenant's own credentials, talking to the daemon over its unix s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +32,7 @@ from tests.tenancy.conftest import ACCOUNT, IamS3
 
 A, B = "tenant-a", "tenant-b"
 SHARD = "train/shard-000000.tar"
+NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SESSION_TOKEN": ""}
 
 
 @dataclass
@@ -91,15 +94,17 @@ class Node:
     sidecars: dict[str, Serve]
 
 
-def _node(tmp: Path, iam: IamS3, extra: list[str], tenants: dict[str, Any]) -> Iterator[Node]:
+def _node(tmp: Path, iam: IamS3, extra: list[str], tenants: dict[str, Any], auth: str = "sigv4") -> Iterator[Node]:
+    tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / f"daemon-{free_port()}.sock"
-    daemon = _serve(tmp, "daemon", ["--listen", f"unix://{sock}", "--s3-endpoint", iam.endpoint, "--auth", "sigv4", *extra],
+    daemon = _serve(tmp, "daemon", ["--listen", f"unix://{sock}", "--s3-endpoint", iam.endpoint, "--auth", auth, *extra],
                     iam.env("node"))
     sidecars: dict[str, Serve] = {}
     try:
         for name, who in tenants.items():
+            env = iam.env(who) if who is not None else {**iam.env("node"), **NO_CREDENTIALS}
             sidecars[name] = _serve(tmp, f"sidecar-{name}", ["--mode", "sidecar", "--upstream", f"unix://{sock}",
-                                                              "--s3-endpoint", iam.endpoint], iam.env(who))
+                                                              "--s3-endpoint", iam.endpoint], env)
         yield Node(daemon, sock, sidecars)
     finally:
         for serve in [*sidecars.values(), daemon]:
@@ -205,6 +210,24 @@ def test_no_proof_or_a_forged_one_is_refused(node: Node, iam_s3: IamS3) -> None:
     for body in ({}, {"proof": 1}, {"proof": "x;y;z"}, {"proof": "a" * 10_000}, {"proof": stolen, "security_token": 5}, []):
         status, _ = daemon.json("POST", SESSION_PATH, body)
         assert status in (400, 403), body
+    # Bodies that name objects, sent around the sidecar with bob's session: refused, never a 500.
+    auth = {"x-shardcache-session": session["session"]}
+    objects = [{"bucket": B, "key": SHARD}]
+    date = amz_date()
+    good = prove(bob_creds, target, date, B, SHARD)
+    for proofs in (None, "x", {"credential": good.credential, "date": date, "signatures": ""},
+                   {"credential": good.credential, "date": date, "signatures": "z" * 64},
+                   {"credential": good.credential, "date": "20200101T000000Z", "signatures": good.signature},
+                   {"credential": "AKIA/x", "date": date, "signatures": good.signature}):
+        body: dict[str, Any] = {"objects": objects} if proofs is None else {"objects": objects, "proofs": proofs}
+        for path in ("/_shardcache/prefetch", "/_shardcache/warmups"):
+            status, answer = daemon.json("POST", path, body, auth)
+            assert status in (202, 400, 403), (path, proofs, status, answer)
+            if status == 202:
+                assert answer["accepted"] == 0, answer
+    status, answer = daemon.json("POST", "/_shardcache/prefetch", {"objects": objects, "proofs": {
+        "credential": good.credential, "date": date, "signatures": good.signature}}, auth)
+    assert status == 202 and answer["accepted"] == 1, answer
     assert (A, "train/shard-000002.tar") not in _cached(node) and (A, "train/shard-000003.tar") not in _cached(node)
 
 
@@ -300,3 +323,30 @@ def test_tenant_quota_evicts_the_tenants_own_entries_first(iam_s3: IamS3, tmp_pa
         stats = node.sidecars["alice"].json("GET", "/_shardcache/stats")[1]
         assert stats["tenant"]["used_bytes"] <= quota
         assert stats["cache"]["tenants"]["quota_evictions"] >= 2
+
+
+def test_a_restarted_daemon_gets_a_new_session_unnoticed(iam_s3: IamS3, tmp_path: Path) -> None:
+    """Sessions live in the daemon's memory: after a kill -9 and a restart the sidecar's session is
+    unknown, the daemon says so (x-shardcache-auth: renew) and the sidecar opens a new one."""
+    for node in _node(tmp_path, iam_s3, [], {"alice": "alice"}):
+        client = node.sidecars["alice"].client()
+        assert client.get_object(Bucket=A, Key=SHARD)["Body"].read() == iam_s3.objects[(A, SHARD)]
+        args = node.daemon.proc.args
+        stop(node.daemon.proc, signal.SIGKILL)
+        node.daemon.proc = spawn(args, node.daemon.log, env=iam_s3.env("node"))
+        url = node.daemon.url
+        wait_until(functools.partial(http_ok, url + "/readyz"), timeout=30, what="daemon restarted")
+        got = client.get_object(Bucket=A, Key=SHARD)
+        assert got["Body"].read() == iam_s3.objects[(A, SHARD)]
+        assert got["ResponseMetadata"]["HTTPHeaders"].get("x-shardcache-via") == "upstream"
+        assert node.daemon.json("GET", "/_shardcache/stats")[1]["auth"]["sessions"] == 1
+
+
+def test_a_sidecar_without_credentials(iam_s3: IamS3, tmp_path: Path) -> None:
+    """Where the daemon checks nothing, a pod needs no credentials (as before --auth); where it
+    does, the pod is told what is missing."""
+    for node in _node(tmp_path / "plain", iam_s3, [], {"pod": None}, auth="none"):
+        assert node.sidecars["pod"].client().get_object(Bucket=A, Key=SHARD)["Body"].read() == iam_s3.objects[(A, SHARD)]
+    for node in _node(tmp_path / "auth", iam_s3, [], {"pod": None}):
+        status, body, _ = node.sidecars["pod"].raw("GET", f"/{A}/{SHARD}")
+        assert status == 403 and b"found none" in body, body

@@ -89,29 +89,39 @@ class Prover:
         if time.monotonic() < self._none_until:
             return None
         async with self._lock:
-            creds = await self._credentials()
-            if self._target is None:
-                async with http.get(self.base + AUTH_PATH) as resp:
-                    described = await resp.json(content_type=None) if resp.status == 200 else {"auth": "none"}
-                if described.get("auth") != "sigv4":
-                    self._none_until = time.monotonic() + _RECHECK_NONE_S
-                    return None
-                self._target = Target.from_json(described)
-                self._session = None
-            if self._session is None or self._session_key != creds.access_key or time.monotonic() >= self._renew_at:
-                body = prove_identity(creds, self._target, amz_date())
-                async with http.post(self.base + SESSION_PATH, json=body) as resp:
-                    answer = await resp.json(content_type=None)
-                    if resp.status != 201:
-                        message = answer.get("message", resp.reason) if isinstance(answer, dict) else resp.reason
-                        error = OriginUnavailable if resp.status >= 500 else NotAuthorized
-                        raise error(f"the node daemon refused this pod's identity: {message}")
-                self._session = str(answer["session"])
-                self._session_key = creds.access_key
-                # Renewed at two thirds of its life: never used past it.
-                self._renew_at = time.monotonic() + float(answer.get("expires_in_s", 900)) * 2 / 3
-                log.info("auth session with the node daemon as %s", answer.get("tenant"))
-            return self._target, self._session, creds
+            try:
+                return await self._prepare_locked(http)
+            except aiohttp.ClientConnectorError:
+                raise  # the daemon is not there: the sidecar serves from its standalone cache
+            except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+                self.invalidate()
+                raise OriginUnavailable(f"the node daemon's auth answer was unusable ({exc!r}); retry") from exc
+
+    async def _prepare_locked(self, http: aiohttp.ClientSession) -> tuple[Target, str, Credentials] | None:
+        if self._target is None:
+            async with http.get(self.base + AUTH_PATH) as resp:
+                described = await resp.json(content_type=None) if resp.status == 200 else {"auth": "none"}
+            if described.get("auth") != "sigv4":
+                self._none_until = time.monotonic() + _RECHECK_NONE_S
+                return None
+            self._target = Target.from_json(described)
+            self._session = None
+        # Only now: a sidecar without credentials works with a daemon that checks nothing.
+        creds = await self._credentials()
+        if self._session is None or self._session_key != creds.access_key or time.monotonic() >= self._renew_at:
+            body = prove_identity(creds, self._target, amz_date())
+            async with http.post(self.base + SESSION_PATH, json=body) as resp:
+                answer = await resp.json(content_type=None)
+                if resp.status != 201:
+                    message = answer.get("message", resp.reason) if isinstance(answer, dict) else resp.reason
+                    error = OriginUnavailable if resp.status >= 500 else NotAuthorized
+                    raise error(f"the node daemon refused this pod's identity: {message}")
+            self._session = str(answer["session"])
+            self._session_key = creds.access_key
+            # Renewed at two thirds of its life: never used past it.
+            self._renew_at = time.monotonic() + float(answer.get("expires_in_s", 900)) * 2 / 3
+            log.info("auth session with the node daemon as %s", answer.get("tenant"))
+        return self._target, self._session, creds
 
     async def prove(self, http: aiohttp.ClientSession, request: web.Request, data: bytes | None
                     ) -> tuple[dict[str, str], bytes | None]:
