@@ -15,6 +15,12 @@ Injection *converges* rather than "adds once": a pod that already has the sideca
 env var and mounts on containers that lack them (another webhook may have added a container after
 us), and nothing already present is touched, so the user's explicit choices win.
 
+The sidecar signs its reads with the *pod's* AWS credentials (``shardcache serve --auth sigv4``
+checks every read against the caller's own right to it), so it gets the credential settings of
+the pod's first app container that has any (:data:`AWS_CREDENTIAL_ENV`, ``envFrom`` Secrets, and
+the read-only mounts holding the token and credential files those point at), converging like the
+rest: only what the sidecar does not already set, never ``AWS_ENDPOINT_URL``.
+
 :func:`json_patch` turns (before, after) into the RFC 6902 patch the webhook answers with;
 :func:`load_documents` / :func:`dump_documents` are the multi-document YAML helpers of the CLI.
 """
@@ -22,6 +28,7 @@ us), and nothing already present is touched, so the user's explicit choices win.
 from __future__ import annotations
 
 import copy
+import posixpath
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -41,6 +48,8 @@ __all__ = [
     "ENDPOINT_ENV",
     "MASTER_TOKEN_ENV",
     "MASTER_TOKEN_KEY",
+    "AWS_CREDENTIAL_ENV",
+    "AWS_TOKEN_DIRS",
     "DEFAULT_IMAGE",
     "InjectConfig",
     "InjectionError",
@@ -104,6 +113,42 @@ SOCKET_MOUNT = "/run/shardcache"
 NODE_CACHE_MOUNT = "/var/cache/shardcache"
 POD_CACHE_MOUNT = "/var/cache/shardcache-pod"
 SOCKET_NAME = "daemon.sock"
+
+# The environment of boto3's credential chain (and the region and STS settings that decide where
+# its STS calls go), copied from the pod's app container into the sidecar. AWS_ENDPOINT_URL (and
+# AWS_ENDPOINT_URL_*) is deliberately absent: an app's points at the sidecar itself.
+AWS_CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ROLE_ARN",
+    "AWS_ROLE_SESSION_NAME",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_STS_REGIONAL_ENDPOINTS",
+)
+# Those of them that name a file: the mount holding it is copied too.
+_AWS_FILE_ENV = (
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+)
+# Where EKS mounts the projected service account tokens: IRSA's (pod-identity-webhook) and EKS Pod
+# Identity's. Copied whenever the app container mounts them, whatever its env says.
+AWS_TOKEN_DIRS = (
+    "/var/run/secrets/eks.amazonaws.com/serviceaccount",
+    "/var/run/secrets/pods.eks.amazonaws.com/serviceaccount",
+)
+# A shared credentials/config directory mounted at the app user's ~/.aws: boto3 finds it through
+# HOME, which is not the sidecar's, so the sidecar gets the two file variables pointing into it.
+_AWS_HOME_DIR = ".aws"
 
 # The standalone cache must stay below the emptyDir sizeLimit, or the kubelet evicts the pod.
 POD_CACHE_FILL = Decimal("0.9")
@@ -397,7 +442,15 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str, w
         raw = annotations[ANN_SHORT_CIRCUIT].strip().lower()
         if raw not in {"true", "false"}:
             raise bad(ANN_SHORT_CIRCUIT, 'expected "true" or "false"')
-        changes["short_circuit"] = raw == "true"
+        if raw == "true" and not config.short_circuit:
+            # The cluster turned the node cache mount off (under --auth sigv4 it would show every
+            # tenant's cached files to this pod): a pod may only turn it off, never on.
+            warnings.append(
+                f"{where}annotation {ANN_SHORT_CIRCUIT} \"true\" ignored: short-circuit reads are off on this "
+                "cluster (webhook.sidecar.shortCircuit, --no-short-circuit; off under node.auth.mode=sigv4)"
+            )
+        else:
+            changes["short_circuit"] = raw == "true"
     if ANN_POD_CACHE_SIZE in annotations:
         if not _MEMORY_RE.fullmatch(annotations[ANN_POD_CACHE_SIZE]):
             raise bad(ANN_POD_CACHE_SIZE, "expected a size like 20Gi")
@@ -474,6 +527,11 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
         apps += [(f"{where}spec.initContainers[{i}]", c) for i, c in enumerate(init_containers) if i > sidecar_at]
     for label, container in apps:
         _inject_app_container(container, effective, label)
+    if sidecar_at is not None:
+        sidecar_container = init_containers[sidecar_at]
+    else:
+        sidecar_container = containers[_find(containers, SIDECAR_NAME) or 0]
+    _share_credentials(sidecar_container, apps, where)
 
     labels = meta.setdefault("labels", {})
     labels[INJECT_LABEL] = "true"
@@ -514,6 +572,109 @@ def _inject_app_container(container: dict[str, Any], config: InjectConfig, where
         if not taken:
             mounts.append({"name": VOLUME_NODE_CACHE, "mountPath": NODE_CACHE_MOUNT, "readOnly": True})
         container["volumeMounts"] = mounts
+
+
+def _share_credentials(sidecar: dict[str, Any], apps: list[tuple[str, dict[str, Any]]], where: str) -> None:
+    """Give the sidecar the AWS credentials of the first app container in ``apps`` ((field path,
+    container) pairs, regular containers first) that has any.
+
+    Why copy rather than rely on the credential webhooks: EKS's pod-identity webhook (IRSA, Pod
+    Identity) mutates only the containers present when it runs, and the order of mutating webhooks
+    is not guaranteed, so when it runs before ours only the app containers hold the role and the
+    token mount. When it runs after ours it mutates the sidecar itself, whose names are then set
+    and nothing is copied. Another webhook that adds credentials to the app containers after ours
+    gets them copied on reinvocation (``reinvocationPolicy: IfNeeded``).
+
+    One source container, so the sidecar never mixes one container's key id with another's secret.
+    Only names and mount paths the sidecar does not already have are added (a choice already made
+    for the sidecar wins, and a second pass adds nothing); everything is appended, so the webhook's
+    JSON patch only adds.
+    """
+    found = next(((label, c) for label, c in apps if _has_credentials(c, label)), None)
+    if found is None:
+        return
+    label, source = found
+    env = _named_list(source, "env", label)
+    credential_env = [e for e in env if e.get("name") in AWS_CREDENTIAL_ENV]
+    sidecar_env = _named_list(sidecar, "env", f"{where}container {SIDECAR_NAME}")
+    for entry in credential_env:
+        if _find(sidecar_env, entry["name"]) is None:
+            sidecar_env.append(copy.deepcopy(entry))
+
+    # envFrom: Secrets only, whole (keys cannot be picked from them). A ConfigMap holds the app's
+    # settings, which may include its AWS_ENDPOINT_URL; the sidecar's own env always wins over
+    # envFrom (Kubernetes' precedence), so the endpoint the chart gives the sidecar stays.
+    secrets = [e for e in _named_list(source, "envFrom", label) if isinstance(e.get("secretRef"), Mapping)]
+    if secrets:
+        sidecar_from = _named_list(sidecar, "envFrom", f"{where}container {SIDECAR_NAME}")
+        for entry in secrets:
+            if not any(_same(entry, have) for have in sidecar_from):
+                sidecar_from.append(copy.deepcopy(entry))
+        sidecar["envFrom"] = sidecar_from
+
+    mounts = [m for m in _named_list(source, "volumeMounts", label)
+              if isinstance(m.get("name"), str) and isinstance(m.get("mountPath"), str)
+              # $(VAR) in subPathExpr expands with the source's env, which the sidecar may lack.
+              and "subPathExpr" not in m]
+    wanted: list[dict[str, Any]] = [m for m in mounts if _normpath(m["mountPath"]) in AWS_TOKEN_DIRS]
+    for entry in credential_env:
+        if entry["name"] in _AWS_FILE_ENV and isinstance(entry.get("value"), str):
+            holder = _mount_holding(mounts, entry["value"])
+            if holder is not None:
+                wanted.append(holder)
+    named = {e["name"] for e in credential_env}
+    if not named & {"AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"}:
+        home = next((m for m in mounts if posixpath.basename(_normpath(m["mountPath"])) == _AWS_HOME_DIR), None)
+        if home is not None:
+            wanted.append(home)
+            base = _normpath(home["mountPath"])
+            for name, file in (("AWS_SHARED_CREDENTIALS_FILE", "credentials"), ("AWS_CONFIG_FILE", "config")):
+                if _find(sidecar_env, name) is None:
+                    sidecar_env.append({"name": name, "value": f"{base}/{file}"})
+    if sidecar_env:
+        sidecar["env"] = sidecar_env
+    if wanted:
+        sidecar_mounts = _named_list(sidecar, "volumeMounts", f"{where}container {SIDECAR_NAME}")
+        for mount in wanted:
+            path = _normpath(mount["mountPath"])
+            if any(_normpath(str(m.get("mountPath", ""))) == path for m in sidecar_mounts):
+                continue
+            # Read-only, and no mountPropagation: the sidecar only reads tokens and credential files.
+            copied = {"name": mount["name"], "mountPath": mount["mountPath"], "readOnly": True}
+            if isinstance(mount.get("subPath"), str):
+                copied["subPath"] = mount["subPath"]
+            sidecar_mounts.append(copied)
+        sidecar["volumeMounts"] = sidecar_mounts
+
+
+def _has_credentials(container: dict[str, Any], where: str) -> bool:
+    if any(e.get("name") in AWS_CREDENTIAL_ENV for e in _named_list(container, "env", where)):
+        return True
+    if any(isinstance(e.get("secretRef"), Mapping) for e in _named_list(container, "envFrom", where)):
+        return True
+    return any(
+        isinstance(m.get("mountPath"), str)
+        and (_normpath(m["mountPath"]) in AWS_TOKEN_DIRS or posixpath.basename(_normpath(m["mountPath"])) == _AWS_HOME_DIR)
+        for m in _named_list(container, "volumeMounts", where)
+    )
+
+
+def _mount_holding(mounts: list[dict[str, Any]], file: str) -> dict[str, Any] | None:
+    """The mount a file path lies in: the deepest mountPath that is the file or one of its parents."""
+    if not file.startswith("/"):
+        return None
+    path = _normpath(file)
+    best: dict[str, Any] | None = None
+    for mount in mounts:
+        root = _normpath(mount["mountPath"])
+        if (path == root or path.startswith(root.rstrip("/") + "/")) and (best is None or len(root) > len(_normpath(best["mountPath"]))):
+            best = mount
+    return best
+
+
+def _normpath(path: str) -> str:
+    # posixpath.normpath keeps a leading "//"; Kubernetes paths do not mean anything by it.
+    return "/" + posixpath.normpath(path).lstrip("/") if path.startswith("/") else posixpath.normpath(path)
 
 
 def _sidecar(config: InjectConfig) -> dict[str, Any]:

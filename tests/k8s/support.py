@@ -69,7 +69,7 @@ def _clean(obj: Any) -> Any:
 def validate_k8s(obj: dict[str, Any], version: str = "1.30") -> None:
     """Validate against the official Kubernetes OpenAPI schema of ``version``, strictly (unknown
     fields fail). Custom resources (Kubeflow) are checked through their pod templates as Pods."""
-    import kubernetes_validate
+    import kubernetes_validate  # type: ignore[import-untyped]
 
     obj = _clean(copy.deepcopy(obj))
     if obj["kind"] in ("PyTorchJob", "TFJob"):
@@ -324,7 +324,7 @@ def admission_review(obj: dict[str, Any], *, operation: str = "CREATE", uid: str
 def apply_patch(obj: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
     import base64
 
-    import jsonpatch
+    import jsonpatch  # type: ignore[import-untyped]
 
     assert response["patchType"] == "JSONPatch"
     patch = json.loads(base64.b64decode(response["patch"]))

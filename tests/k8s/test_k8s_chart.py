@@ -54,7 +54,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
                                     "credentialsSecret": {"name": "minio-creds", "accessKeyIdKey": "user", "secretAccessKeyKey": "password"}}},
                  "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}}},
     },
-    "file-origin": {"node": {"origin": {"type": "file", "file": {"hostPath": "/mnt/datasets"}}}},
+    # --auth sigv4 (the default) checks callers against S3's IAM: a file origin goes without.
+    "file-origin": {"node": {"origin": {"type": "file", "file": {"hostPath": "/mnt/datasets"}}, "auth": {"mode": "none"}}},
     "priority-class": {"priorityClass": {"create": True, "value": 2000000}},
     "etcd-ha": {"master": {"replicas": 3, "state": {"type": "etcd", "etcd": {"endpoints": ["etcd-0.etcd:2379", "etcd-1.etcd:2379"], "prefix": "/sc"}}}},
     "master-no-persistence": {"master": {"persistence": {"enabled": False}}},
@@ -190,6 +191,7 @@ def test_daemonset_contract_mounts_and_probes(rendered: dict[str, list[dict[str,
         "--listen", "unix:///run/shardcache/daemon.sock", "--listen", "tcp://0.0.0.0:8600",
         "--cache-dir", "/var/cache/shardcache", "--cache-size", "200GiB", "--min-free", "10%",
         "--eviction", "lru", "--origin", "s3",
+        "--auth", "sigv4", "--auth-identity", "sts", "--auth-cache-ttl", "120",
     ]
     spec = ds["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -372,7 +374,8 @@ def test_webhook_configuration_defaults(rendered: dict[str, list[dict[str, Any]]
     assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]
     args = container(deployment)["args"]
     assert arg_after(args, "--failure-policy") == "ignore"
-    assert "--native-sidecar" in args and "--short-circuit" in args  # nativeSidecar auto on a 1.29+ cluster
+    # nativeSidecar auto on a 1.29+ cluster; no node cache mount under the default --auth sigv4.
+    assert "--native-sidecar" in args and "--no-short-circuit" in args
     assert arg_after(args, "--sidecar-image") == "ghcr.io/shardcache/shardcache:0.1.0"
     assert deployment["spec"]["replicas"] == 2
     assert find(rendered["defaults"], "PodDisruptionBudget", "-webhook")["spec"]["maxUnavailable"] == 1

@@ -74,6 +74,17 @@ def test_an_image_not_allowed_is_ignored_with_the_warning() -> None:
     check_pod_semantics(out["spec"])
 
 
+def test_a_pod_cannot_turn_the_node_cache_mount_back_on() -> None:
+    """Where the cluster turned short-circuit off (the chart does under --auth sigv4), the
+    annotation may not mount the node cache: it would show every tenant's cached files."""
+    out, outcome = inject(pod({"shardcache.io/short-circuit": "true"}), InjectConfig(image=DEFAULT, short_circuit=False))
+    assert "shardcache-node-cache" not in {v["name"] for v in out["spec"]["volumes"]}
+    (warning,) = outcome.warnings
+    assert "shardcache.io/short-circuit" in warning and "ignored" in warning
+    on, _ = inject(pod({"shardcache.io/short-circuit": "true"}), InjectConfig(image=DEFAULT))
+    assert "shardcache-node-cache" in {v["name"] for v in on["spec"]["volumes"]}
+
+
 @pytest.mark.parametrize(
     "image, allowed",
     [

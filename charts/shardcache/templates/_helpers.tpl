@@ -75,7 +75,9 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 
 {{/* Whether pods get the node cache dir for short-circuit reads. */}}
 {{- define "shardcache.shortCircuit" -}}
-{{- if and .Values.webhook.sidecar.shortCircuit (eq .Values.node.cache.type "hostPath") }}true{{ else }}false{{ end }}
+{{- /* Not with per-tenant reads: the read-only node cache would show every tenant's cached bytes
+to every injected pod, past the daemon's checks. */ -}}
+{{- if and .Values.webhook.sidecar.shortCircuit (eq .Values.node.cache.type "hostPath") (ne .Values.node.auth.mode "sigv4") }}true{{ else }}false{{ end }}
 {{- end }}
 
 {{/* Native sidecars: forced by webhook.nativeSidecar, or auto from the cluster version. */}}
@@ -152,6 +154,15 @@ matchExpressions:
 {{- end }}
 {{- if and .Values.node.enabled (eq .Values.node.origin.type "file") (not .Values.node.origin.file.hostPath) }}
 {{- fail "node.origin.file.hostPath is required when node.origin.type is file" }}
+{{- end }}
+{{- if and .Values.node.enabled (eq .Values.node.auth.mode "sigv4") (ne .Values.node.origin.type "s3") }}
+{{- fail "node.auth.mode=sigv4 checks each caller against an S3 origin (its IAM and STS), which a file origin does not have: set node.auth.mode=none (any pod that reaches a daemon then reads every dataset under node.origin.file.hostPath)" }}
+{{- end }}
+{{- if and .Values.node.enabled .Values.node.tenantQuota (ne .Values.node.auth.mode "sigv4") }}
+{{- fail "node.tenantQuota needs node.auth.mode=sigv4: without it the daemon knows no tenants; set node.auth.mode=sigv4 or node.tenantQuota=\"\"" }}
+{{- end }}
+{{- if and .Values.node.enabled .Values.node.auth.stsEndpoint (or (ne .Values.node.auth.mode "sigv4") (ne .Values.node.auth.identity "sts")) }}
+{{- fail "node.auth.stsEndpoint is used only with node.auth.mode=sigv4 and node.auth.identity=sts: set those, or node.auth.stsEndpoint=\"\"" }}
 {{- end }}
 {{- if and .Values.webhook.enabled (eq .Values.webhook.tls.mode "secret") (not .Values.webhook.tls.secret.caBundle) }}
 {{- fail "webhook.tls.secret.caBundle (base64 PEM of the CA that signed the Secret's certificate) is required when webhook.tls.mode is secret" }}

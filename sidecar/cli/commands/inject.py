@@ -37,6 +37,10 @@ does. Other documents pass through unchanged. Injecting twice changes nothing. A
 was done goes to stderr; with an error nothing is written and the exit status is 2. An annotation
 shardcache.io/sidecar-image naming an image that is neither --sidecar-image nor allowed by
 --allow-sidecar-image is ignored (the default image is used) with a warning on stderr.
+The sidecar signs its reads with the pod's own AWS credentials: it gets those of the pod's first
+app container that has any (AWS_* credential-chain variables but AWS_ENDPOINT_URL, envFrom Secrets,
+and read-only the mounts of the IRSA / Pod Identity token and of the credential files), except
+names it already sets.
 """
 
 

@@ -41,7 +41,9 @@ for a pod that cannot be injected (bad annotation, conflicting volume or port): 
 unchanged with a warning kubectl prints, fail refuses it. Set it to the MutatingWebhookConfiguration's
 failurePolicy (the Helm chart does). A shardcache.io/sidecar-image annotation naming an image that
 --allow-sidecar-image does not allow is ignored: the pod gets --sidecar-image and a warning. TLS files
-are re-read when they change (cert-manager renewals).
+are re-read when they change (cert-manager renewals). The sidecar gets the AWS credentials of the
+pod's first app container that has any, as with 'shardcache inject'; run with reinvocationPolicy
+IfNeeded (the chart does) so credentials a later webhook adds to the pod reach the sidecar too.
 """
 
 
