@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, Store
-from sidecar.daemon.auth.http import listing_access, object_access
+from sidecar.daemon.auth.http import AUTH, listing_access, object_access
 from sidecar.daemon.claims import caller_of
 from sidecar.daemon.fills import Fetcher, Fill, retrying
 from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, ORIGIN, STORE
@@ -271,7 +271,9 @@ async def _get(
 ) -> web.StreamResponse:
     metrics = request.app[METRICS]
     began = time.perf_counter()
-    short_circuit = request.headers.get("x-shardcache-short-circuit") == "1"
+    # Not under --auth: a path is for whoever shares the cache directory, and with tenants nobody
+    # may (a pod holding the directory could open any tenant's file by path); bytes instead.
+    short_circuit = request.headers.get("x-shardcache-short-circuit") == "1" and AUTH not in request.app
     if store is not None:
         entry = store.lookup(bucket, key)
         if entry is not None and claim and entry.xxh3_128 != claim:

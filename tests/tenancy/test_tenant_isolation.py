@@ -159,6 +159,9 @@ def test_each_tenant_reads_its_own_and_not_the_others(node: Node, iam_s3: IamS3)
     with pytest.raises(ClientError) as denied:
         bob.get_object(Bucket=A, Key="train/a b é.tar")
     assert _code(denied) == "AccessDenied"
+    # No path answers with tenants: whoever shares the cache directory could open any of them.
+    status, body, headers = node.sidecars["alice"].raw("GET", f"/{A}/{SHARD}", {"x-shardcache-short-circuit": "1"})
+    assert status == 200 and body == iam_s3.objects[(A, SHARD)] and "x-shardcache-path" not in headers
 
 
 def test_listing_is_per_tenant(node: Node) -> None:
