@@ -12,7 +12,8 @@ Writes ``bench/results/suite-<UTC time>.json`` (machine facts, versions, every f
 One component at a time, each its own module (``--quick`` for a smoke run of each):
 ``python -m bench.daemon_bench`` (the node daemon's reads), ``python -m bench.stall_bench`` (a
 trainer's data stall), ``python -m bench.master_bench`` (lease round trips per second) and
-``python -m bench.master_memory`` (what a 1,000,000-shard job costs the master's memory).
+``python -m bench.master_memory`` (what a 1,000,000-shard job costs the master's memory) and
+``python -m bench.auth_bench`` (what ``--auth sigv4`` costs warm reads).
 """
 
 from __future__ import annotations

@@ -67,3 +67,20 @@ def test_identity_proof_matches_botocore(creds: Credentials) -> None:
     unsigned = {k: v for k, v in headers.items() if k not in ("host", "x-amz-date", "x-amz-security-token")}
     assert body["proof"].rsplit(";", 1)[1] == _botocore(creds, method, url, "sts", "eu-west-1", unsigned, payload)
     assert body["security_token"] == creds.token
+
+
+@pytest.mark.parametrize("key", ["minioadmin", "testing", "AKIDEXAMPLE0000000"])
+def test_proofs_of_any_store_key_parse(key: str) -> None:
+    """MinIO's and moto's default key ids are not AWS-shaped, and still sign proofs."""
+    from sidecar.daemon.auth.proofs import Proof
+
+    proof = prove(Credentials(key, "secret"), _target(), amz_date(AT), "tenant-a", "k")
+    assert Proof.from_header(proof.to_header()) == proof
+
+
+@pytest.mark.parametrize("key", ["a/b", "a;b", "a b", "ab", "x" * 129])
+def test_key_ids_that_would_break_the_header_are_refused(key: str) -> None:
+    from sidecar.daemon.auth.proofs import InvalidProof, Proof
+
+    with pytest.raises(InvalidProof, match="access key id"):
+        Proof.parse(f"{key}/20261201/us-east-1/s3/aws4_request", "20261201T174500Z", "0" * 64)

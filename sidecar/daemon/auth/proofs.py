@@ -57,7 +57,9 @@ STS_BODY = b"Action=GetCallerIdentity&Version=2011-06-15"
 _STS_CONTENT_TYPE = "application/x-www-form-urlencoded; charset=utf-8"
 AUDIENCE_HEADER = "x-shardcache-audience"
 
-_ACCESS_KEY = re.compile(r"[A-Z0-9]{16,128}")
+# AWS's key ids are [A-Z0-9]{16,128}; MinIO's and Ceph's may be any printable name ("minioadmin").
+# No "/", ";", "," or space: they delimit the credential, the proof and the Authorization header.
+_ACCESS_KEY = re.compile(r"[!-+\-.0-:<-~]{3,128}")
 _SIGNATURE = re.compile(r"[0-9a-f]{64}")
 _DATE = re.compile(r"\d{8}T\d{6}Z")
 _DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")
@@ -149,8 +151,11 @@ class Proof:
     @classmethod
     def parse(cls, credential: str, date: str, sig: str) -> Proof:
         fields = credential.split("/")
+        if fields and not _ACCESS_KEY.fullmatch(fields[0]):
+            raise InvalidProof(f"malformed proof: access key id {fields[0][:40]!r} is not 3-128 printable characters "
+                               "without '/', ';', ',' or spaces")
         if (
-            len(fields) != 5 or not _ACCESS_KEY.fullmatch(fields[0]) or fields[4] != "aws4_request"
+            len(fields) != 5 or fields[4] != "aws4_request"
             or not _DATE.fullmatch(date) or fields[1] != date[:8] or not _SIGNATURE.fullmatch(sig)
         ):
             raise InvalidProof("malformed proof: credential AKID/yyyymmdd/region/service/aws4_request, "
