@@ -35,7 +35,7 @@ from wire.s3headers import ObjectHeaders, failed_condition, not_modified_headers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["s3_handler", "UNCACHED_NAMES"]
+__all__ = ["s3_handler", "UNCACHED_NAMES", "disputed", "mismatch"]
 
 UNCACHED_NAMES = frozenset({"manifest.json"})
 
@@ -235,12 +235,13 @@ async def _open_hit(store: Store, entry: Entry, force: bool = False) -> tuple[in
         return None  # detected and removed: refetch below
 
 
-async def _disputed(request: web.Request, store: Store, entry: Entry, claim: str) -> Entry | None:
+async def disputed(app: web.Application, store: Store, entry: Entry, claim: str, caller: str) -> Entry | None:
     """A hit whose caller expects other bytes (:mod:`sidecar.daemon.claims`): ``None`` when the
     object is to be fetched again (the copy failed its own check, or an unverified copy's first
-    dispute with this claim), else :class:`ChecksumMismatch`."""
-    claims = request.app[CLAIMS]
-    outcomes = request.app[METRICS].claim_outcomes
+    dispute with this claim), else :class:`ChecksumMismatch`. The one rule, for the HTTP GET and
+    for file handles (:mod:`sidecar.daemon.handles`)."""
+    claims = app[CLAIMS]
+    outcomes = app[METRICS].claim_outcomes
     if claims.may_recheck(entry):
         with store.pinned(entry):
             opened = await _open_hit(store, entry, force=True)
@@ -248,7 +249,7 @@ async def _disputed(request: web.Request, store: Store, entry: Entry, claim: str
             outcomes.labels(outcome="refetched").inc()
             return None
         await asyncio.to_thread(os.close, opened[0])
-    if claims.may_refetch(entry, claim, caller_of(request)):
+    if claims.may_refetch(entry, claim, caller):
         outcomes.labels(outcome="refetched").inc()
         return None
     outcomes.labels(outcome="mismatch").inc()
@@ -256,10 +257,10 @@ async def _disputed(request: web.Request, store: Store, entry: Entry, claim: str
         f"verified against the origin's {entry.verified}" if entry.verified
         else "unverified: the origin sends no checksum for it, and it was fetched again for this checksum already"
     )
-    raise _mismatch(f"{entry.bucket}/{entry.key}: the cached copy", entry.etag, vouched, entry.xxh3_128, claim)
+    raise mismatch(f"{entry.bucket}/{entry.key}: the cached copy", entry.etag, vouched, entry.xxh3_128, claim)
 
 
-def _mismatch(what: str, etag: str, vouched: str, digest: str, claim: str) -> ChecksumMismatch:
+def mismatch(what: str, etag: str, vouched: str, digest: str, claim: str) -> ChecksumMismatch:
     return ChecksumMismatch(
         f"{what} (ETag {etag}, {vouched}) hashes to xxh3-128 {digest}, the caller expects {claim}: the "
         "manifest is stale or wrong (rebuild it with `shardcache index`)"
@@ -277,7 +278,7 @@ async def _get(
     if store is not None:
         entry = store.lookup(bucket, key)
         if entry is not None and claim and entry.xxh3_128 != claim:
-            entry = await _disputed(request, store, entry, claim)
+            entry = await disputed(request.app, store, entry, claim, caller_of(request))
         if entry is not None and (answer := _conditional(request, entry, "hit")) is not None:
             metrics.cache_lookups.labels(result="hit").inc()
             return answer
@@ -308,7 +309,7 @@ async def _get(
         if digest is not None and digest != claim:
             metrics.claim_outcomes.labels(outcome="mismatch").inc()
             vouched = f"just fetched, verified against its {fill.check.algorithm}" if fill.check else "just fetched, unverified"
-            raise _mismatch(f"{bucket}/{key}: the origin's bytes", info.etag, vouched, digest, claim)
+            raise mismatch(f"{bucket}/{key}: the origin's bytes", info.etag, vouched, digest, claim)
 
     if short_circuit and fill.cacheable and store is not None:
         await fill.wait_sealed()

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from sidecar.daemon.app import build_app
 from sidecar.daemon.forward import UPSTREAM, Upstream, forward_middleware
+from sidecar.daemon.handles import HandleService, start_handles
 from sidecar.daemon.settings import ServeSettings
 from wire.names import parse_listen
 from wire.web import ConnectionGuard, GuardedSite
@@ -90,7 +91,11 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
     )
     await runner.setup()
     stop = stop or asyncio.Event()
+    handles: HandleService | None = None
     try:
+        # After setup (the store, fetcher and authorizer it answers with are open), and before
+        # the listeners: once /readyz answers, so does the handle socket.
+        handles = await start_handles(app, settings)
         await start_sites(runner, settings.listen, ConnectionGuard(settings.connections, log))
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -101,6 +106,9 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
         await stop.wait()
         log.info("shutting down: finishing requests in progress (up to %.0fs)", settings.shutdown_timeout_s)
     finally:
+        if handles is not None:
+            # First: requests still waiting are answered (503) while the resources are open.
+            await handles.stop()
         await runner.cleanup()
         for address in settings.listen:
             where = parse_listen(address)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from cache import StoreSettings
@@ -10,6 +11,8 @@ from sidecar.daemon.claims import ClaimSettings
 from sidecar.daemon.fills import FetchSettings
 from sidecar.daemon.origins.s3 import S3Settings
 from sidecar.daemon.scrub import ScrubSettings
+from wire.errors import InvalidName
+from wire.names import parse_connect, parse_listen
 from wire.web import ConnectionLimits
 
 __all__ = ["ServeSettings", "MODES"]
@@ -62,6 +65,15 @@ class ServeSettings:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     """Header-read and idle timeouts and connections at once, every listener together."""
 
+    handles: str | None = None
+    """``--handles unix:///PATH.sock``: short-circuit reads by file descriptor
+    (:mod:`sidecar.daemon.handles`). Node mode: where the pods' sidecars ask for them (next to
+    ``daemon.sock``); sidecar mode: where the pod's app container does (an ``emptyDir``)."""
+
+    upstream_handles: str | None = None
+    """Sidecar mode: the node daemon's handle socket; ``None``: ``handles.sock`` next to the
+    ``upstream`` unix socket (see :meth:`upstream_handles_path`)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
@@ -71,3 +83,34 @@ class ServeSettings:
             raise ValueError("--auth sigv4 checks callers against an S3 origin (its IAM and STS): use --origin s3")
         if self.auth.mode != "none" and self.mode == "sidecar":
             raise ValueError("--auth is the node daemon's: a sidecar proves with the pod's credentials by itself")
+        if self.handles is not None and _unix_path(self.handles, "--handles", listen=True) is None:
+            raise ValueError(f"--handles must be unix:///path.sock (descriptors pass over unix sockets only), not {self.handles!r}")
+        if self.handles is not None and self.mode == "sidecar":
+            self.upstream_handles_path()  # raises if there is none to find
+        elif self.upstream_handles is not None:
+            raise ValueError("--upstream-handles is the sidecar's (--mode sidecar --handles ...)")
+
+    def upstream_handles_path(self) -> str:
+        """The node daemon's handle socket, for a sidecar: ``upstream_handles``, or
+        ``handles.sock`` in the directory of the ``upstream`` unix socket."""
+        if self.upstream_handles is not None:
+            path = _unix_path(self.upstream_handles, "--upstream-handles", listen=False)
+            if path is None:
+                raise ValueError(f"--upstream-handles must be unix:///path.sock, not {self.upstream_handles!r}")
+            return path
+        upstream = _unix_path(self.upstream or "", "--upstream", listen=False)
+        if upstream is None:
+            raise ValueError(
+                f"--handles in sidecar mode with a TCP --upstream ({self.upstream!r}) needs --upstream-handles "
+                "unix:///run/shardcache/handles.sock (descriptors pass over unix sockets only)"
+            )
+        return os.path.join(os.path.dirname(upstream), "handles.sock")
+
+
+def _unix_path(address: str, flag: str, listen: bool) -> str | None:
+    """The socket path of a ``unix://`` address; ``None`` for a TCP one; ValueError if malformed."""
+    try:
+        where = parse_listen(address) if listen else parse_connect(address)
+    except InvalidName as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    return where.path if where.kind == "unix" else None

@@ -215,9 +215,10 @@ def test_no_proof_or_a_forged_one_is_refused(node: Node, iam_s3: IamS3) -> None:
         assert status in (400, 403), body
     # Bodies that name objects, sent around the sidecar with bob's session: refused, never a 500.
     auth = {"x-shardcache-session": session["session"]}
-    objects = [{"bucket": B, "key": SHARD}]
+    uncached = "train/shard-000003.tar"  # of bob's: nothing read it yet, so a prefetch counts
+    objects = [{"bucket": B, "key": uncached}]
     date = amz_date()
-    good = prove(bob_creds, target, date, B, SHARD)
+    good = prove(bob_creds, target, date, B, uncached)
     for proofs in (None, "x", {"credential": good.credential, "date": date, "signatures": ""},
                    {"credential": good.credential, "date": date, "signatures": "z" * 64},
                    {"credential": good.credential, "date": "20200101T000000Z", "signatures": good.signature},

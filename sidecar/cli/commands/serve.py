@@ -62,6 +62,13 @@ def register(sub: argparse._SubParsersAction) -> None:
              help="how the daemon talks to S3: presigned requests on a pooled HTTP client (default) "
                   "or plain boto3 calls; both on worker threads")
     add_flag(parser, "--upstream", default=None, help="node daemon address for --mode sidecar")
+    add_flag(parser, "--handles", default=None, metavar="unix:///PATH.sock",
+             help="short-circuit reads by file descriptor on this unix socket: node mode, for the pods' sidecars "
+                  "(next to daemon.sock); sidecar mode, for the pod's app container (an emptyDir), relayed to the "
+                  "node daemon's (default: off)")
+    add_flag(parser, "--upstream-handles", default=None, metavar="unix:///PATH.sock",
+             help="the node daemon's --handles socket, for --mode sidecar --handles (default: handles.sock next to "
+                  "the --upstream unix socket)")
     add_flag(parser, "--part-size", default="8MiB", help="bytes per ranged GET to the origin")
     add_flag(parser, "--parts-per-object", default="8", help="ranged GETs in flight per object")
     add_flag(parser, "--origin-concurrency", default="32", help="origin requests in flight in total")
@@ -131,6 +138,19 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         raise UserError(f"--origin {origin}: directory does not exist")
     if args.mode == "sidecar" and not args.upstream:
         raise UserError("--mode sidecar needs --upstream unix:///run/shardcache/daemon.sock")
+    handles = args.handles or None  # SHARDCACHE_HANDLES= (empty) means off too
+    upstream_handles = args.upstream_handles or None
+    for flag, address in (("--handles", handles), ("--upstream-handles", upstream_handles)):
+        try:
+            unix = address is None or parse_listen(address).kind == "unix"
+        except ValueError as exc:
+            raise UserError(f"{flag}: {exc}") from None
+        if not unix:
+            raise UserError(f"{flag} must be unix:///path.sock (descriptors pass over unix sockets only), not {address!r}")
+    if upstream_handles is not None and not (args.mode == "sidecar" and handles):
+        raise UserError("--upstream-handles is for --mode sidecar --handles unix:///...")
+    if args.mode == "sidecar" and handles and not upstream_handles and not str(args.upstream).startswith("unix://"):
+        raise UserError("--handles with a TCP --upstream needs --upstream-handles unix:///run/shardcache/handles.sock")
     concurrency = _int(args.origin_concurrency, "--origin-concurrency", 2)
     auth = _auth_settings(args)
     try:
@@ -163,6 +183,8 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         prefetch_workers=_int(args.prefetch_workers, "--prefetch-workers", 1),
         connections=connection_limits(args),
         auth=auth,
+        handles=handles,
+        upstream_handles=upstream_handles,
     )
 
 

@@ -159,6 +159,16 @@ class Prover:
             headers[PROOF_HEADER] = prove(creds, target, date, bucket, prefix=prefix).to_header()
         return headers, data
 
+    async def object_proof(self, http: aiohttp.ClientSession, bucket: str, key: str) -> dict[str, str]:
+        """What a handle request (:mod:`wire.handles`) for ``bucket/key`` adds to prove the read:
+        ``{"session", "proof"}`` as the headers of an object GET, or ``{}`` when the daemon
+        checks no proofs. ``bucket``/``key`` are valid names (the caller checked them)."""
+        prepared = await self._prepare(http)
+        if prepared is None:
+            return {}
+        target, session, creds = prepared
+        return {"session": session, "proof": prove(creds, target, amz_date(), bucket, key).to_header()}
+
 
 def _objects_of(body: dict[str, Any]) -> list[tuple[str, str]]:
     """The objects a prefetch or warm-up body names, in the order the daemon reads them."""
