@@ -1,9 +1,10 @@
 """Client of the node daemon / sidecar HTTP API (``docs/daemon-api.md``): small, synchronous,
-stdlib only, over TCP or a unix socket.
+stdlib only, over TCP or a unix socket; and of the pod's handle socket (``wire.handles``).
 
 Object bodies stream through a connection of their own (a shard is large; reusing the pooled
 connection would block hints and listings behind it). Small calls (stats, listings, prefetch
-hints, the manifest) reuse one keep-alive connection per thread and process.
+hints, the manifest) reuse one keep-alive connection per thread and process, and so do handle
+requests (:class:`HandleClient`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from wire.retry import retry_sync
 from wire.s3errors import TRANSIENT, S3ErrorAnswer, S3ErrorKind, from_http
 from wire.s3xml import MAX_ERROR_BYTES, ListedObject, S3XMLError, parse_list_page
 
-__all__ = ["RETRYABLE_HTTP", "DaemonClient", "DaemonObject", "ListedObject"]
+__all__ = ["RETRYABLE_HTTP", "DaemonClient", "DaemonObject", "ListedObject", "loader_error"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,8 @@ RETRYABLE_HTTP: tuple[type[BaseException], ...] = (OSError, http.client.HTTPExce
 
 @dataclass
 class DaemonObject:
-    """An opened object: either a short-circuit ``path`` or a streaming ``response``."""
+    """An opened object: a short-circuit ``path``, a descriptor ``fd`` received over the handle
+    socket (the caller takes it: :meth:`take_fd`), or a streaming ``response``."""
 
     size: int | None
     etag: str | None
@@ -49,11 +52,23 @@ class DaemonObject:
     response: http.client.HTTPResponse | None = None
     conn: http.client.HTTPConnection | None = None
     cache: str | None = None  # x-shardcache-cache: hit|miss|coalesced
+    fd: int | None = None
+    xxh3_128: str | None = None  # the handle answer's: the hash of the bytes behind ``fd``
+
+    def take_fd(self) -> int:
+        """The received descriptor, now the caller's to close."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            raise ValueError("no descriptor to take (not a handle answer, or taken already)")
+        return fd
 
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class _DaemonHTTPError(Exception):
@@ -89,6 +104,14 @@ _ERRORS: dict[S3ErrorKind, tuple[type[LoaderError], str]] = {
     # The daemon's copy checks out and is not what the manifest says: a stale manifest.
     S3ErrorKind.CHECKSUM_MISMATCH: (CorruptShard, "checksum mismatch"),
 }
+
+
+def loader_error(where: str, kind: S3ErrorKind, code: str, message: str) -> LoaderError | None:
+    """The trainer's error for an answer of these kinds (:data:`_ERRORS`); None for the others."""
+    if kind not in _ERRORS:
+        return None
+    exc_type, default = _ERRORS[kind]
+    return exc_type(f"{where}: {code} ({message or default})")
 
 
 class DaemonClient:
@@ -301,9 +324,9 @@ class DaemonClient:
             return call()
         except _DaemonHTTPError as exc:
             where = f"cache endpoint {self.endpoint}: {what}"
-            if exc.kind in _ERRORS:
-                exc_type, default = _ERRORS[exc.kind]
-                raise exc_type(f"{where}: {exc.code} ({exc.message or default})") from exc
+            error = loader_error(where, exc.kind, exc.code, exc.message)
+            if error is not None:
+                raise error from exc
             raise SourceError(f"{where}: {exc}") from exc
 
 

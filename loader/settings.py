@@ -34,6 +34,24 @@ def parse_endpoint(endpoint: str) -> Address:
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+def _check_handles(handles: str) -> str | None:
+    """The handle socket as given, normalized; None for an empty value. Only a unix socket can
+    carry descriptors, so anything else is a configuration error."""
+    text = handles.strip().rstrip("/")
+    if not text:
+        return None
+    try:
+        address = parse_connect(text, schemes=())
+    except InvalidName:
+        address = None
+    if address is None or address.kind != "unix":
+        raise ConfigError(
+            f"invalid handle socket {handles!r}: use unix:///run/shardcache-pod/handles.sock "
+            "(descriptors travel only over a unix socket), or unset SHARDCACHE_HANDLES to read over HTTP"
+        )
+    return f"unix://{address.path}"
+
+
 @dataclass(frozen=True)
 class LoaderSettings:
     """How a loader reaches its data and its master. Defaults suit a pod with an injected sidecar."""
@@ -51,8 +69,16 @@ class LoaderSettings:
     Env ``SHARDCACHE_NODE``, else ``NODE_NAME`` (Kubernetes downward API), else the host name."""
 
     short_circuit: bool = True
-    """Ask the daemon for the cached file's path and read it directly when it is readable here
-    (cache dir mounted read-only in the pod). Env ``SHARDCACHE_SHORT_CIRCUIT``."""
+    """Read cached shards as local files instead of over HTTP: from a descriptor passed over
+    :attr:`handles` where that is set, else from the cached file's path when it is readable here
+    (cache dir mounted read-only, where one tenant owns the node). Env ``SHARDCACHE_SHORT_CIRCUIT``."""
+
+    handles: str | None = None
+    """The pod's handle socket (``unix:///run/shardcache-pod/handles.sock``, set by the
+    injection): with :attr:`short_circuit`, each shard is asked for there first and read from the
+    file descriptor the sidecar passes back (``wire.handles``), so the pod needs no cache
+    directory mounted; answers without one are read over HTTP. None: path answers, as above.
+    Env ``SHARDCACHE_HANDLES``."""
 
     lease_ahead: int = 1
     """Shards leased (dynamic) or planned (static) beyond the one being read; the daemon is asked
@@ -122,6 +148,8 @@ class LoaderSettings:
             if endpoint:
                 parse_endpoint(endpoint)
             object.__setattr__(self, "endpoint", endpoint or None)
+        if self.handles is not None:
+            object.__setattr__(self, "handles", _check_handles(self.handles))
 
     @property
     def backoff(self) -> Backoff:
@@ -135,6 +163,8 @@ class LoaderSettings:
         values: dict[str, Any] = {}
         if env.get("SHARDCACHE_ENDPOINT", "").strip():
             values["endpoint"] = env["SHARDCACHE_ENDPOINT"]
+        if env.get("SHARDCACHE_HANDLES", "").strip():
+            values["handles"] = env["SHARDCACHE_HANDLES"]
         if env.get("SHARDCACHE_MASTER", "").strip():
             values["master"] = env["SHARDCACHE_MASTER"].strip()
         values["node"] = (

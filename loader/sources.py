@@ -1,5 +1,6 @@
 """Byte sources behind one interface: a local directory (``file://``), S3 directly (boto3), or
-the cache daemon over HTTP (with short-circuit reads of its cache files).
+the cache daemon over HTTP (with short-circuit reads of its cache files: by descriptor over the
+pod's handle socket, or by path where the cache directory is mounted).
 
 A source opens a shard as a plain reader (``read(n)``, ``close()``) that the tar parser streams
 from; broken connections are resumed at the byte reached (HTTP ``Range``), so a flaky network
@@ -13,11 +14,12 @@ import contextlib
 import http.client
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from loader.daemon import RETRYABLE_HTTP, DaemonClient, ListedObject
+from loader.daemon import RETRYABLE_HTTP, DaemonClient, DaemonObject, ListedObject
 from loader.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, DatasetURL, Shard, check_key, parse_manifest
 from loader.errors import (
     AccessDenied,
@@ -27,6 +29,7 @@ from loader.errors import (
     ShardNotFound,
     SourceError,
 )
+from loader.handles import HandleClient
 from loader.settings import LoaderSettings
 from wire.names import split_origin_path
 from wire.s3errors import S3ErrorKind, from_client_error
@@ -318,8 +321,22 @@ class _HTTPBody:
         self._conn.close()
 
 
+def _once(call: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``call`` that runs at most once, however many requests it is handed to."""
+    if call is None:
+        return None
+    pending = [call]
+
+    def run() -> None:
+        if pending:
+            pending.pop()()
+
+    return run
+
+
 class DaemonSource:
-    """The dataset read through ``shardcache serve`` (sidecar or node daemon) over HTTP.
+    """The dataset read through ``shardcache serve`` (sidecar or node daemon) over HTTP, or from
+    descriptors passed over its handle socket (``settings.handles``).
 
     ``s3://bucket/prefix/`` maps to ``/{bucket}/{prefix}...``; ``file:///root/bucket/prefix/``
     maps through the daemon's origin root (``GET /_shardcache/stats``) to ``/{bucket}/{prefix}``.
@@ -331,6 +348,9 @@ class DaemonSource:
         self._settings = settings
         self._client = DaemonClient(endpoint, settings)
         self._short_circuit = settings.short_circuit
+        # With a handle socket the pod mounts no cache directory: a path answer could not be
+        # opened, so short-circuit means handles only (and HTTP when there is none).
+        self._handles = HandleClient(settings.handles, settings) if settings.handles and settings.short_circuit else None
         self._bucket, self._prefix = self._map(location)
 
     def _map(self, location: DatasetURL) -> tuple[str, str]:
@@ -360,6 +380,16 @@ class DaemonSource:
         # The manifest's checksum goes with every read, resumed ones too: the daemon answers only
         # bytes that hash to it (loader.daemon.DaemonClient.open_object).
         claim = shard.xxh3_128 if self._settings.verify else None
+        if self._handles is not None:
+            on_sent = _once(on_sent)
+            if self._handles.available():
+                obj = self._handles.open(self._bucket, key, xxh3_128=claim, recheck=recheck, on_sent=on_sent)
+                if obj is not None:
+                    handle = self._open_handle(obj, what)
+                    if handle is not None:
+                        return handle
+            # No descriptor: over HTTP, with ``recheck`` again (the answer that is read is this one).
+            return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent)
         if self._short_circuit:
             obj = self._client.open_object(self._bucket, key, short_circuit=True, xxh3_128=claim, recheck=recheck,
                                            on_sent=on_sent)
@@ -393,6 +423,29 @@ class DaemonSource:
             return None
         return handle
 
+    def _open_handle(self, obj: DaemonObject, what: str) -> Reader | None:
+        """A reader of the descriptor the handle socket passed, or None (it is closed, and the
+        shard read over HTTP): a received file is checked as a path's is, by its size."""
+        assert self._handles is not None
+        fd = obj.take_fd()
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_size == obj.size:
+                # From the first byte: the descriptor is this reader's own open file (the daemon
+                # opens one per answer), but nothing promised its offset.
+                os.lseek(fd, 0, os.SEEK_SET)
+                return os.fdopen(fd, "rb", buffering=0)
+            why = f"it passed a descriptor that is not a {obj.size}-byte file ({info.st_size} bytes, mode {info.st_mode:o})"
+        except OSError as exc:
+            why = f"its descriptor cannot be read ({exc.strerror or exc})"
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        log.warning("%s: %s", what, why)
+        self._handles.pause(why)
+        return None
+
     def _resuming(
         self, key: str, what: str, claim: str | None, first: tuple[Reader, str | None] | None = None,
         recheck: bool = False, on_sent: Callable[[], None] | None = None,
@@ -424,3 +477,5 @@ class DaemonSource:
 
     def close(self) -> None:
         self._client.close()
+        if self._handles is not None:
+            self._handles.close()
