@@ -31,6 +31,10 @@ _HOP_BY_HOP = {
     "transfer-encoding", "upgrade", "host", "content-length",
 }
 _LOCAL_ONLY = {"/healthz", "/metrics"}
+# The node daemon is not there: refused (unix socket, or a node port nobody listens on), or a
+# connect that times out (restricted mode's node-local Service drops packets while no daemon
+# on the node is ready). Then the sidecar serves from its standalone cache.
+UNREACHABLE = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, FileNotFoundError, ConnectionRefusedError)
 _AUTH_HEADERS = {"x-shardcache-session", "x-shardcache-proof"}
 
 
@@ -106,7 +110,7 @@ class Upstream:
                 upstream = await self._session.request(
                     request.method, url, headers={**headers, **extra}, data=body, allow_redirects=False,
                 )
-            except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as exc:
+            except UNREACHABLE as exc:
                 log.info("upstream %s unreachable (%s); serving from the standalone cache", self.address, exc)
                 self.mark_down()
                 return None

@@ -1,19 +1,37 @@
 """Sidecar injection: one pure function shared by ``shardcache inject`` and ``shardcache webhook``.
 
 :func:`inject` takes a Kubernetes object (a plain ``dict`` as decoded from YAML or JSON) and
-returns a new object whose pod template(s) carry the shardcache sidecar, the daemon socket dir
-(read-only: the sidecar only connects to it), the read-only node cache dir,
+returns a new object whose pod template(s) carry the shardcache sidecar,
 ``SHARDCACHE_ENDPOINT`` and, when configured, ``SHARDCACHE_MASTER_TOKEN`` from a Secret in the
-pod's namespace. The sidecar image a pod's annotation asks for is used only when the
-configuration allows it; otherwise the default runs and the :class:`Outcome` carries a warning.
+pod's namespace. How the sidecar reaches the node daemon is the pod's *mode*
+(:data:`MODES`: the configuration's, unless the pod's ``shardcache.io/mode`` annotation says
+otherwise; the webhook takes the configuration's from the namespace, see
+:mod:`sidecar.k8s.webhook`):
+
+* ``hostpath``: through the daemon's unix socket, the host directory ``/run/shardcache``
+  mounted read-only into the sidecar only: the one hostPath in the pod. With short-circuit
+  reads on, the sidecar also passes the app containers open file descriptors of the cached
+  entries their tenant may read (``--handles``) over a unix socket in a pod-local ``emptyDir``
+  (``/run/shardcache-pod``, read-only in the app containers: connecting needs no write access),
+  which they find in ``SHARDCACHE_HANDLES``. No pod mounts the node cache directory: a mount
+  would let it open by path what any other tenant cached.
+* ``restricted``: no hostPath at all, for namespaces that enforce Pod Security ``restricted``.
+  The sidecar reaches the daemon over TCP through the chart's node-local Service
+  (``internalTrafficPolicy: Local``), has no handles, and runs as a non-root user with what
+  ``restricted`` asks of a container; the pod's own settings are not touched.
+
+The sidecar image a pod's annotation asks for is used only when the configuration allows it;
+otherwise the default runs and the :class:`Outcome` carries a warning.
 The input is never modified, the result depends only on the object and the
 :class:`InjectConfig`, and injecting an injected object changes nothing, so the offline command
 and the admission webhook agree byte for byte and a webhook called twice
 (``reinvocationPolicy: IfNeeded``) is harmless.
 
 Injection *converges* rather than "adds once": a pod that already has the sidecar still gets the
-env var and mounts on containers that lack them (another webhook may have added a container after
-us), and nothing already present is touched, so the user's explicit choices win.
+env vars and mounts on containers that lack them (another webhook may have added a container after
+us), and nothing already present is touched, so the user's explicit choices win. The sidecar
+already there decides what the others get (its mode and whether it serves handles are read from
+it), so a second pass under another configuration never adds a hostPath to a restricted pod.
 
 The sidecar signs its reads with the *pod's* AWS credentials (``shardcache serve --auth sigv4``
 checks every read against the caller's own right to it), so it gets the credential settings of
@@ -46,11 +64,20 @@ __all__ = [
     "ANNOTATIONS",
     "SIDECAR_NAME",
     "ENDPOINT_ENV",
+    "HANDLES_ENV",
     "MASTER_TOKEN_ENV",
     "MASTER_TOKEN_KEY",
     "AWS_CREDENTIAL_ENV",
     "AWS_TOKEN_DIRS",
     "DEFAULT_IMAGE",
+    "DEFAULT_RESTRICTED_UPSTREAM",
+    "MODES",
+    "Mode",
+    "VOLUME_SOCKET",
+    "VOLUME_POD_SOCKET",
+    "SOCKET_MOUNT",
+    "POD_SOCKET_MOUNT",
+    "RESTRICTED_UID",
     "InjectConfig",
     "InjectionError",
     "Outcome",
@@ -85,6 +112,7 @@ ANN_MEMORY_LIMIT = "shardcache.io/sidecar-memory-limit"
 ANN_PORT = "shardcache.io/port"
 ANN_SHORT_CIRCUIT = "shardcache.io/short-circuit"
 ANN_POD_CACHE_SIZE = "shardcache.io/pod-cache-size"
+ANN_MODE = "shardcache.io/mode"
 ANNOTATIONS = (
     ANN_IMAGE,
     ANN_CPU_REQUEST,
@@ -94,7 +122,12 @@ ANNOTATIONS = (
     ANN_PORT,
     ANN_SHORT_CIRCUIT,
     ANN_POD_CACHE_SIZE,
+    ANN_MODE,
 )
+
+Mode = Literal["hostpath", "restricted"]
+MODES: tuple[Mode, ...] = ("hostpath", "restricted")
+"""How the sidecar reaches the node daemon (the module docstring says what each injects)."""
 
 # --- what gets injected ---
 SIDECAR_NAME = "shardcache"
@@ -103,16 +136,31 @@ ENDPOINT_ENV = "SHARDCACHE_ENDPOINT"
 # namespace gets its copy). The key name is the one the chart's Secret uses.
 MASTER_TOKEN_ENV = "SHARDCACHE_MASTER_TOKEN"
 MASTER_TOKEN_KEY = "token"
+# The app containers' address of the sidecar's file handle socket (read by the loader).
+HANDLES_ENV = "SHARDCACHE_HANDLES"
 VOLUME_SOCKET = "shardcache-socket"
-VOLUME_NODE_CACHE = "shardcache-node-cache"
+VOLUME_POD_SOCKET = "shardcache-pod-socket"
 VOLUME_POD_CACHE = "shardcache-pod-cache"
-OUR_VOLUMES = (VOLUME_SOCKET, VOLUME_NODE_CACHE, VOLUME_POD_CACHE)
+# Injected before file handles replaced cache paths; reserved still, so that a pod cannot bring a
+# volume of that name that our own checks would take for an old injection.
+_VOLUME_NODE_CACHE_LEGACY = "shardcache-node-cache"
+OUR_VOLUMES = (VOLUME_SOCKET, VOLUME_POD_SOCKET, VOLUME_POD_CACHE, _VOLUME_NODE_CACHE_LEGACY)
 # Paths inside the containers are fixed; only the host side is configurable. The node daemon
-# mounts the node cache at the same path, so the x-shardcache-path it answers is valid in the pod.
+# mounts its socket directory at the same path, so its handles socket sits next to daemon.sock.
 SOCKET_MOUNT = "/run/shardcache"
-NODE_CACHE_MOUNT = "/var/cache/shardcache"
+POD_SOCKET_MOUNT = "/run/shardcache-pod"
 POD_CACHE_MOUNT = "/var/cache/shardcache-pod"
 SOCKET_NAME = "daemon.sock"
+HANDLES_NAME = "handles.sock"
+# The pod-local socket directory holds one socket: a small tmpfs, not node disk.
+POD_SOCKET_SIZE = "1Mi"
+# The user a restricted-mode sidecar runs as (the chart's other components use it too). Pod
+# Security `restricted` asks for runAsNonRoot; a numeric user lets the kubelet check it without
+# reading the image.
+RESTRICTED_UID = 65532
+# The node-local Service of `helm install shardcache charts/shardcache -n shardcache` (the
+# chart passes its own to the webhook).
+DEFAULT_RESTRICTED_UPSTREAM = "tcp://shardcache-local.shardcache.svc:8600"
 
 # The environment of boto3's credential chain (and the region and STS settings that decide where
 # its STS calls go), copied from the pod's app container into the sidecar. AWS_ENDPOINT_URL (and
@@ -161,6 +209,10 @@ _MEMORY_RE = re.compile(r"([0-9]{1,18}(\.[0-9]{1,9})?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}", re.ASCII)
 _PORT_RE = re.compile(r"[0-9]{1,5}", re.ASCII)
+# tcp://HOST:PORT with a DNS name, an IPv4 address or a bracketed IPv6 address.
+_TCP_UPSTREAM_RE = re.compile(
+    r"tcp://(?:[A-Za-z0-9](?:[-A-Za-z0-9.]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})", re.ASCII
+)
 # A Secret name: a DNS subdomain (RFC 1123), as the API server checks it.
 _SECRET_NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", re.ASCII)
 # What may follow an allow-list prefix, in the image reference grammar of distribution/reference
@@ -208,9 +260,13 @@ class InjectionError(SidecarError, ValueError):
 class InjectConfig:
     """How the sidecar is injected; built once from flags (CLI) or chart values (webhook).
 
-    Per-pod annotations (``shardcache.io/*``) override the image, resources, port, short-circuit
-    mount and pod cache size.
+    Per-pod annotations (``shardcache.io/*``) override the mode, image, resources, port,
+    short-circuit reads and pod cache size.
     """
+
+    mode: Mode = "hostpath"
+    """How the sidecar reaches the node daemon (:data:`MODES`); a pod's ``shardcache.io/mode``
+    annotation wins. The webhook sets it per namespace (the path it is called on)."""
 
     image: str = DEFAULT_IMAGE
     """Sidecar container image."""
@@ -223,11 +279,15 @@ class InjectConfig:
     port: int = 8600
     """Port of the sidecar's localhost endpoint (``SHARDCACHE_ENDPOINT``)."""
     socket_host_dir: str = "/run/shardcache"
-    """Host directory holding the node daemon's unix socket (``daemon.sock``)."""
-    cache_host_dir: str = "/var/cache/shardcache"
-    """Host directory of the node daemon's cache, mounted read-only for short-circuit reads."""
+    """Host directory holding the node daemon's unix sockets (``daemon.sock``, ``handles.sock``);
+    hostpath mode mounts it read-only into the sidecar."""
+    restricted_upstream: str = DEFAULT_RESTRICTED_UPSTREAM
+    """``tcp://HOST:PORT`` of the node daemon for restricted-mode sidecars: a Service with
+    ``internalTrafficPolicy: Local`` selecting the daemons, so each pod reaches its own node's."""
     short_circuit: bool = True
-    """Mount the node cache dir read-only into the sidecar and app containers."""
+    """Short-circuit reads by file handle (hostpath mode): the sidecar serves descriptors of
+    authorized cache entries on a pod-local socket, the app containers get ``SHARDCACHE_HANDLES``.
+    A pod may turn them off (``shardcache.io/short-circuit: "false"``), never on."""
     pod_cache_size: str = "10Gi"
     """sizeLimit of the emptyDir used when the node has no daemon (standalone sidecar cache)."""
     cpu_request: str | None = "100m"
@@ -274,10 +334,16 @@ class InjectConfig:
             raise InjectionError(
                 f"invalid image pull policy {self.image_pull_policy!r}: use Always, IfNotPresent or Never"
             )
-        for name in ("socket_host_dir", "cache_host_dir"):
-            value = getattr(self, name)
-            if not value.startswith("/") or "\0" in value:
-                raise InjectionError(f"{name.replace('_', ' ')} {value!r} must be an absolute path")
+        if self.mode not in MODES:
+            raise InjectionError(f"invalid mode {_shown(self.mode)}: use {' or '.join(MODES)}")
+        if not isinstance(self.socket_host_dir, str) or not self.socket_host_dir.startswith("/") or "\0" in self.socket_host_dir:
+            raise InjectionError(f"socket host dir {_shown(self.socket_host_dir)} must be an absolute path")
+        upstream = _TCP_UPSTREAM_RE.fullmatch(self.restricted_upstream) if isinstance(self.restricted_upstream, str) else None
+        if upstream is None or not 1 <= int(upstream.group(1)) <= 65535:
+            raise InjectionError(
+                f"invalid restricted upstream {_shown(self.restricted_upstream)}: expected tcp://HOST:PORT, e.g. "
+                f"{DEFAULT_RESTRICTED_UPSTREAM} (the chart's node-local Service)"
+            )
         if not 1 <= self.startup_timeout_seconds <= 3600:
             raise InjectionError("startup timeout must be between 1 and 3600 seconds")
         for name, _ in self.env:
@@ -438,16 +504,27 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str, w
         if not _PORT_RE.fullmatch(raw) or not 1 <= int(raw) <= 65535:
             raise bad(ANN_PORT, "expected a port number between 1 and 65535")
         changes["port"] = int(raw)
+    mode = config.mode
+    if ANN_MODE in annotations:
+        raw = annotations[ANN_MODE].strip().lower()
+        if raw not in MODES:
+            raise bad(ANN_MODE, f"expected {' or '.join(MODES)}")
+        mode = changes["mode"] = raw
     if ANN_SHORT_CIRCUIT in annotations:
         raw = annotations[ANN_SHORT_CIRCUIT].strip().lower()
         if raw not in {"true", "false"}:
             raise bad(ANN_SHORT_CIRCUIT, 'expected "true" or "false"')
-        if raw == "true" and not config.short_circuit:
-            # The cluster turned the node cache mount off (under --auth sigv4 it would show every
-            # tenant's cached files to this pod): a pod may only turn it off, never on.
+        if raw == "true" and mode == "restricted":
+            # Handles travel over the node's socket directory, which a restricted pod does not mount.
+            warnings.append(
+                f"{where}annotation {ANN_SHORT_CIRCUIT} \"true\" ignored: restricted mode has no short-circuit "
+                f"reads (they need the node's socket directory); set {ANN_MODE}: hostpath where hostPath is allowed"
+            )
+        elif raw == "true" and not config.short_circuit:
+            # The cluster turned short-circuit reads off: a pod may only turn them off, never on.
             warnings.append(
                 f"{where}annotation {ANN_SHORT_CIRCUIT} \"true\" ignored: short-circuit reads are off on this "
-                "cluster (webhook.sidecar.shortCircuit, --no-short-circuit; off under node.auth.mode=sigv4)"
+                "cluster (webhook.sidecar.shortCircuit, --no-short-circuit)"
             )
         else:
             changes["short_circuit"] = raw == "true"
@@ -514,11 +591,14 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
         else:
             containers.insert(0, sidecar)
     native = sidecar_at is not None
-
-    for volume in _volumes(effective):
-        if _find(volumes, volume["name"]) is None:
-            volumes.append(volume)
-    spec["volumes"] = volumes
+    if sidecar_at is not None:
+        sidecar_container = init_containers[sidecar_at]
+    else:
+        sidecar_container = containers[_find(containers, SIDECAR_NAME) or 0]
+    # The sidecar in the pod (ours from a first pass, or one written by hand) decides whether the
+    # app containers get handles: never a socket address that nothing serves, and never the pod
+    # socket for a sidecar injected in restricted mode, whatever this pass's configuration says.
+    handles = _handles_url() in _string_list(sidecar_container.get("args"))
 
     # App containers: every regular container, and the init containers that start after a native
     # sidecar (they can use the cache too). Init containers before it run without the sidecar.
@@ -526,12 +606,20 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
     if sidecar_at is not None:
         apps += [(f"{where}spec.initContainers[{i}]", c) for i, c in enumerate(init_containers) if i > sidecar_at]
     for label, container in apps:
-        _inject_app_container(container, effective, label)
-    if sidecar_at is not None:
-        sidecar_container = init_containers[sidecar_at]
-    else:
-        sidecar_container = containers[_find(containers, SIDECAR_NAME) or 0]
+        _inject_app_container(container, effective, label, handles=handles)
     _share_credentials(sidecar_container, apps, where)
+
+    # Our volumes, each only where the sidecar mounts it (and the pod socket for the handles the
+    # app containers connect to): a restricted sidecar has no socket mount, so its pod never gets
+    # the hostPath, whatever another container names; one written by hand gets only what it uses.
+    mounted = {m.get("name") for m in _named_list(sidecar_container, "volumeMounts", f"{where}container {SIDECAR_NAME}")}
+    if handles:
+        mounted.add(VOLUME_POD_SOCKET)
+    for volume in _volumes(effective):
+        if volume["name"] in mounted and _find(volumes, volume["name"]) is None:
+            volumes.append(volume)
+    if volumes:
+        spec["volumes"] = volumes
 
     labels = meta.setdefault("labels", {})
     labels[INJECT_LABEL] = "true"
@@ -556,7 +644,7 @@ def _check_conflicts(containers: list[dict[str, Any]], volumes: list[dict[str, A
                 )
 
 
-def _inject_app_container(container: dict[str, Any], config: InjectConfig, where: str) -> None:
+def _inject_app_container(container: dict[str, Any], config: InjectConfig, where: str, *, handles: bool) -> None:
     env = _named_list(container, "env", where)
     if _find(env, ENDPOINT_ENV) is None:  # a value the user set wins
         env.append({"name": ENDPOINT_ENV, "value": f"http://127.0.0.1:{config.port}"})
@@ -565,13 +653,27 @@ def _inject_app_container(container: dict[str, Any], config: InjectConfig, where
         # no API), and a namespace without it must still start its pods.
         secret_ref = {"name": config.master_token_secret, "key": MASTER_TOKEN_KEY, "optional": True}
         env.append({"name": MASTER_TOKEN_ENV, "valueFrom": {"secretKeyRef": secret_ref}})
-    container["env"] = env
-    if config.short_circuit:
+    if handles:
         mounts = _named_list(container, "volumeMounts", where)
-        taken = any(m.get("mountPath") == NODE_CACHE_MOUNT or m.get("name") == VOLUME_NODE_CACHE for m in mounts)
-        if not taken:
-            mounts.append({"name": VOLUME_NODE_CACHE, "mountPath": NODE_CACHE_MOUNT, "readOnly": True})
-        container["volumeMounts"] = mounts
+        ours = {"name": VOLUME_POD_SOCKET, "mountPath": POD_SOCKET_MOUNT, "readOnly": True}
+        # Read-only: connecting to a unix socket needs no write access, so nothing in the app
+        # container can put a socket of its own where the sidecar's is.
+        if not any(_normpath(str(m.get("mountPath", ""))) == POD_SOCKET_MOUNT or m.get("name") == VOLUME_POD_SOCKET for m in mounts):
+            mounts.append(ours)
+            container["volumeMounts"] = mounts
+        # Only a container that sees the socket where the variable says; the user's value wins.
+        sees = any(m.get("name") == VOLUME_POD_SOCKET and _normpath(str(m.get("mountPath", ""))) == POD_SOCKET_MOUNT for m in mounts)
+        if sees and _find(env, HANDLES_ENV) is None:
+            env.append({"name": HANDLES_ENV, "value": _handles_url()})
+    container["env"] = env
+
+
+def _handles_url() -> str:
+    return f"unix://{POD_SOCKET_MOUNT}/{HANDLES_NAME}"
+
+
+def _string_list(value: Any) -> list[str]:
+    return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
 
 
 def _share_credentials(sidecar: dict[str, Any], apps: list[tuple[str, dict[str, Any]]], where: str) -> None:
@@ -680,37 +782,53 @@ def _normpath(path: str) -> str:
 def _sidecar(config: InjectConfig) -> dict[str, Any]:
     pod_cache_bytes = int(Decimal(_memory_bytes(config.pod_cache_size)) * POD_CACHE_FILL)
     ready = _probe_command(config.port)
+    restricted = config.mode == "restricted"
+    upstream = config.restricted_upstream if restricted else f"unix://{SOCKET_MOUNT}/{SOCKET_NAME}"
+    args = [
+        "serve",
+        "--mode", "sidecar",
+        "--upstream", upstream,
+        "--listen", f"tcp://127.0.0.1:{config.port}",
+        "--cache-dir", POD_CACHE_MOUNT,
+        "--cache-size", str(pod_cache_bytes),
+    ]
+    mounts: list[dict[str, Any]] = []
+    if not restricted:
+        # Read-only: connecting to a unix socket needs no write access to its directory, and
+        # a writable mount would let the sidecar replace daemon.sock, the socket every pod
+        # on the node connects through. The sidecar creates nothing there (its cache is the
+        # emptyDir below, its own sockets are in the pod socket emptyDir, it listens on TCP).
+        mounts.append({"name": VOLUME_SOCKET, "mountPath": SOCKET_MOUNT, "readOnly": True})
+    mounts.append({"name": VOLUME_POD_CACHE, "mountPath": POD_CACHE_MOUNT})
+    if not restricted and config.short_circuit:
+        # The node daemon's handles.sock is next to daemon.sock (the sidecar's default).
+        args += ["--handles", _handles_url()]
+        mounts.append({"name": VOLUME_POD_SOCKET, "mountPath": POD_SOCKET_MOUNT})
+    security: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    if restricted:
+        # What Pod Security `restricted` asks of every container, set on ours so that the pod
+        # passes where its own containers do; the pod-level securityContext is the pod author's.
+        security.update({
+            "runAsNonRoot": True,
+            "runAsUser": RESTRICTED_UID,
+            "runAsGroup": RESTRICTED_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        })
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": config.image,
         "imagePullPolicy": config.image_pull_policy,
         "command": ["shardcache"],
-        "args": [
-            "serve",
-            "--mode", "sidecar",
-            "--upstream", f"unix://{SOCKET_MOUNT}/{SOCKET_NAME}",
-            "--listen", f"tcp://127.0.0.1:{config.port}",
-            "--cache-dir", POD_CACHE_MOUNT,
-            "--cache-size", str(pod_cache_bytes),
-        ],
+        "args": args,
         "ports": [{"name": "shardcache", "containerPort": config.port, "protocol": "TCP"}],
         # The sidecar listens on the pod's loopback only (the cache must not be reachable from
         # other pods), and the kubelet's httpGet probes come from the node's network namespace,
         # so the probes run inside the container.
         "readinessProbe": {"exec": {"command": ready}, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
         "resources": _resources(config),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [
-            # Read-only: connecting to a unix socket needs no write access to its directory, and
-            # a writable mount would let the sidecar replace daemon.sock, the socket every pod
-            # on the node connects through. The sidecar creates nothing there (its cache is the
-            # emptyDir below and it listens on TCP).
-            {"name": VOLUME_SOCKET, "mountPath": SOCKET_MOUNT, "readOnly": True},
-            {"name": VOLUME_POD_CACHE, "mountPath": POD_CACHE_MOUNT},
-        ],
+        "securityContext": security,
+        "volumeMounts": mounts,
     }
-    if config.short_circuit:
-        container["volumeMounts"].append({"name": VOLUME_NODE_CACHE, "mountPath": NODE_CACHE_MOUNT, "readOnly": True})
     if config.env:
         container["env"] = [{"name": name, "value": value} for name, value in config.env]
     if config.native_sidecar:
@@ -764,15 +882,14 @@ def _resources(config: InjectConfig) -> dict[str, Any]:
 
 
 def _volumes(config: InjectConfig) -> list[dict[str, Any]]:
+    """Every volume the sidecar or app containers may mount; only those mounted are added."""
     # DirectoryOrCreate: on a node without the daemon the pod still starts, the sidecar finds no
     # socket and runs as a standalone cache on its emptyDir.
-    volumes: list[dict[str, Any]] = [
+    return [
         {"name": VOLUME_SOCKET, "hostPath": {"path": config.socket_host_dir, "type": "DirectoryOrCreate"}},
         {"name": VOLUME_POD_CACHE, "emptyDir": {"sizeLimit": config.pod_cache_size}},
+        {"name": VOLUME_POD_SOCKET, "emptyDir": {"medium": "Memory", "sizeLimit": POD_SOCKET_SIZE}},
     ]
-    if config.short_circuit:
-        volumes.append({"name": VOLUME_NODE_CACHE, "hostPath": {"path": config.cache_host_dir, "type": "DirectoryOrCreate"}})
-    return volumes
 
 
 # ----------------------------------------------------------------------------- small checks

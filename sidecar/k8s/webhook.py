@@ -6,6 +6,13 @@ MutatingWebhookConfiguration's objectSelector sends only pods labelled
 the object and answers with the JSONPatch between the two. Nothing here has side effects, so the
 configuration declares ``sideEffects: None`` and dry-run requests are answered the same way.
 
+The path says the namespace's injection mode: ``/mutate/hostpath`` and ``/mutate/restricted``
+(``/mutate``: ``--mode``). An AdmissionReview carries the namespace's name but not its labels,
+and this webhook calls no API, so the chart registers one webhook entry per mode, each with a
+``namespaceSelector`` on the label ``shardcache.io/mode`` and its own path: that works on every
+cluster, managed ones included (no API server flag, no RBAC). A pod's ``shardcache.io/mode``
+annotation still wins over its namespace's.
+
 When an object cannot be injected (malformed, conflicting, a bad annotation) the answer follows
 ``--failure-policy``: ``ignore`` admits the object unchanged with a warning that ``kubectl``
 prints; ``fail`` refuses it with the reason. A pod injected other than it asked (its
@@ -30,7 +37,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +45,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from sidecar.errors import SidecarError
-from sidecar.k8s.inject import InjectConfig, InjectionError, inject, json_patch
+from sidecar.k8s.inject import MODES, InjectConfig, InjectionError, Mode, inject, json_patch
 from wire.errors import BodyTooLarge, InvalidBody
 from wire.web import ConnectionGuard, ConnectionLimits, GuardedSite, decode_json_object, error_middleware, read_body
 
@@ -103,8 +110,9 @@ class Verdict:
     result: str = "invalid"
 
 
-def review(raw: bytes, settings: WebhookSettings) -> Verdict:
-    """Answer one AdmissionReview request body. Pure: no I/O, never raises."""
+def review(raw: bytes, settings: WebhookSettings, mode: Mode | None = None) -> Verdict:
+    """Answer one AdmissionReview request body, injecting in ``mode`` (None: the configuration's)
+    unless the pod's annotation says otherwise. Pure: no I/O, never raises."""
     try:
         payload = decode_json_object(raw, what="an AdmissionReview object")
     except InvalidBody as exc:
@@ -133,8 +141,9 @@ def review(raw: bytes, settings: WebhookSettings) -> Verdict:
         group = str(kind_info.get("group") or "")
         version = str(kind_info.get("version") or "")
         obj = {"apiVersion": f"{group}/{version}" if group else version, "kind": kind, **obj}
+    config = settings.inject if mode is None or mode == settings.inject.mode else replace(settings.inject, mode=mode)
     try:
-        new, outcome = inject(obj, settings.inject, require_label=True)
+        new, outcome = inject(obj, config, require_label=True)
     except InjectionError as exc:
         return _refuse_or_warn(uid, kind, _describe(request), str(exc), settings.failure_policy)
     except RecursionError:
@@ -320,6 +329,8 @@ TLS_KEY = web.AppKey("tls", TLSReloader)
 
 async def _mutate(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS_KEY]
+    raw_mode = request.match_info.get("mode")
+    mode: Mode | None = next((m for m in MODES if m == raw_mode), None)
     metrics = request.app[METRICS_KEY]
     started = time.perf_counter()
     if request.content_type != "application/json":
@@ -327,7 +338,7 @@ async def _mutate(request: web.Request) -> web.Response:
     body = await read_body(request, settings.max_request_bytes)
     # JSON decoding, injection and encoding of a multi-megabyte object take milliseconds of CPU:
     # keep the loop free for health checks and other reviews.
-    verdict = await asyncio.to_thread(review, body, settings)
+    verdict = await asyncio.to_thread(review, body, settings, mode)
     data = await asyncio.to_thread(json.dumps, verdict.body)
     metrics.admissions.labels(verdict.kind, verdict.result).inc()
     metrics.duration.observe(time.perf_counter() - started)
@@ -388,6 +399,8 @@ def build_app(settings: WebhookSettings, tls: TLSReloader | None = None) -> web.
         app[TLS_KEY] = tls
     app.cleanup_ctx.append(_tls_watch)
     app.router.add_post("/mutate", _mutate)
+    # One path per mode (the chart's webhook entries, one per namespaceSelector); another word is a 404.
+    app.router.add_post(f"/mutate/{{mode:{'|'.join(MODES)}}}", _mutate)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _healthz)
     app.router.add_get("/metrics", _metrics)
@@ -405,10 +418,11 @@ async def serve(settings: WebhookSettings, tls: TLSReloader, stop: asyncio.Event
                            port=settings.port, ssl_context=tls.server_context, reuse_address=True)
         await site.start()
         log.info(
-            "admission webhook listening on https://%s:%d/mutate (failure policy %s, %s sidecar, image %s, "
-            "other images allowed: %s)",
+            "admission webhook listening on https://%s:%d/mutate (mode %s; /mutate/hostpath, /mutate/restricted; "
+            "failure policy %s, %s sidecar, image %s, other images allowed: %s)",
             settings.host,
             site.port,
+            settings.inject.mode,
             settings.failure_policy,
             "native" if settings.inject.native_sidecar else "container",
             settings.inject.image,

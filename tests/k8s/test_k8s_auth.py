@@ -203,21 +203,24 @@ def test_inconsistent_auth_values_fail_with_what_to_change(renderer: Renderer, v
     assert message in str(info.value)
 
 
-def test_sigv4_keeps_the_node_cache_out_of_pods(renderer: Renderer, charts: dict[str, list[dict[str, Any]]]) -> None:
+def test_no_pod_mounts_the_node_cache_whatever_the_auth_mode(renderer: Renderer, charts: dict[str, list[dict[str, Any]]]) -> None:
     from sidecar.cli import build_parser
     from sidecar.cli.commands.webhook import settings_from_args
 
-    # A read-only node cache in every pod would show every tenant's cached bytes, past the checks.
-    args = webhook_args(charts["defaults"])
-    assert "--no-short-circuit" in args and "--short-circuit" not in args
-    config = settings_from_args(build_parser().parse_args(args)).inject
-    assert config.short_circuit is False
-    spec = inject({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "labels": {INJECT_LABEL: "true"}},
-                   "spec": {"containers": [{"name": "t", "image": "t"}]}}, config)[0]["spec"]
-    assert "shardcache-node-cache" not in {v["name"] for v in spec["volumes"]}
-    assert all(m["mountPath"] != "/var/cache/shardcache" for c in spec["containers"] + spec["initContainers"] for m in c.get("volumeMounts", []))
-    assert "--short-circuit" in webhook_args(charts["none"])
-    assert "--no-short-circuit" in webhook_args(renderer.objects({"node": {"auth": {"mode": "none"}, "cache": {"type": "ephemeral"}}}))
+    # A read-only node cache in every pod would show every tenant's cached bytes, past the checks:
+    # short-circuit reads go by file handle instead, checked per tenant, so they stay on under sigv4.
+    ephemeral = renderer.objects({"node": {"auth": {"mode": "none"}, "cache": {"type": "ephemeral"}}})
+    for objects in (charts["defaults"], charts["none"], ephemeral):
+        args = webhook_args(objects)
+        assert "--short-circuit" in args and "--cache-host-dir" not in args
+        config = settings_from_args(build_parser().parse_args(args)).inject
+        assert config.short_circuit is True
+        spec = inject({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "labels": {INJECT_LABEL: "true"}},
+                       "spec": {"containers": [{"name": "t", "image": "t"}]}}, config)[0]["spec"]
+        assert [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v] == ["/run/shardcache"]
+        assert all(not m["mountPath"].startswith("/var/cache/shardcache/") and m["mountPath"] != "/var/cache/shardcache"
+                   for c in spec["containers"] + spec["initContainers"] for m in c.get("volumeMounts", []))
+        assert "--handles" in daemon(objects)["args"]
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -257,7 +260,7 @@ def test_notes_say_what_sigv4_means_for_tenants(renderer: Renderer) -> None:
     assert "checked at http://minio:9000" in quota and "each tenant may hold up to 50GiB" in quota
     none = renderer.files({"node": {"auth": {"mode": "none"}}})["shardcache/templates/NOTES.txt"]
     assert "WARNING: node.auth.mode is none" in none and "Tenants (node.auth.mode=sigv4)" not in none
-    assert "mounted read-only at /var/cache/shardcache" in none
+    assert "mounted read-only at /var/cache/shardcache" not in none and "SHARDCACHE_HANDLES" in none
 
 
 # ----------------------------------------------------------------------------- injection: pod shapes
@@ -589,7 +592,7 @@ def test_credential_properties(obj: dict[str, Any], config: InjectConfig) -> Non
     assert set(names[len(expected):]) <= {"AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"}
     assert not [n for n in names if n.startswith("AWS_ENDPOINT_URL") and n not in dict(config.env)]
     assert sidecar.get("envFrom", []) == [e for e in (source or {}).get("envFrom", []) if "secretRef" in e]
-    ours = {"shardcache-socket", "shardcache-pod-cache", "shardcache-node-cache"}
+    ours = {"shardcache-socket", "shardcache-pod-cache", "shardcache-pod-socket"}
     for mount in sidecar.get("volumeMounts", []):
         if mount["name"] not in ours and not (before and mount in before["volumeMounts"]):
             assert source is not None and mount["readOnly"] is True

@@ -67,6 +67,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "fail-closed": {"webhook": {"failurePolicy": "Fail", "timeoutSeconds": 10, "replicas": 3}},
     "namespaces": {"webhook": {"namespaceSelector": {"matchLabels": {"shardcache.io/enabled": "true"}}}},
     "workloads": {"webhook": {"injectWorkloads": True}},
+    # Pods restricted by default (namespaces labelled shardcache.io/mode=hostpath keep the socket);
+    # the admission policy only reporting, in its own namespaces (rendered where the API exists).
+    "restricted-default": {"webhook": {"injectWorkloads": True, "sidecar": {"mode": "restricted"}},
+                           "admissionPolicy": {"validationActions": ["Warn", "Audit"],
+                                               "namespaceSelector": {"matchLabels": {"training": "true"}}}},
     "sidecar": {"webhook": {"sidecar": {"image": {"repository": "mirror.local/shardcache", "tag": "9.9.9"}, "port": 9600,
                                         "shortCircuit": False, "podCacheSize": "40Gi",
                                         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": 2, "memory": "2Gi"}}}}},
@@ -189,6 +194,7 @@ def test_daemonset_contract_mounts_and_probes(rendered: dict[str, list[dict[str,
     assert c["args"] == [
         "--log-level", "INFO", "serve", "--mode", "node",
         "--listen", "unix:///run/shardcache/daemon.sock", "--listen", "tcp://0.0.0.0:8600",
+        "--handles", "unix:///run/shardcache/handles.sock",
         "--cache-dir", "/var/cache/shardcache", "--cache-size", "200GiB", "--min-free", "10%",
         "--eviction", "lru", "--origin", "s3",
         "--auth", "sigv4", "--auth-identity", "sts", "--auth-cache-ttl", "120",
@@ -209,6 +215,9 @@ def test_daemonset_contract_mounts_and_probes(rendered: dict[str, list[dict[str,
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     svc = find(objects, "Service", "-node")
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"][0]["port"] == 8600
+    # The daemon listens on its pod IP, through no host network or port (restricted-mode sidecars
+    # reach it through the node-local Service, tests/k8s/test_k8s_restricted.py).
+    assert "hostNetwork" not in spec and all("hostPort" not in p for p in c["ports"])
 
 
 def test_daemonset_args_parse_with_the_real_serve_command(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -233,18 +242,23 @@ def test_gpu_node_options(rendered: dict[str, list[dict[str, Any]]]) -> None:
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["cache"]["hostPath"]["path"] == "/mnt/nvme0/shardcache"
     assert volumes["socket"]["hostPath"]["path"] == "/var/run/shardcache"
-    # The webhook injects the same host paths into pods.
+    # The webhook injects the same socket directory into pods, and never the cache directory.
     hook_args = container(find(rendered["gpu-nodes"], "Deployment", "-webhook"))["args"]
-    assert arg_after(hook_args, "--cache-host-dir") == "/mnt/nvme0/shardcache"
     assert arg_after(hook_args, "--socket-host-dir") == "/var/run/shardcache"
+    assert "/mnt/nvme0/shardcache" not in hook_args
 
 
-def test_ephemeral_cache_disables_short_circuit(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_ephemeral_cache_keeps_short_circuit_by_handle(rendered: dict[str, list[dict[str, Any]]]) -> None:
     ds = find(rendered["ephemeral-cache"], "DaemonSet", "-node")
     volume = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}["cache"]
     claim = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
     assert claim["storageClassName"] == "local-path" and claim["resources"]["requests"]["storage"] == "800Gi"
-    assert "--no-short-circuit" in container(find(rendered["ephemeral-cache"], "Deployment", "-webhook"))["args"]
+    # File handles do not need the pods to see the cache directory, wherever it lives.
+    assert "--short-circuit" in container(find(rendered["ephemeral-cache"], "Deployment", "-webhook"))["args"]
+    assert arg_after(container(ds)["args"], "--handles") == "unix:///run/shardcache/handles.sock"
+    # Turned off in the chart: neither the daemon nor the sidecars serve handles.
+    assert "--no-short-circuit" in container(find(rendered["sidecar"], "Deployment", "-webhook"))["args"]
+    assert "--handles" not in container(find(rendered["sidecar"], "DaemonSet", "-node"))["args"]
 
 
 def test_s3_endpoint_and_credentials(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -364,18 +378,21 @@ def _webhook_parts(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
 
 def test_webhook_configuration_defaults(rendered: dict[str, list[dict[str, Any]]]) -> None:
     mwc, svc, deployment = _webhook_parts(rendered["defaults"])
-    (hook,) = mwc["webhooks"]
-    assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
-    assert hook["failurePolicy"] == "Ignore" and hook["timeoutSeconds"] == 5
-    assert hook["reinvocationPolicy"] == "IfNeeded"
-    assert hook["objectSelector"] == {"matchLabels": {INJECT_LABEL: "true"}}
-    excluded = hook["namespaceSelector"]["matchExpressions"][0]
-    assert excluded["operator"] == "NotIn" and set(excluded["values"]) == {"kube-system", NS}
-    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]
+    # One entry per injection mode, told apart by the namespace label (tests/k8s/test_k8s_restricted.py).
+    hostpath, restricted = mwc["webhooks"]
+    assert (hostpath["name"], restricted["name"]) == ("pods.inject.shardcache.io", "restricted-pods.inject.shardcache.io")
+    for hook in (hostpath, restricted):
+        assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
+        assert hook["failurePolicy"] == "Ignore" and hook["timeoutSeconds"] == 5
+        assert hook["reinvocationPolicy"] == "IfNeeded"
+        assert hook["objectSelector"] == {"matchLabels": {INJECT_LABEL: "true"}}
+        excluded = hook["namespaceSelector"]["matchExpressions"][0]
+        assert excluded["operator"] == "NotIn" and set(excluded["values"]) == {"kube-system", NS}
+        assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]
     args = container(deployment)["args"]
     assert arg_after(args, "--failure-policy") == "ignore"
-    # nativeSidecar auto on a 1.29+ cluster; no node cache mount under the default --auth sigv4.
-    assert "--native-sidecar" in args and "--no-short-circuit" in args
+    # nativeSidecar auto on a 1.29+ cluster; short-circuit reads by handle (no node cache mount).
+    assert "--native-sidecar" in args and "--short-circuit" in args and arg_after(args, "--mode") == "hostpath"
     assert arg_after(args, "--sidecar-image") == "ghcr.io/shardcache/shardcache:0.1.0"
     assert deployment["spec"]["replicas"] == 2
     assert find(rendered["defaults"], "PodDisruptionBudget", "-webhook")["spec"]["maxUnavailable"] == 1
@@ -499,14 +516,17 @@ def test_native_sidecar_switch_and_policies(rendered: dict[str, list[dict[str, A
     assert mwc["webhooks"][0]["failurePolicy"] == "Fail" and mwc["webhooks"][0]["timeoutSeconds"] == 10
     assert arg_after(container(deployment)["args"], "--failure-policy") == "fail"
     mwc, _, _ = _webhook_parts(rendered["namespaces"])
-    assert mwc["webhooks"][0]["namespaceSelector"] == {"matchLabels": {"shardcache.io/enabled": "true"}}
+    assert mwc["webhooks"][0]["namespaceSelector"] == {"matchLabels": {"shardcache.io/enabled": "true"},
+                                                       "matchExpressions": [{"key": "shardcache.io/mode", "operator": "NotIn", "values": ["restricted"]}]}
     assert not [o for o in rendered["single-webhook"] if o["kind"] == "PodDisruptionBudget"]
 
 
 def test_workload_injection_webhook(rendered: dict[str, list[dict[str, Any]]]) -> None:
     mwc, _, _ = _webhook_parts(rendered["workloads"])
-    pods, workloads = mwc["webhooks"]
+    pods, _restricted_pods, workloads, restricted_workloads = mwc["webhooks"]
     assert pods["name"] == "pods.inject.shardcache.io" and workloads["name"] == "workloads.inject.shardcache.io"
+    assert restricted_workloads["name"] == "restricted-workloads.inject.shardcache.io"
+    assert restricted_workloads["rules"] == workloads["rules"] and restricted_workloads["clientConfig"]["service"]["path"] == "/mutate/restricted"
     resources = {r for rule in workloads["rules"] for r in rule["resources"]}
     assert {"deployments", "statefulsets", "daemonsets", "jobs", "cronjobs", "pytorchjobs", "tfjobs"} <= resources
     assert workloads["objectSelector"] == pods["objectSelector"]

@@ -133,9 +133,9 @@ spec:
     train, eval_ = spec["containers"]
     assert (train["name"], eval_["name"]) == ("train", "eval") and eval_["image"] == "trainer:1"
     assert train["resources"] == eval_["resources"] == {"requests": {"cpu": "100m", "memory": "1Gi"}}
-    # Each container got its own endpoint variable once, though both env lists were one anchor.
+    # Each container got its own variables once, though both env lists were one anchor.
     for container in (train, eval_):
-        assert [e["name"] for e in container["env"]] == ["A", "B", "SHARDCACHE_ENDPOINT"]
+        assert [e["name"] for e in container["env"]] == ["A", "B", "SHARDCACHE_ENDPOINT", "SHARDCACHE_HANDLES"]
 
 
 def test_deep_but_reasonable_nesting_still_works() -> None:

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from sidecar.k8s.inject import (
     ENDPOINT_ENV,
+    HANDLES_ENV,
     INJECT_LABEL,
+    MODES,
     SIDECAR_NAME,
     InjectConfig,
     InjectionError,
@@ -88,8 +90,10 @@ def test_each_kind_native_sidecar(obj: dict[str, Any]) -> None:
         assert [c["name"] for c in spec["containers"]] == [c["name"] for c in before["spec"]["containers"]]
         for container in spec["containers"] + init[1:]:
             assert env_of(container)[ENDPOINT_ENV] == "http://127.0.0.1:8600"
-            mount = [m for m in container["volumeMounts"] if m["mountPath"] == "/var/cache/shardcache"]
-            assert mount == [{"name": "shardcache-node-cache", "mountPath": "/var/cache/shardcache", "readOnly": True}]
+            # Short-circuit by handle: the pod socket read-only, never the node cache directory.
+            assert env_of(container)[HANDLES_ENV] == "unix:///run/shardcache-pod/handles.sock"
+            mount = [m for m in container["volumeMounts"] if m["name"].startswith("shardcache-")]
+            assert mount == [{"name": "shardcache-pod-socket", "mountPath": "/run/shardcache-pod", "readOnly": True}]
         assert template["metadata"]["labels"][INJECT_LABEL] == "true"
         assert template["metadata"]["annotations"]["shardcache.io/injected"] == "native-sidecar"
 
@@ -129,15 +133,19 @@ def test_sidecar_matches_the_serve_contract() -> None:
     ]
     # The standalone cache stays under the emptyDir's sizeLimit (10Gi), or the pod gets evicted.
     assert args[9] == "--cache-size" and int(args[10]) == int(10 * 2**30 * 0.9)
+    # Handles for the app containers on the pod-local socket (relayed to the node's handles.sock).
+    assert args[11:] == ["--handles", "unix:///run/shardcache-pod/handles.sock"]
     volumes = volumes_of(spec)
     assert volumes["shardcache-socket"] == {"name": "shardcache-socket", "hostPath": {"path": "/run/shardcache", "type": "DirectoryOrCreate"}}
-    assert volumes["shardcache-node-cache"]["hostPath"]["path"] == "/var/cache/shardcache"
     assert volumes["shardcache-pod-cache"]["emptyDir"] == {"sizeLimit": "10Gi"}
+    assert volumes["shardcache-pod-socket"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
+    assert set(volumes) == {"shardcache-socket", "shardcache-pod-cache", "shardcache-pod-socket"}
     mounts = {m["mountPath"]: m for m in sidecar["volumeMounts"]}
     # Read-only: the sidecar only connects to daemon.sock and must not be able to replace it.
     assert mounts["/run/shardcache"] == {"name": "shardcache-socket", "mountPath": "/run/shardcache", "readOnly": True}
-    assert mounts["/var/cache/shardcache"] == {"name": "shardcache-node-cache", "mountPath": "/var/cache/shardcache", "readOnly": True}
+    assert mounts["/run/shardcache-pod"] == {"name": "shardcache-pod-socket", "mountPath": "/run/shardcache-pod"}
     assert mounts["/var/cache/shardcache-pod"]["name"] == "shardcache-pod-cache"
+    assert len(mounts) == 3
     for probe in ("readinessProbe", "startupProbe"):
         assert "readyz" in sidecar[probe]["exec"]["command"][2] and ":8600/" in sidecar[probe]["exec"]["command"][2]
     assert sidecar["startupProbe"]["failureThreshold"] * sidecar["startupProbe"]["periodSeconds"] == 120
@@ -166,13 +174,13 @@ def test_sidecar_env_from_config() -> None:
 
 
 def test_host_dirs_and_pull_policy_from_config() -> None:
-    config = InjectConfig(socket_host_dir="/mnt/nvme/run", cache_host_dir="/mnt/nvme/cache", image_pull_policy="Always")
+    config = InjectConfig(socket_host_dir="/mnt/nvme/run", image_pull_policy="Always")
     spec = inject(pod(), config)[0]["spec"]
     volumes = volumes_of(spec)
     assert volumes["shardcache-socket"]["hostPath"]["path"] == "/mnt/nvme/run"
-    assert volumes["shardcache-node-cache"]["hostPath"]["path"] == "/mnt/nvme/cache"
-    # Container paths do not move: the daemon's x-shardcache-path answers stay valid in the pod.
-    assert {m["mountPath"] for m in sidecar_of(spec)["volumeMounts"]} >= {"/run/shardcache", "/var/cache/shardcache"}
+    # Container paths do not move: the sidecar finds daemon.sock and handles.sock where the
+    # node daemon puts them in its own container.
+    assert {m["mountPath"] for m in sidecar_of(spec)["volumeMounts"]} >= {"/run/shardcache", "/run/shardcache-pod"}
     assert sidecar_of(spec)["imagePullPolicy"] == "Always"
 
 
@@ -269,17 +277,25 @@ def test_reinvocation_completes_containers_added_later() -> None:
 # ----------------------------------------------------------------------------- user choices win
 
 
-def test_existing_endpoint_env_and_cache_mount_are_kept() -> None:
+def test_existing_env_and_pod_socket_path_are_kept() -> None:
     obj = pod(containers=[{
         "name": "train", "image": "t:1",
         "env": [{"name": ENDPOINT_ENV, "value": "http://elsewhere:9000"}],
-        "volumeMounts": [{"name": "mine", "mountPath": "/var/cache/shardcache"}],
+        "volumeMounts": [{"name": "mine", "mountPath": "/run/shardcache-pod"}],
+    }, {
+        "name": "eval", "image": "t:1",
+        "env": [{"name": HANDLES_ENV, "value": "unix:///elsewhere/h.sock"}],
     }], volumes=[{"name": "mine", "emptyDir": {}}])
     out, outcome = inject(obj, CONFIG)
-    train = out["spec"]["containers"][0]
+    train, evaluate = out["spec"]["containers"]
     assert outcome.result == "injected"
+    # The path is the user's: no mount of ours over it, and no handles address the container
+    # could not reach.
     assert train["env"] == [{"name": ENDPOINT_ENV, "value": "http://elsewhere:9000"}]
-    assert train["volumeMounts"] == [{"name": "mine", "mountPath": "/var/cache/shardcache"}]
+    assert train["volumeMounts"] == [{"name": "mine", "mountPath": "/run/shardcache-pod"}]
+    # A value the user set wins; the mount is still added.
+    assert [e for e in evaluate["env"] if e["name"] == HANDLES_ENV] == [{"name": HANDLES_ENV, "value": "unix:///elsewhere/h.sock"}]
+    assert evaluate["volumeMounts"] == [{"name": "shardcache-pod-socket", "mountPath": "/run/shardcache-pod", "readOnly": True}]
     check_pod_semantics(out["spec"])
 
 
@@ -321,9 +337,11 @@ def test_annotations_override_the_configuration() -> None:
 
 def test_short_circuit_can_be_turned_off_per_pod() -> None:
     spec = inject(pod(annotations={"shardcache.io/short-circuit": "false"}), CONFIG)[0]["spec"]
-    assert "shardcache-node-cache" not in volumes_of(spec)
-    for container in spec["containers"] + spec["initContainers"]:
-        assert all(m["mountPath"] != "/var/cache/shardcache" for m in container.get("volumeMounts", []))
+    assert set(volumes_of(spec)) == {"shardcache-socket", "shardcache-pod-cache"}
+    assert "--handles" not in sidecar_of(spec)["args"]
+    for container in spec["containers"]:
+        assert HANDLES_ENV not in env_of(container)
+        assert "volumeMounts" not in container
     check_pod_semantics(spec)
 
 
@@ -338,6 +356,7 @@ def test_short_circuit_can_be_turned_off_per_pod() -> None:
         ("shardcache.io/sidecar-image", "not an image"),
         ("shardcache.io/short-circuit", "maybe"),
         ("shardcache.io/pod-cache-size", "-5Gi"),
+        ("shardcache.io/mode", "privileged"),
     ],
 )
 def test_bad_annotation_is_a_clear_error(annotation: str, value: str) -> None:
@@ -385,7 +404,8 @@ def test_malformed_or_conflicting_objects_raise_clear_errors(obj: Any, message: 
 
 def test_invalid_configuration_fails_at_construction() -> None:
     for kwargs in ({"port": 0}, {"image": "a b"}, {"pod_cache_size": "big"}, {"cpu_request": "x"},
-                   {"image_pull_policy": "Sometimes"}, {"socket_host_dir": "relative"}, {"startup_timeout_seconds": 0}):
+                   {"image_pull_policy": "Sometimes"}, {"socket_host_dir": "relative"}, {"startup_timeout_seconds": 0},
+                   {"mode": "baseline"}, {"restricted_upstream": "http://sc-local:8600"}, {"restricted_upstream": "tcp://sc-local:0"}):
         with pytest.raises(InjectionError):
             InjectConfig(**kwargs)  # type: ignore[arg-type]
 
@@ -452,7 +472,7 @@ _env = st.lists(st.fixed_dictionaries({"name": st.sampled_from(["A", "B", ENDPOI
 @st.composite
 def _pods(draw: st.DrawFn) -> dict[str, Any]:
     volume_names = draw(st.lists(_names.filter(lambda n: not n.startswith("shardcache")), max_size=3, unique=True))
-    mount_paths = st.sampled_from(["/data", "/var/cache/shardcache", "/out", "/var/cache"])
+    mount_paths = st.sampled_from(["/data", "/run/shardcache-pod", "/out", "/run"])
 
     def containers(prefix: str, max_size: int, min_size: int) -> list[dict[str, Any]]:
         names = draw(st.lists(_names.filter(lambda n: n != SIDECAR_NAME), min_size=min_size, max_size=max_size, unique=True))
@@ -474,11 +494,12 @@ def _pods(draw: st.DrawFn) -> dict[str, Any]:
         spec["volumes"] = [{"name": n, "emptyDir": {}} for n in volume_names]
     labels = draw(st.sampled_from([{}, {INJECT_LABEL: "true"}, {INJECT_LABEL: "false"}, {"app": "x", INJECT_LABEL: "true"}]))
     annotations = draw(st.dictionaries(
-        st.sampled_from(["shardcache.io/port", "shardcache.io/short-circuit", "shardcache.io/pod-cache-size", "other/x"]),
-        st.sampled_from(["9000", "true", "false", "20Gi"]), max_size=2,
+        st.sampled_from(["shardcache.io/port", "shardcache.io/short-circuit", "shardcache.io/pod-cache-size", "shardcache.io/mode", "other/x"]),
+        st.sampled_from(["9000", "true", "false", "20Gi", "hostpath", "restricted"]), max_size=3,
     ))
     # Only keep annotation values that are valid for their key (bad ones are tested above).
-    valid = {"shardcache.io/port": {"9000"}, "shardcache.io/short-circuit": {"true", "false"}, "shardcache.io/pod-cache-size": {"20Gi"}}
+    valid = {"shardcache.io/port": {"9000"}, "shardcache.io/short-circuit": {"true", "false"}, "shardcache.io/pod-cache-size": {"20Gi"},
+             "shardcache.io/mode": {"hostpath", "restricted"}}
     annotations = {k: v for k, v in annotations.items() if v in valid.get(k, {v})}
     meta: dict[str, Any] = {"name": "p", "labels": labels}
     if annotations:
@@ -487,9 +508,9 @@ def _pods(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(obj=_pods(), native=st.booleans(), require_label=st.booleans())
-def test_injection_properties(obj: dict[str, Any], native: bool, require_label: bool) -> None:
-    config = InjectConfig(native_sidecar=native)
+@given(obj=_pods(), native=st.booleans(), require_label=st.booleans(), mode=st.sampled_from(["hostpath", "restricted"]))
+def test_injection_properties(obj: dict[str, Any], native: bool, require_label: bool, mode: str) -> None:
+    config = InjectConfig(native_sidecar=native, mode=mode)  # type: ignore[arg-type]
     original = copy.deepcopy(obj)
     out, outcome = inject(obj, config, require_label=require_label)
     assert obj == original, "the input is never modified"
@@ -512,9 +533,15 @@ def test_injection_properties(obj: dict[str, Any], native: bool, require_label: 
         # Everything the user had is still there, in order.
         assert container["env"][: len(before.get("env", []))] == before.get("env", [])
         assert container.get("volumeMounts", [])[: len(before.get("volumeMounts", []))] == before.get("volumeMounts", [])
-    # Idempotent, whatever the configuration of the second pass.
+    # The pod's mode (its annotation, else the configuration's): restricted pods have no hostPath.
+    pod_mode = original["metadata"].get("annotations", {}).get("shardcache.io/mode", mode)
+    host_paths = [v["name"] for v in spec["volumes"] if "hostPath" in v]
+    assert host_paths == (["shardcache-socket"] if pod_mode == "hostpath" else [])
+    # Idempotent, whatever the configuration of the second pass (its mode included).
     assert inject(out, config, require_label=require_label) == (out, inject(out, config, require_label=require_label)[1])
     assert inject(out, InjectConfig(native_sidecar=not native))[0] == out
+    for other in MODES:
+        assert inject(out, InjectConfig(mode=other, short_circuit=other == "restricted"))[0] == out
     # The webhook's patch turns the original into exactly the injected object.
     assert jsonpatch.apply_patch(original, json_patch(original, out)) == out
     validate_k8s(out, "1.30")

@@ -74,15 +74,18 @@ def test_an_image_not_allowed_is_ignored_with_the_warning() -> None:
     check_pod_semantics(out["spec"])
 
 
-def test_a_pod_cannot_turn_the_node_cache_mount_back_on() -> None:
-    """Where the cluster turned short-circuit off (the chart does under --auth sigv4), the
-    annotation may not mount the node cache: it would show every tenant's cached files."""
-    out, outcome = inject(pod({"shardcache.io/short-circuit": "true"}), InjectConfig(image=DEFAULT, short_circuit=False))
-    assert "shardcache-node-cache" not in {v["name"] for v in out["spec"]["volumes"]}
-    (warning,) = outcome.warnings
-    assert "shardcache.io/short-circuit" in warning and "ignored" in warning
+def test_a_pod_cannot_turn_short_circuit_back_on() -> None:
+    """Where the cluster turned short-circuit reads off, or the pod is in restricted mode, the
+    annotation brings no handles socket; and no pod ever mounts the node cache."""
+    for config, mode in ((InjectConfig(image=DEFAULT, short_circuit=False), "hostpath"),
+                         (InjectConfig(image=DEFAULT, mode="restricted"), "restricted")):
+        out, outcome = inject(pod({"shardcache.io/short-circuit": "true"}), config)
+        assert "shardcache-pod-socket" not in {v["name"] for v in out["spec"]["volumes"]}
+        assert "--handles" not in sidecar_of(out["spec"])["args"]
+        (warning,) = outcome.warnings
+        assert "shardcache.io/short-circuit" in warning and "ignored" in warning and (mode != "restricted" or "restricted mode" in warning)
     on, _ = inject(pod({"shardcache.io/short-circuit": "true"}), InjectConfig(image=DEFAULT))
-    assert "shardcache-node-cache" in {v["name"] for v in on["spec"]["volumes"]}
+    assert {v["name"] for v in on["spec"]["volumes"]} == {"shardcache-socket", "shardcache-pod-cache", "shardcache-pod-socket"}
 
 
 @pytest.mark.parametrize(
@@ -412,8 +415,11 @@ def test_network_policies_by_default(charts: dict[str, list[dict[str, Any]]], re
             assert rule["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}]
             continue
         training, metrics = rule["from"]
-        # Training namespaces are, by default, the namespaces the webhook injects.
-        assert training == {"namespaceSelector": mwc["webhooks"][0]["namespaceSelector"]}
+        # Training namespaces are, by default, the namespaces the webhook injects, in either mode
+        # (each webhook entry adds its shardcache.io/mode expression to that selector).
+        for hook in mwc["webhooks"]:
+            expressions = hook["namespaceSelector"]["matchExpressions"]
+            assert [e for e in expressions if e["key"] != "shardcache.io/mode"] == training["namespaceSelector"]["matchExpressions"]
         assert metrics == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
         port = container["ports"][0]["containerPort"]
         assert admits(policy, "ml", port) and admits(policy, "monitoring", port)

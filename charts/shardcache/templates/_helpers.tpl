@@ -73,11 +73,53 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- define "shardcache.cacheMount" -}}/var/cache/shardcache{{- end }}
 {{- define "shardcache.originMount" -}}/var/lib/shardcache-origin{{- end }}
 
-{{/* Whether pods get the node cache dir for short-circuit reads. */}}
+{{/* Whether hostpath-mode pods get short-circuit reads by file handle (the daemon serves them on
+handles.sock next to daemon.sock). By handle, not by path: no pod mounts the node cache, so per-tenant
+reads (node.auth.mode sigv4) and an ephemeral cache allow them too. */}}
 {{- define "shardcache.shortCircuit" -}}
-{{- /* Not with per-tenant reads: the read-only node cache would show every tenant's cached bytes
-to every injected pod, past the daemon's checks. */ -}}
-{{- if and .Values.webhook.sidecar.shortCircuit (eq .Values.node.cache.type "hostPath") (ne .Values.node.auth.mode "sigv4") }}true{{ else }}false{{ end }}
+{{- if .Values.webhook.sidecar.shortCircuit }}true{{ else }}false{{ end }}
+{{- end }}
+
+{{- define "shardcache.handlesSocket" -}}{{ include "shardcache.socketMount" . }}/handles.sock{{- end }}
+
+{{/* The Service restricted-mode sidecars reach their node's daemon through (internalTrafficPolicy Local). */}}
+{{- define "shardcache.localServiceName" -}}
+{{- include "shardcache.componentName" (dict "ctx" . "component" "local") }}
+{{- end }}
+
+{{- define "shardcache.restrictedUpstream" -}}
+{{- printf "tcp://%s.%s.svc:%d" (include "shardcache.localServiceName" .) .Release.Namespace (int .Values.node.port) }}
+{{- end }}
+
+{{/* The other injection mode than webhook.sidecar.mode. */}}
+{{- define "shardcache.otherMode" -}}
+{{- if eq .Values.webhook.sidecar.mode "restricted" }}hostpath{{ else }}restricted{{ end }}
+{{- end }}
+
+{{/*
+Namespaces injected in one mode: (dict "ctx" $ "mode" "restricted"). The injected namespaces, and
+of those the ones whose label shardcache.io/mode names this mode (or, for webhook.sidecar.mode, not
+the other one): one webhook entry per mode, since an AdmissionReview carries no namespace labels.
+*/}}
+{{- define "shardcache.modeNamespaceSelector" -}}
+{{- $selector := include "shardcache.injectedNamespaceSelector" .ctx | fromYaml }}
+{{- $expression := dict "key" "shardcache.io/mode" "operator" "In" "values" (list .mode) }}
+{{- if eq .mode .ctx.Values.webhook.sidecar.mode }}
+{{- $expression = dict "key" "shardcache.io/mode" "operator" "NotIn" "values" (list (include "shardcache.otherMode" .ctx)) }}
+{{- end }}
+{{- $_ := set $selector "matchExpressions" (append ($selector.matchExpressions | default list) $expression) }}
+{{- toYaml $selector }}
+{{- end }}
+
+{{/*
+Namespaces the admission policy guards: admissionPolicy.namespaceSelector, else the injected ones;
+never kube-system nor the release's own (the node daemon's hostPath volumes live there).
+*/}}
+{{- define "shardcache.policyNamespaceSelector" -}}
+{{- $selector := deepCopy (.Values.admissionPolicy.namespaceSelector | default .Values.webhook.namespaceSelector | default dict) }}
+{{- $never := dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" (list "kube-system" .Release.Namespace) }}
+{{- $_ := set $selector "matchExpressions" (append ($selector.matchExpressions | default list) $never) }}
+{{- toYaml $selector }}
 {{- end }}
 
 {{/* Native sidecars: forced by webhook.nativeSidecar, or auto from the cluster version. */}}

@@ -30,11 +30,16 @@ examples:
   # honour shardcache.io/sidecar-image annotations naming the mirror's images (others: a warning)
   shardcache inject --allow-sidecar-image 'mirror.local/shardcache:*' -f job.yaml
 
+  # a namespace that enforces Pod Security restricted: no hostPath, the chart's node-local Service
+  shardcache inject --mode restricted --restricted-upstream tcp://sc-shardcache-local.shardcache.svc:8600 -f job.yaml
+
 Every pod template in the input is injected (Pod, Deployment, StatefulSet, DaemonSet, ReplicaSet,
 Job, CronJob, Kubeflow PyTorchJob/TFJob/MPIJob... replica specs) except those labelled
 shardcache.io/inject: "false"; --labelled-only injects only those labelled "true", as the webhook
 does. Other documents pass through unchanged. Injecting twice changes nothing. A report of what
-was done goes to stderr; with an error nothing is written and the exit status is 2. An annotation
+was done goes to stderr; with an error nothing is written and the exit status is 2. A pod's
+shardcache.io/mode annotation (hostpath or restricted) overrides --mode; a pod that already has
+the sidecar keeps the mode it was injected with. An annotation
 shardcache.io/sidecar-image naming an image that is neither --sidecar-image nor allowed by
 --allow-sidecar-image is ignored (the default image is used) with a warning on stderr.
 The sidecar signs its reads with the pod's own AWS credentials: it gets those of the pod's first
@@ -53,9 +58,15 @@ def _bool_default(flag: str, default: bool) -> bool:
 
 def add_injection_flags(parser: argparse.ArgumentParser) -> None:
     """Flags that describe the injected sidecar (shared by inject and webhook)."""
-    from sidecar.k8s.inject import DEFAULT_IMAGE, InjectConfig
+    from sidecar.k8s.inject import DEFAULT_IMAGE, MODES, InjectConfig
 
     defaults = InjectConfig.__dataclass_fields__
+    # No SHARDCACHE_MODE: that variable is `shardcache serve --mode`'s (node or sidecar).
+    add_flag(parser, "--mode", default=defaults["mode"].default, choices=list(MODES), env=False,
+             help="how the sidecar reaches the node daemon: hostpath (the daemon's socket directory, read-only; "
+             "short-circuit reads by file handle) or restricted (no hostPath: the node-local Service of "
+             "--restricted-upstream, a sidecar that Pod Security 'restricted' admits); a pod's "
+             "shardcache.io/mode annotation wins")
     add_flag(parser, "--sidecar-image", default=DEFAULT_IMAGE, metavar="IMAGE", help="sidecar container image")
     add_flag(parser, "--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"], help="sidecar imagePullPolicy")
     parser.add_argument(
@@ -69,15 +80,17 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--sidecar-port", default=defaults["port"].default, type=int, metavar="PORT",
              help="port of the sidecar's localhost endpoint (SHARDCACHE_ENDPOINT)")
     add_flag(parser, "--socket-host-dir", default=defaults["socket_host_dir"].default, metavar="DIR",
-             help="host directory holding the node daemon's socket")
-    add_flag(parser, "--cache-host-dir", default=defaults["cache_host_dir"].default, metavar="DIR",
-             help="host directory of the node daemon's cache (mounted read-only)")
+             help="host directory holding the node daemon's sockets (hostpath mode mounts it read-only into the sidecar)")
+    add_flag(parser, "--restricted-upstream", default=defaults["restricted_upstream"].default, metavar="tcp://HOST:PORT",
+             help="the node daemon for restricted-mode sidecars: a Service with internalTrafficPolicy Local selecting "
+             "the daemons (the chart's RELEASE-shardcache-local)")
     parser.add_argument(
         "--short-circuit",
         action=argparse.BooleanOptionalAction,
         default=_bool_default("--short-circuit", True),
-        help="mount the node cache dir read-only into the pod for short-circuit reads "
-        f"[env {env_name('--short-circuit')}]",
+        help="short-circuit reads by file handle in hostpath mode: the sidecar passes the app containers open "
+        "descriptors of the cached objects they may read over a pod-local socket (SHARDCACHE_HANDLES); no pod "
+        f"mounts the node cache [env {env_name('--short-circuit')}]",
     )
     add_flag(parser, "--pod-cache-size", default=defaults["pod_cache_size"].default, metavar="QUANTITY",
              help="emptyDir size of the standalone cache used when the node has no daemon")
@@ -116,12 +129,13 @@ def injection_config(args: argparse.Namespace) -> Any:
         env.append((name, value))
     try:
         return InjectConfig(
+            mode=args.mode,
             image=args.sidecar_image,
             image_pull_policy=args.image_pull_policy,
             native_sidecar=bool(args.native_sidecar),
             port=int(args.sidecar_port),
             socket_host_dir=args.socket_host_dir,
-            cache_host_dir=args.cache_host_dir,
+            restricted_upstream=args.restricted_upstream,
             short_circuit=bool(args.short_circuit),
             pod_cache_size=args.pod_cache_size,
             cpu_request=args.sidecar_cpu_request or None,
@@ -141,8 +155,10 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "inject",
         help="add the shardcache sidecar to Kubernetes manifests (offline, like linkerd inject)",
-        description="Read Kubernetes YAML, write it back to stdout with the shardcache sidecar, the daemon "
-        "socket, the read-only node cache dir and SHARDCACHE_ENDPOINT added to every pod template.",
+        description="Read Kubernetes YAML, write it back to stdout with the shardcache sidecar and "
+        "SHARDCACHE_ENDPOINT added to every pod template: in hostpath mode with the daemon's socket directory "
+        "(read-only, the sidecar only) and file handles on a pod-local socket (SHARDCACHE_HANDLES), in "
+        "restricted mode with no hostPath at all.",
         formatter_class=RawDefaultsFormatter,
         epilog=EXAMPLES,
     )

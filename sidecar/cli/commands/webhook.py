@@ -35,7 +35,10 @@ examples:
   shardcache webhook --allow-sidecar-image 'mirror.local/shardcache:*' \
       --master-token-secret shardcache-master-token --tls-cert tls.crt --tls-key tls.key
 
-Endpoints (HTTPS): POST /mutate (AdmissionReview v1), GET /healthz, /readyz, /metrics.
+Endpoints (HTTPS): POST /mutate (AdmissionReview v1, in --mode), POST /mutate/hostpath and
+/mutate/restricted (that mode: the chart points one webhook entry per mode at them, each with a
+namespaceSelector on the label shardcache.io/mode), GET /healthz, /readyz, /metrics. A pod's
+shardcache.io/mode annotation wins over the path.
 Only pods labelled shardcache.io/inject: "true" are injected. --failure-policy says what to answer
 for a pod that cannot be injected (bad annotation, conflicting volume or port): ignore admits it
 unchanged with a warning kubectl prints, fail refuses it. Set it to the MutatingWebhookConfiguration's

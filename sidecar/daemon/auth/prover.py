@@ -91,7 +91,7 @@ class Prover:
         async with self._lock:
             try:
                 return await self._prepare_locked(http)
-            except aiohttp.ClientConnectorError:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                 raise  # the daemon is not there: the sidecar serves from its standalone cache
             except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
                 self.invalidate()
