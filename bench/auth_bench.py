@@ -59,7 +59,6 @@ import random
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -75,6 +74,7 @@ from bench.common import (
     fmt_size,
     free_port,
     http_ok,
+    in_workdir,
     machine_facts,
     parse_size,
     spawn,
@@ -595,13 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.monotonic()
     facts = machine_facts()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardcache-auth-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        measured = run(args, workdir)
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+    measured = in_workdir(args.workdir, "shardcache-auth-bench-", args.keep, lambda workdir: run(args, workdir))
     facts["loadavg_end"] = os.getloadavg()
     results: dict[str, Any] = {
         "benchmark": "auth",

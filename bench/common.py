@@ -30,7 +30,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "REPO",
@@ -57,6 +59,7 @@ __all__ = [
     "drop_caches",
     "machine_facts",
     "write_results",
+    "in_workdir",
     "parse_size",
     "fmt_size",
     "TEST_CREDENTIALS",
@@ -496,6 +499,18 @@ def machine_facts(packages: tuple[str, ...] = ("aiohttp", "boto3", "botocore", "
         "git_revision": git_rev,
         "loadavg_start": os.getloadavg(),
     }
+
+
+def in_workdir(workdir: Path | None, prefix: str, keep: bool, run: Callable[[Path], T]) -> T:
+    """``run(workdir)`` in ``workdir`` (created), or in a fresh temporary directory; removed
+    afterwards unless ``keep``."""
+    where = workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(where)
+    finally:
+        if not keep:
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def write_results(path: Path, data: dict[str, Any]) -> Path:

@@ -38,10 +38,8 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -56,6 +54,7 @@ from bench.common import (
     fmt_size,
     free_port,
     http_ok,
+    in_workdir,
     machine_facts,
     make_samples,
     pack_shards,
@@ -469,13 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.monotonic()
     facts = machine_facts()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardcache-handles-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        measured = run(args, workdir)
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+    measured = in_workdir(args.workdir, "shardcache-handles-bench-", args.keep, lambda workdir: run(args, workdir))
     facts["loadavg_end"] = os.getloadavg()
     results: dict[str, Any] = {
         "benchmark": "handles",

@@ -4,7 +4,7 @@ LRU or hold eviction, xxh3-128 integrity and crash-safe atomic publishing.
 No HTTP and no asyncio here: the daemon (``sidecar``) drives it from an executor.
 """
 
-from cache.errors import CacheError, CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace
+from cache.errors import CacheError, CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace, ReadOnlyViewError
 from cache.settings import EVICTION_POLICIES, StoreSettings
 from cache.store import Entry, Store, Verifier, Writer, aligned_buffer, entry_id, hash_file
 
@@ -24,4 +24,5 @@ __all__ = [
     "EntryNotFound",
     "IntegrityError",
     "NoSpace",
+    "ReadOnlyViewError",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CacheError", "CacheLocked", "EntryNotFound", "CorruptEntry", "IntegrityError", "NoSpace"]
+__all__ = ["CacheError", "CacheLocked", "EntryNotFound", "CorruptEntry", "IntegrityError", "NoSpace", "ReadOnlyViewError"]
 
 
 class CacheError(Exception):
@@ -27,3 +27,8 @@ class IntegrityError(CacheError, ValueError):
 
 class NoSpace(CacheError, OSError):
     """The file system ran out of space (or quota) while writing an entry."""
+
+
+class ReadOnlyViewError(CacheError, PermissionError):
+    """``StoreSettings.read_only_view`` is not the cache directory mounted read-only (at start-up,
+    or no longer: remounted, unmounted). The message says what to mount."""

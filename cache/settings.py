@@ -41,6 +41,14 @@ class StoreSettings:
     says; one that cannot fit (larger than the quota, or the tenant's entries are in use) is
     served uncached. Entries filled without a tenant count for nobody. ``None``: no quota."""
 
+    read_only_view: Path | None = None
+    """The cache directory mounted read-only a second time: descriptors handed to other processes
+    are opened through it (:meth:`cache.Store.open_verified` with ``for_others``). A reopen of a
+    descriptor through ``/proc/<pid>/fd/N`` goes through the mount it was opened on, so on a
+    read-only mount it cannot be for writing, not even by root with ``CAP_DAC_OVERRIDE``.
+    :meth:`cache.Store.open` checks it is ``root`` itself and read-only. ``None``: descriptors are
+    opened through ``root``."""
+
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, not {self.eviction!r}")

@@ -26,6 +26,16 @@ expected checksum when the caller knows it (manifest). A published file is re-ha
 served whenever its (inode, size, mtime, ctime) stamp differs from the one last verified by this
 process, i.e. on the first read after start-up and after anything touched the file.
 
+Descriptors for other processes (``StoreSettings.read_only_view``): a process handed a descriptor
+opened read-only can still reopen it for writing through ``/proc/self/fd/N`` if it may write the
+file (root with ``CAP_DAC_OVERRIDE``: mode 0444 does not stop it). That reopen goes through the
+mount the descriptor was opened on, so :meth:`Store.open_verified` with ``for_others`` opens
+through a read-only mount of the same directory: the reopen fails with ``EROFS`` whoever asks, and
+so do ``fchmod``, ``fchown`` and ``futimens`` on the descriptor. :meth:`Store.open` refuses a view
+that is not this directory or not read-only (:class:`ReadOnlyViewError`), and every such open
+checks its descriptor again (same file system, read-only mount), so a view remounted or unmounted
+meanwhile hands out nothing rather than a writable descriptor.
+
 This module is synchronous and thread-safe; the daemon calls it from an executor.
 """
 
@@ -50,10 +60,10 @@ from typing import Protocol
 
 import xxhash
 
-from cache.errors import CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace
+from cache.errors import CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace, ReadOnlyViewError
 from cache.settings import StoreSettings
 
-__all__ = ["Store", "Entry", "Writer", "Verifier", "entry_id", "hash_file"]
+__all__ = ["Store", "Entry", "Writer", "Verifier", "ReadOnlyViewError", "entry_id", "hash_file"]
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +383,9 @@ class Store:
         self._tmp_dir = self.base / "tmp"
         self._data_dir = self.base / "data"
         self._meta_dir = self.base / "meta"
+        view = settings.read_only_view
+        self._view_data_dir = Path(view) / _LAYOUT / "data" if view is not None else None
+        self._data_dev: int | None = None  # st_dev of the data directory, once the view is checked
         self._lock = threading.RLock()
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
         self._by_name: dict[tuple[str, str], str] = {}
@@ -412,11 +425,49 @@ class Store:
         except BlockingIOError as exc:
             os.close(fd)
             raise CacheLocked(f"cache directory {self.settings.root} is used by another process") from exc
+        try:
+            self._check_view(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
         for leftover in self._tmp_dir.iterdir():
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 leftover.unlink()
         self._rebuild_index()
+
+    def _view_hint(self) -> str:
+        root, view = self.settings.root, self.settings.read_only_view
+        return (f"mount the cache directory {root} a second time, read-only, at {view} (mount --bind {root} {view} "
+                f"&& mount -o remount,bind,ro {view}; in Kubernetes a second volumeMount of the cache volume "
+                f"with readOnly: true)")
+
+    def _check_view(self, lock_fd: int) -> None:
+        """That ``read_only_view`` shows this very directory (the same LOCK file and data
+        directory, by device and inode, as a bind mount does) on a read-only mount."""
+        view = self.settings.read_only_view
+        if view is None or self._view_data_dir is None:
+            return
+        try:
+            seen = [os.stat(self._view_data_dir.parent / "LOCK"), os.stat(self._view_data_dir)]
+        except OSError as exc:
+            raise ReadOnlyViewError(
+                f"the read-only view {view} does not show the cache ({exc.strerror}: {exc.filename}): {self._view_hint()}"
+            ) from None
+        own = [os.fstat(lock_fd), os.stat(self._data_dir)]
+        if any((a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) for a, b in zip(seen, own, strict=True)):
+            raise ReadOnlyViewError(
+                f"the read-only view {view} is another directory than the cache {self.settings.root} "
+                f"(its {_LAYOUT}/LOCK or {_LAYOUT}/data is another file): {self._view_hint()}"
+            )
+        if not os.statvfs(self._view_data_dir).f_flag & os.ST_RDONLY:
+            raise ReadOnlyViewError(
+                f"the read-only view {view} is the cache directory, but mounted read-write: a descriptor opened "
+                f"through it could be reopened for writing; {self._view_hint()}"
+            )
+        self._data_dev = own[1].st_dev
+        log.info("cache %s: descriptors for other processes are opened through the read-only view %s",
+                 self.settings.root, view)
 
     def close(self) -> None:
         with self._lock:
@@ -535,21 +586,37 @@ class Store:
             with self._lock:
                 entry.pins -= 1
 
-    def open_verified(self, entry: Entry, force: bool = False) -> tuple[int, os.stat_result]:
+    def open_verified(
+        self, entry: Entry, force: bool = False, *, for_others: bool = False
+    ) -> tuple[int, os.stat_result]:
         """Open a published entry for reading, re-hashing it first if it is not known good (or
         with ``force``, whatever its stamp says).
 
+        ``for_others``: the descriptor goes to another process (a pod): opened through
+        ``read_only_view`` when there is one, so that it cannot be reopened for writing (see the
+        module docstring). Same checks and stamp either way: a bind mount shows the same inode.
+
         Returns ``(fd, stat)``; the caller closes the fd. Raises :class:`CorruptEntry` (and removes
-        the entry) when the bytes no longer match, :class:`EntryNotFound` if it vanished.
+        the entry) when the bytes no longer match, :class:`EntryNotFound` if it vanished,
+        :class:`ReadOnlyViewError` if the view stopped being the cache on a read-only mount.
         """
-        path = self._data_path(entry.id)
+        view = for_others and self._view_data_dir is not None
+        path = self._view_data_path(entry.id) if view else self._data_path(entry.id)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
+            if view and self._data_path(entry.id).exists():
+                # The view lost sight of the cache (unmounted): the entry itself is fine.
+                raise ReadOnlyViewError(
+                    f"the read-only view {self.settings.read_only_view} no longer shows {entry.bucket}/{entry.key}: "
+                    f"{self._view_hint()}"
+                ) from exc
             self.remove(entry)
             raise EntryNotFound(f"{entry.bucket}/{entry.key} is no longer cached") from exc
         try:
             stat = os.fstat(fd)
+            if view:
+                self._check_view_fd(fd, stat, entry)
             stamp = _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
             if force or self._verified.get(entry.id) != stamp:
                 digest = None
@@ -567,6 +634,20 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
+
+    def _view_data_path(self, ident: str) -> Path:
+        assert self._view_data_dir is not None
+        return self._view_data_dir / ident[:2] / ident
+
+    def _check_view_fd(self, fd: int, stat: os.stat_result, entry: Entry) -> None:
+        """A descriptor opened through the view is on the cache's file system and a read-only
+        mount, as :meth:`open` found the view (two syscalls' worth; the view could have been
+        remounted since)."""
+        if stat.st_dev != self._data_dev or not os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+            raise ReadOnlyViewError(
+                f"the read-only view {self.settings.read_only_view} is no longer the cache on a read-only mount "
+                f"(opening {entry.bucket}/{entry.key}): {self._view_hint()}"
+            )
 
     def _mark_hashed(self, ident: str, stamp: _Stamp) -> None:
         with self._lock:

@@ -5,7 +5,9 @@ Node mode (``serve --handles unix:///run/shardcache/handles.sock``): a request i
 HTTP GET of the object is (``--auth sigv4``: the session, then the proof of that object, cached
 or not), then answered with a descriptor of the entry that the store opened and verified
 (:meth:`cache.Store.open_verified`, as the sendfile path does: never a file that changed since it
-was published): a hit, or a miss filled at demand priority first. Objects the store does not keep
+was published), opened ``for_others``: through the cache directory's read-only view
+(``--cache-dir-read-only``), so that not even a root pod can reopen it for writing through
+``/proc/self/fd``. A hit, or a miss filled at demand priority first. Objects the store does not keep
 (``manifest.json``, a full cache, a tenant over its quota) are 409 ``NotCached``: the client reads
 them over HTTP. The daemon closes its copy of the descriptor once it is sent.
 
@@ -40,7 +42,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 from aiohttp import web
 
-from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, Store
+from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, ReadOnlyViewError, Store
 from sidecar.daemon.auth.http import AUTH
 from sidecar.daemon.forward import UPSTREAM
 from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, STORE
@@ -431,14 +433,18 @@ class NodeHandles:
 
 
 async def _open_entry(store: Store, entry: Entry, force: bool) -> int | None:
-    """The entry's file, open read-only and close-on-exec (``os.open``'s default), if it checks
-    out: re-hashed when its stamp moved since the last hash, or ``force``. ``None`` if it was
-    corrupt (removed) or is gone: fetched again."""
+    """The entry's file, open read-only and close-on-exec (``os.open``'s default), through the
+    read-only view when there is one, if it checks out: re-hashed when its stamp moved since the
+    last hash, or ``force``. ``None`` if it was corrupt (removed) or is gone: fetched again."""
     with store.pinned(entry):
         try:
-            fd, _ = await asyncio.to_thread(store.open_verified, entry, force)
+            fd, _ = await asyncio.to_thread(store.open_verified, entry, force, for_others=True)
         except (CorruptEntry, EntryNotFound):
             return None
+        except ReadOnlyViewError as exc:
+            # Never a writable descriptor instead: the pod reads this one over HTTP.
+            log.error("%s", exc)
+            raise NotCached(f"{entry.bucket}/{entry.key}: no descriptor can be handed out safely now; read it over HTTP") from exc
     return fd
 
 
@@ -593,6 +599,13 @@ async def start_handles(app: web.Application, settings: ServeSettings) -> Handle
         connect = relay.connect
     else:
         connect = NodeHandles(app, loop).connect
+        if settings.store.read_only_view is None:
+            log.warning(
+                "--handles without --cache-dir-read-only: a pod running as root (CAP_DAC_OVERRIDE is in the default "
+                "container capabilities) can reopen a descriptor it is handed for writing through /proc/self/fd and "
+                "change the cached bytes other pods read. Mount the cache directory a second time, read-only, and pass "
+                "it as --cache-dir-read-only (the chart does), or run training containers as non-root"
+            )
     limit = settings.connections.max_connections
     if settings.mode == "sidecar":
         limit = min(limit, MAX_CONNECTIONS)  # one pod holds a bounded share of the node's

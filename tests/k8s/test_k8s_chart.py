@@ -195,8 +195,8 @@ def test_daemonset_contract_mounts_and_probes(rendered: dict[str, list[dict[str,
         "--log-level", "INFO", "serve", "--mode", "node",
         "--listen", "unix:///run/shardcache/daemon.sock", "--listen", "tcp://0.0.0.0:8600",
         "--handles", "unix:///run/shardcache/handles.sock",
-        "--cache-dir", "/var/cache/shardcache", "--cache-size", "200GiB", "--min-free", "10%",
-        "--eviction", "lru", "--origin", "s3",
+        "--cache-dir", "/var/cache/shardcache", "--cache-dir-read-only", "/var/cache/shardcache-ro",
+        "--cache-size", "200GiB", "--min-free", "10%", "--eviction", "lru", "--origin", "s3",
         "--auth", "sigv4", "--auth-identity", "sts", "--auth-cache-ttl", "120",
     ]
     spec = ds["spec"]["template"]["spec"]
@@ -204,6 +204,10 @@ def test_daemonset_contract_mounts_and_probes(rendered: dict[str, list[dict[str,
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert volumes[mounts["/run/shardcache"]]["hostPath"] == {"path": "/run/shardcache", "type": "DirectoryOrCreate"}
     assert volumes[mounts["/var/cache/shardcache"]]["hostPath"] == {"path": "/var/cache/shardcache", "type": "DirectoryOrCreate"}
+    # The same volume again, read-only: the handed-out descriptors are opened through it (a root
+    # pod cannot reopen one for writing through /proc/self/fd; tests/daemon/test_handles_readonly.py).
+    assert {"name": "cache", "mountPath": "/var/cache/shardcache-ro", "readOnly": True} in c["volumeMounts"]
+    assert not any(m.get("readOnly") for m in c["volumeMounts"] if m["mountPath"] == "/var/cache/shardcache")
     assert c["securityContext"]["readOnlyRootFilesystem"] is True and "/tmp" in mounts
     assert c["ports"] == [{"name": "http", "containerPort": 8600, "protocol": "TCP"}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
@@ -256,9 +260,14 @@ def test_ephemeral_cache_keeps_short_circuit_by_handle(rendered: dict[str, list[
     # File handles do not need the pods to see the cache directory, wherever it lives.
     assert "--short-circuit" in container(find(rendered["ephemeral-cache"], "Deployment", "-webhook"))["args"]
     assert arg_after(container(ds)["args"], "--handles") == "unix:///run/shardcache/handles.sock"
-    # Turned off in the chart: neither the daemon nor the sidecars serve handles.
+    # The ephemeral volume is mounted read-only a second time too, for the descriptors.
+    assert arg_after(container(ds)["args"], "--cache-dir-read-only") == "/var/cache/shardcache-ro"
+    assert {"name": "cache", "mountPath": "/var/cache/shardcache-ro", "readOnly": True} in container(ds)["volumeMounts"]
+    # Turned off in the chart: neither the daemon nor the sidecars serve handles (and no view).
     assert "--no-short-circuit" in container(find(rendered["sidecar"], "Deployment", "-webhook"))["args"]
-    assert "--handles" not in container(find(rendered["sidecar"], "DaemonSet", "-node"))["args"]
+    plain = container(find(rendered["sidecar"], "DaemonSet", "-node"))
+    assert "--handles" not in plain["args"] and "--cache-dir-read-only" not in plain["args"]
+    assert [m["mountPath"] for m in plain["volumeMounts"] if m["name"] == "cache"] == ["/var/cache/shardcache"]
 
 
 def test_s3_endpoint_and_credentials(rendered: dict[str, list[dict[str, Any]]]) -> None:

@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--listen", action="append", metavar="ADDR",
              help="unix:///path.sock or tcp://host:port; repeatable (default tcp://127.0.0.1:8600)")
     add_flag(parser, "--cache-dir", default="/var/cache/shardcache", help="directory holding the cache")
+    add_flag(parser, "--cache-dir-read-only", default=None, metavar="PATH",
+             help="the --cache-dir mounted a second time, read-only: the --handles descriptors given to pods are "
+                  "opened through it, so that not even a root pod can reopen one for writing through /proc/self/fd "
+                  "(node mode; default: through --cache-dir, with a warning)")
     add_flag(parser, "--cache-size", default="100GiB", help="cache capacity, e.g. 200GiB")
     add_flag(parser, "--min-free", default="10%", help="keep this much of the file system free")
     add_flag(parser, "--max-items", default="1000000", help="maximum number of cached objects")
@@ -151,6 +155,10 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         raise UserError("--upstream-handles is for --mode sidecar --handles unix:///...")
     if args.mode == "sidecar" and handles and not upstream_handles and not str(args.upstream).startswith("unix://"):
         raise UserError("--handles with a TCP --upstream needs --upstream-handles unix:///run/shardcache/handles.sock")
+    read_only_view = args.cache_dir_read_only or None  # SHARDCACHE_CACHE_DIR_READ_ONLY= (empty) means none
+    if read_only_view is not None and args.mode != "node":
+        raise UserError("--cache-dir-read-only is the node daemon's (--mode node --handles): a sidecar hands out "
+                        "the node daemon's descriptors")
     concurrency = _int(args.origin_concurrency, "--origin-concurrency", 2)
     auth = _auth_settings(args)
     try:
@@ -161,6 +169,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             max_items=_int(args.max_items, "--max-items", 1),
             eviction=args.eviction,
             tenant_quota_bytes=_tenant_quota(args.tenant_quota),
+            read_only_view=Path(read_only_view) if read_only_view is not None else None,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -209,7 +218,7 @@ def _auth_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
-    from cache import CacheLocked
+    from cache import CacheLocked, ReadOnlyViewError
     from sidecar.daemon.server import run_daemon
 
     settings = build_settings(args)
@@ -217,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
         run_daemon(settings)
     except CacheLocked as exc:
         raise UserError(f"{exc}; stop the other daemon or use another --cache-dir", EXIT_UNAVAILABLE) from None
+    except ReadOnlyViewError as exc:
+        raise UserError(f"--cache-dir-read-only: {exc}") from None
     except OSError as exc:
         if exc.errno in (98, 13):  # EADDRINUSE, EACCES on a listen address
             raise UserError(f"cannot listen: {exc}", EXIT_UNAVAILABLE) from None
