@@ -53,7 +53,7 @@ from typing import Any, Self
 
 from bench.common import spawn, stop_process, wait_until
 
-__all__ = ["FarHost", "FarHostUnavailable", "check_available", "TBF_BURST", "TBF_LATENCY", "NETNS_PREFIX",
+__all__ = ["run_ip", "used_networks", "FarHost", "FarHostUnavailable", "check_available", "TBF_BURST", "TBF_LATENCY", "NETNS_PREFIX",
            "sender_command", "listening", "measure_mb_s", "netns_exists", "link_exists", "main"]
 
 NETNS_PREFIX = "scb-"
@@ -80,7 +80,7 @@ def check_available() -> None:
                                  "qdiscs (run as root, e.g. sudo -E python -m bench ...)")
 
 
-def _run(args: list[str], timeout: float = _CMD_TIMEOUT_S, stdin: str | None = None) -> str:
+def run_ip(args: list[str], timeout: float = _CMD_TIMEOUT_S, stdin: str | None = None) -> str:
     """Run one ``ip``/``tc`` command (``stdin``: what to feed it), bounded; raise with its own
     error message on failure."""
     try:
@@ -93,7 +93,7 @@ def _run(args: list[str], timeout: float = _CMD_TIMEOUT_S, stdin: str | None = N
 
 
 def netns_exists(name: str) -> bool:
-    return name in _run(["ip", "netns", "list"]).split()
+    return name in run_ip(["ip", "netns", "list"]).split()
 
 
 def link_exists(name: str) -> bool:
@@ -101,14 +101,14 @@ def link_exists(name: str) -> bool:
     return os.path.exists(f"/sys/class/net/{name}")
 
 
-def _used_networks() -> list[ipaddress.IPv4Network]:
+def used_networks() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network an interface holds or a route points at, in the root namespace."""
     used = []
-    for line in _run(["ip", "-o", "-4", "addr", "show"]).splitlines():
+    for line in run_ip(["ip", "-o", "-4", "addr", "show"]).splitlines():
         words = line.split()
         if "inet" in words:
             used.append(ipaddress.IPv4Interface(words[words.index("inet") + 1]).network)
-    for line in _run(["ip", "-4", "route", "show", "table", "all"]).splitlines():
+    for line in run_ip(["ip", "-4", "route", "show", "table", "all"]).splitlines():
         words = line.split()
         # "default via ...", "local 10.1.2.3 dev ...", "10.8.0.0/16 dev tun0": the destination
         # is the first word that parses as a network.
@@ -120,7 +120,7 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
-    used = _used_networks()
+    used = used_networks()
     rng = random.Random(secrets.randbits(32))
     for _ in range(512):
         net = ipaddress.IPv4Network(f"10.{rng.choice(_SECOND_OCTETS)}.{rng.randrange(256)}.0/30")
@@ -195,13 +195,13 @@ class FarHost:
         for prefix, dev in ((["tc"], self.host_veth), (["tc", "-n", self.name], self.ns_veth)):
             if capped and self.flow_mbps is not None and dev == self.ns_veth:
                 with contextlib.suppress(RuntimeError):
-                    _run([*prefix, "qdisc", "del", "dev", dev, "root"])
-                _run([*prefix, "-force", "-batch", "-"], stdin=self._flow_batch())
+                    run_ip([*prefix, "qdisc", "del", "dev", dev, "root"])
+                run_ip([*prefix, "-force", "-batch", "-"], stdin=self._flow_batch())
             elif capped:
-                _run([*prefix, "qdisc", "replace", "dev", dev, "root", *self.tbf_args()])
+                run_ip([*prefix, "qdisc", "replace", "dev", dev, "root", *self.tbf_args()])
             else:
                 with contextlib.suppress(RuntimeError):  # no qdisc there: already uncapped
-                    _run([*prefix, "qdisc", "del", "dev", dev, "root"])
+                    run_ip([*prefix, "qdisc", "del", "dev", dev, "root"])
 
     @contextlib.contextmanager
     def uncapped(self) -> Iterator[None]:
@@ -239,23 +239,23 @@ class FarHost:
         # Marked before the first command runs, and teardown checks what exists: a Ctrl-C between
         # the kernel acting and the command returning leaves nothing behind either.
         self._made = True
-        _run(["ip", "netns", "add", self.name])
-        _run(["ip", "link", "add", self.host_veth, "type", "veth", "peer", "name", self.ns_veth])
-        _run(["ip", "link", "set", self.ns_veth, "netns", self.name])
+        run_ip(["ip", "netns", "add", self.name])
+        run_ip(["ip", "link", "add", self.host_veth, "type", "veth", "peer", "name", self.ns_veth])
+        run_ip(["ip", "link", "set", self.ns_veth, "netns", self.name])
         self.subnet = _free_subnet()
         host, far = list(self.subnet.hosts())
         self.host_address, self.address = str(host), str(far)
-        _run(["ip", "addr", "add", f"{host}/{self.subnet.prefixlen}", "dev", self.host_veth])
-        _run(["ip", "link", "set", self.host_veth, "up"])
-        _run(["ip", "-n", self.name, "addr", "add", f"{far}/{self.subnet.prefixlen}", "dev", self.ns_veth])
-        _run(["ip", "-n", self.name, "link", "set", self.ns_veth, "up"])
-        _run(["ip", "-n", self.name, "link", "set", "lo", "up"])
+        run_ip(["ip", "addr", "add", f"{host}/{self.subnet.prefixlen}", "dev", self.host_veth])
+        run_ip(["ip", "link", "set", self.host_veth, "up"])
+        run_ip(["ip", "-n", self.name, "addr", "add", f"{far}/{self.subnet.prefixlen}", "dev", self.ns_veth])
+        run_ip(["ip", "-n", self.name, "link", "set", self.ns_veth, "up"])
+        run_ip(["ip", "-n", self.name, "link", "set", "lo", "up"])
         self.set_capped(True)
         wait_until(self._carrier_up, timeout=10, what=f"the far host's link {self.host_veth} to come up")
 
     def _carrier_up(self) -> bool:
         state = Path(f"/sys/class/net/{self.host_veth}/operstate").read_text().strip()
-        return state == "up" and "state UP" in _run(["ip", "-n", self.name, "-o", "link", "show", self.ns_veth])
+        return state == "up" and "state UP" in run_ip(["ip", "-n", self.name, "-o", "link", "show", self.ns_veth])
 
     def _stop_inside(self) -> None:
         """Stop what this far host started, then anything else still in its namespace (a child
@@ -279,14 +279,14 @@ class FarHost:
     def pids_inside(self) -> list[int]:
         """Every process in the namespace (``ip netns pids``); [] once it is gone."""
         try:
-            return [int(word) for word in _run(["ip", "netns", "pids", self.name]).split()]
+            return [int(word) for word in run_ip(["ip", "netns", "pids", self.name]).split()]
         except RuntimeError:
             return []
 
     def _delete_host_veth(self) -> None:
         if link_exists(self.host_veth):
             with contextlib.suppress(RuntimeError):  # gone with the namespace meanwhile
-                _run(["ip", "link", "del", self.host_veth])
+                run_ip(["ip", "link", "del", self.host_veth])
         # The kernel frees a pair whose namespace end went with its namespace asynchronously.
         wait_until(lambda: not link_exists(self.host_veth), timeout=5, what=f"{self.host_veth} to go")
 
@@ -301,7 +301,7 @@ class FarHost:
         finally:
             try:
                 if netns_exists(self.name):
-                    _run(["ip", "netns", "del", self.name])
+                    run_ip(["ip", "netns", "del", self.name])
             finally:
                 self._delete_host_veth()
                 self._made = False

@@ -21,6 +21,11 @@ caused its fill. A fill that would take that tenant past its quota first evicts 
 least recently used entries, from a per-tenant LRU kept in step with the global one, so the cost
 is per eviction and not a scan of the index; entries of tenant "" count for nobody.
 
+Borrowed entries (:attr:`Entry.borrowed`): copies of objects another daemon of the cluster owns
+(read from that peer). Under ``lru`` the oldest unpinned borrowed entry is evicted before any
+owned one, from a second LRU kept in step with the global one: a node's share of the cluster's
+dataset stays while its disk holds borrowed copies it could read again from a peer.
+
 Integrity: the xxh3-128 of every entry is computed while it is filled and checked against the
 expected checksum when the caller knows it (manifest). A published file is re-hashed before it is
 served whenever its (inode, size, mtime, ctime) stamp differs from the one last verified by this
@@ -44,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import mmap
@@ -137,6 +143,8 @@ class Entry:
     # Whose request caused the fill (an IAM principal ARN, ``key:AKIA...``): the entry's bytes
     # count against that tenant's quota. "" (no auth, or a meta file older than tenants): nobody's.
     tenant: str = ""
+    # A copy of an object another daemon of the cluster owned when it was filled: evicted first.
+    borrowed: bool = False
 
     def meta(self) -> dict[str, object]:
         data = asdict(self)
@@ -175,6 +183,7 @@ class Writer:
         self, store: Store, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None,
         last_modified: str | None = None, headers: tuple[tuple[str, str], ...] = (),
         verifier: Verifier | None = None, checksums: tuple[tuple[str, str], ...] = (), tenant: str = "",
+        borrowed: bool = False,
     ) -> None:
         """Made by :meth:`Store.begin`, which has checked ``last_modified``, ``headers`` and ``tenant``."""
         self.store = store
@@ -188,6 +197,7 @@ class Writer:
         self.verifier = verifier
         self.checksums = checksums
         self.tenant = tenant
+        self.borrowed = borrowed
         self.digest: str | None = None  # the xxh3-128, once sealed
         self.path = store._tmp_dir / f"{secrets.token_hex(8)}.part"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -388,6 +398,7 @@ class Store:
         self._data_dev: int | None = None  # st_dev of the data directory, once the view is checked
         self._lock = threading.RLock()
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
+        self._borrowed: OrderedDict[str, None] = OrderedDict()  # the borrowed ones, in the same order
         self._by_name: dict[tuple[str, str], str] = {}
         self._verified: dict[str, _Stamp] = {}
         # When each entry's bytes were last hashed in full (monotonic), oldest first, and the
@@ -519,6 +530,7 @@ class Store:
                 verified=_checked_text(meta.get("verified")) or "",
                 checksums=_checked_headers(meta.get("checksums", [])),
                 tenant=_checked_tenant(meta.get("tenant")),  # absent before tenants: nobody's
+                borrowed=meta.get("borrowed") is True,  # absent before clusters: owned
             )
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("discarding unreadable cache meta %s", meta_path)
@@ -687,6 +699,8 @@ class Store:
             current = self._entries.get(entry.id)
             if current is not None:
                 self._entries.move_to_end(entry.id)
+                if current.borrowed:
+                    self._borrowed.move_to_end(entry.id)
                 self._tenants.touch(current)
 
     def touch(self, entry: Entry) -> None:
@@ -724,6 +738,7 @@ class Store:
         self, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None = None,
         last_modified: str | None = None, headers: Sequence[tuple[str, str]] = (),
         verifier: Verifier | None = None, checksums: Sequence[tuple[str, str]] = (), tenant: str = "",
+        borrowed: bool = False,
     ) -> Writer | None:
         """Reserve room for a new entry and start filling it, or ``None`` if the policy does not
         admit it now (no room under ``hold``, everything evictable is in use, or ``tenant``'s
@@ -731,7 +746,8 @@ class Store:
         (raises ``ValueError`` if they could not be answered again as headers), and so are
         ``checksums`` (the origin's checksum headers); ``verifier`` checks the bytes at
         :meth:`Writer.seal`. ``tenant`` is whose request causes the fill ("" for nobody): past
-        its quota, its own least recently used entries go first, under either eviction policy."""
+        its quota, its own least recently used entries go first, under either eviction policy.
+        ``borrowed``: a copy of an object another daemon of the cluster owns (evicted first)."""
         headers = _checked_headers([list(pair) for pair in headers])
         checksums = _checked_headers([list(pair) for pair in checksums])
         _checked_text(last_modified)
@@ -762,7 +778,8 @@ class Store:
                     return None
             try:
                 writer = Writer(
-                    self, bucket, key, etag, size, expected_xxh3, last_modified, headers, verifier, checksums, tenant
+                    self, bucket, key, etag, size, expected_xxh3, last_modified, headers, verifier, checksums, tenant,
+                    borrowed,
                 )
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -796,14 +813,18 @@ class Store:
         self._used += sign * entry.size
         if sign > 0:
             self._tenants.add(entry)
+            if entry.borrowed:
+                self._borrowed[entry.id] = None
         else:
             self._tenants.discard(entry)
+            self._borrowed.pop(entry.id, None)
         if not entry.verified:
             self._unverified[0] += sign
             self._unverified[1] += sign * entry.size
 
     def _evict_one(self) -> bool:
-        for entry in self._entries.values():
+        # Borrowed copies first (oldest first), then the owned ones: see the module docstring.
+        for entry in itertools.chain((self._entries[ident] for ident in self._borrowed), self._entries.values()):
             if entry.pins == 0:
                 self._counters["evictions"] += 1
                 self._counters["evicted_bytes"] += entry.size
@@ -825,7 +846,7 @@ class Store:
             id=ident, bucket=writer.bucket, key=writer.key, etag=writer.etag, size=writer.size,
             xxh3_128=digest, created=now, last_access=now, last_modified=writer.last_modified, headers=writer.headers,
             verified=writer.verifier.algorithm if writer.verifier is not None else "", checksums=writer.checksums,
-            tenant=writer.tenant,
+            tenant=writer.tenant, borrowed=writer.borrowed,
         )
         data_path = self._data_path(ident)
         meta_path = self._meta_path(ident)
@@ -938,6 +959,7 @@ class Store:
                 "used_bytes": self._used,
                 "reserved_bytes": self._reserved,
                 "items": len(self._entries),
+                "borrowed_items": len(self._borrowed),
                 # Entries the origin vouched for in no checkable way (see Entry.verified).
                 "unverified_items": self._unverified[0],
                 "unverified_bytes": self._unverified[1],

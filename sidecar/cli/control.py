@@ -26,7 +26,10 @@ __all__ = [
     "ControlClient",
     "DaemonClientError",
     "DaemonUnavailable",
+    "PeerView",
+    "RingMember",
     "parse_address",
+    "parse_peers",
     "resolve_addresses",
 ]
 
@@ -110,6 +113,51 @@ def resolve_addresses(
     return found
 
 
+@dataclass(frozen=True)
+class RingMember:
+    """One member of a daemon's cluster, as ``GET /_shardcache/peers`` lists it."""
+
+    id: str  # wire.rendezvous.member_id of its URL: what the ring hashes
+    url: str  # where to reach it
+    live: bool
+    node: str | None
+    self: bool
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """A daemon's view of its cluster (``GET /_shardcache/peers``)."""
+
+    self_id: str
+    node: str | None
+    peer_links: str  # "authenticated" or "open"
+    members: tuple[RingMember, ...]
+
+    @property
+    def live(self) -> list[RingMember]:
+        return [m for m in self.members if m.live]
+
+
+def parse_peers(doc: Any) -> PeerView:
+    """The answer of ``/_shardcache/peers``; ValueError when it is not that document."""
+    from wire.rendezvous import member_id
+
+    if not isinstance(doc, dict) or not isinstance(doc.get("members"), list) or not isinstance(doc.get("self"), str):
+        raise ValueError("not a /_shardcache/peers answer (no self/members)")
+    members = []
+    for item in doc["members"]:
+        if not isinstance(item, dict) or not isinstance(item.get("url"), str):
+            raise ValueError(f"a member without a url: {item!r}")
+        url = item["url"]
+        # The id is what the ring hashes; a daemon that omits it means its URL's normalized form.
+        ident = str(item.get("id") or member_id(url))
+        node = item.get("node")
+        members.append(RingMember(ident, url, bool(item.get("live", True)), str(node) if node else None,
+                                  bool(item.get("self", ident == doc["self"]))))
+    node = doc.get("node")
+    return PeerView(doc["self"], str(node) if node else None, str(doc.get("peer_links") or "open"), tuple(members))
+
+
 class ControlClient:
     """Control-API calls to one daemon over one keep-alive connection (not thread-safe)."""
 
@@ -166,6 +214,22 @@ class ControlClient:
 
     def stats(self) -> dict[str, Any]:
         return self.call("GET", "/_shardcache/stats")
+
+    def peers(self) -> PeerView | None:
+        """This daemon's ring, or None for a daemon that has none to tell: one older than the
+        cluster cache answers 404, or 400 (it takes the path for an S3 GET of bucket ``_shardcache``)."""
+        status, _, data = self.request("GET", "/_shardcache/peers")
+        if status in (400, 404, 405, 501):
+            return None
+        if status != 200:
+            raise _api_error(status, data)
+        try:
+            doc = json.loads(data)
+            if isinstance(doc, dict) and not doc.get("self"):
+                return None  # a daemon without peers: not part of any ring
+            return parse_peers(doc)
+        except ValueError as exc:
+            raise DaemonAPIError(status, "BadAnswer", f"/_shardcache/peers: {exc}") from exc
 
     def cached(self, url: str) -> dict[str, Any]:
         return self.call("GET", "/_shardcache/cached?" + urllib.parse.urlencode({"url": url}))

@@ -27,6 +27,9 @@ from sidecar.daemon.fills import Fetcher
 from sidecar.daemon.keys import CLAIMS, CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Boto3S3Origin, FileOrigin, Origin, S3Origin
+from sidecar.daemon.peers import http as peers_http
+from sidecar.daemon.peers.membership import Membership
+from sidecar.daemon.peers.origin import ClusterOrigin
 from sidecar.daemon.prefetch import Prefetcher
 from sidecar.daemon.s3api import s3_handler
 from sidecar.daemon.s3xml import error_response
@@ -135,6 +138,21 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
             app[auth_http.AUTH] = Authorizer(settings.auth, origin.replay, endpoint, region, style)
             log.info("--auth sigv4: proofs replayed against %s (%s), identity by %s", endpoint, region,
                      settings.auth.identity)
+        membership: Membership | None = None
+        if settings.cluster is not None:
+            # The fetcher reads through the cluster: the owner of each object first (peers/).
+            membership = Membership(settings.cluster, settings.node, app[METRICS])
+            cluster = ClusterOrigin(origin, membership, settings.cluster)
+            await cluster.start()
+            origin = cluster
+            app[ORIGIN] = origin
+            await membership.start()
+            app[peers_http.MEMBERSHIP] = membership
+            if settings.cluster.secret is None:
+                log.warning("peer links are OPEN (no --peer-secret-file): anyone who reaches this daemon can read "
+                            "through the peer path; give every daemon the same --peer-secret-file")
+            log.info("cluster member %s (node %s), peers %s", membership.self_id, settings.node or "unnamed",
+                     ", ".join(m for m in membership.members if m != membership.self_id) or "from DNS")
         store: Store | None = None
         if with_store:
             # The origin's identity is part of every entry id: a cache dir reused with another
@@ -143,6 +161,8 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
             try:
                 await asyncio.to_thread(store.open)
             except BaseException:
+                if membership is not None:
+                    await membership.stop()
                 await origin.close()
                 raise
             app[STORE] = store
@@ -165,6 +185,8 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
             if scrubber is not None:
                 await scrubber.stop()
             await prefetcher.stop()
+            if membership is not None:
+                await membership.stop()
             await fetcher.close()
             await origin.close()
             if store is not None:
@@ -179,6 +201,7 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
     app.router.add_get(CONTROL + "cached", control.cached_handler)
     warmups.setup(app)
     auth_http.setup(app)
+    peers_http.setup(app)
     # Every path, newlines included: "." does not match "\n", which made a key with %0A a 404
     # instead of the 400 every other control character gets from wire.names.
     app.router.add_route("*", "/{path:[\\s\\S]*}", s3_handler)

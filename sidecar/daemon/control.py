@@ -17,6 +17,7 @@ from sidecar.daemon.auth.http import AUTH, batch_access, listing_access, optiona
 from sidecar.daemon.fills import retrying
 from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE, file_root
 from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_by, counter_value
+from sidecar.daemon.peers.http import cluster_stats
 from sidecar.daemon.prefetch import PrefetchItem, QueueFull
 from sidecar.daemon.priority import priority_value
 from sidecar.errors import BadRequest, Busy, OriginBadResponse
@@ -102,6 +103,10 @@ def stats(app: web.Application) -> dict[str, Any]:
             source: counter_value(metrics.served_bytes, source=source) for source in SERVED_SOURCES
         },
         "origin_read_bytes": counter_value(metrics.origin_bytes),
+        # The cluster cache (sidecar/daemon/peers/): bytes read from other daemons, and who is in the ring.
+        "peer_read_bytes": counter_value(metrics.peer_bytes, direction="in"),
+        "node": settings.node,
+        "cluster": cluster_stats(app),
         "fills_in_flight": len(app[FETCHER].inflight),
         "prefetch": {"queued": app[PREFETCHER].queued(), "done": app[PREFETCHER].done,
                      "failed": app[PREFETCHER].failed},
@@ -187,4 +192,6 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     ready = ORIGIN in request.app and FETCHER in request.app
-    return web.json_response({"ready": ready, "mode": request.app[SETTINGS].mode}, status=200 if ready else 503)
+    settings = request.app[SETTINGS]
+    # The node's name too: the cluster's health checks learn each member's from it.
+    return web.json_response({"ready": ready, "mode": settings.mode, "node": settings.node}, status=200 if ready else 503)

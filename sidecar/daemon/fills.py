@@ -376,7 +376,7 @@ class _PartedFill:
                     break
                 self.writer.writev_at(position, [buffer[:count]])
                 part[2] += count
-                self.metrics.origin_bytes.inc(count)
+                (self.metrics.peer_bytes_in if body.source == "peer" else self.metrics.origin_bytes).inc(count)
                 if not self._advance_pending:
                     self._advance_pending = True
                     self.loop.call_soon_threadsafe(self._advance)
@@ -485,6 +485,8 @@ class Fetcher:
                     self.store.note_no_space()
                 log.warning("not caching %s/%s: %s", fill.bucket, fill.key, exc)
             elif isinstance(exc, (OriginError, IntegrityError)):
+                if isinstance(exc, IntegrityError):
+                    self.origin.refused(fill.bucket, fill.key)  # bytes from a peer: the origin's next time
                 log.warning("fill of %s/%s failed: %s", fill.bucket, fill.key, exc)
             else:
                 log.exception("fill of %s/%s failed", fill.bucket, fill.key)
@@ -494,7 +496,8 @@ class Fetcher:
                 await asyncio.to_thread(writer.abort)
             fill.finished = True
             self.inflight.pop((fill.bucket, fill.key), None)
-            self.metrics.fills.labels(outcome=outcome).inc()
+            source = fill.info.source if fill.info is not None else "origin"
+            self.metrics.fills.labels(outcome=outcome, source=source).inc()
             fill._notify()
             fill._maybe_close()
 
@@ -515,9 +518,9 @@ class Fetcher:
             try:
                 # The entry keeps what the origin said about the object, to answer it on hits.
                 writer = await asyncio.to_thread(
-                    self.store.begin, fill.bucket, fill.key, info.etag, info.size, None,
+                    self.store.begin, fill.bucket, fill.key, info.etag, info.size, info.xxh3_128,
                     info.last_modified, info.headers, fill.check.verifier() if fill.check else None, info.checksums,
-                    tenant=fill.tenant,
+                    tenant=fill.tenant, borrowed=info.borrowed,
                 )
             except OSError as exc:
                 log.warning("cannot cache %s/%s: %s", fill.bucket, fill.key, exc)

@@ -14,8 +14,9 @@ __all__ = ["LOOKUP_RESULTS", "SERVED_SOURCES", "Metrics", "counter_value", "coun
 
 LOOKUP_RESULTS = ("hit", "miss", "coalesced")
 """The ``result`` labels of ``shardcache_cache_lookups``."""
-SERVED_SOURCES = ("hit", "miss", "coalesced", "passthrough", "short_circuit")
-"""The ``source`` labels of ``shardcache_served_bytes``."""
+SERVED_SOURCES = ("hit", "miss", "coalesced", "passthrough", "short_circuit", "peer")
+"""The ``source`` labels of ``shardcache_served_bytes`` (``peer``: bytes served to other daemons
+of the cluster, counted there and not under hit or miss)."""
 
 
 def counter_value(counter: Counter, **labels: str) -> float:
@@ -131,7 +132,24 @@ class Metrics:
             "shardcache_origin_errors", "Failed origin attempts, by kind", ["kind"], registry=r
         )
         self.origin_retries = Counter("shardcache_origin_retries", "Origin attempts retried", registry=r)
-        self.fills = Counter("shardcache_fills", "Object fills finished, by outcome", ["outcome"], registry=r)
+        self.fills = Counter(
+            "shardcache_fills", "Object fills finished, by outcome and where their bytes came from (origin, peer)",
+            ["outcome", "source"], registry=r,
+        )
+        # The cluster cache (sidecar/daemon/peers/): bytes read from peers (in) and served to them (out).
+        self.peer_bytes = Counter(
+            "shardcache_peer_bytes", "Object bytes exchanged with other daemons of the cluster", ["direction"], registry=r
+        )
+        self.peer_bytes_in = self.peer_bytes.labels(direction="in")
+        self.peer_bytes_out = self.peer_bytes.labels(direction="out")
+        self.cluster_members = Gauge(
+            "shardcache_cluster_members", "Members of the cluster cache by health, this daemon included",
+            ["state"], registry=r,
+        )
+        for state in ("live", "dead"):
+            self.cluster_members.labels(state=state)
+        for source in ("origin", "peer"):
+            self.fills.labels(outcome="cached", source=source)
         self.fill_checks = Counter(
             "shardcache_fill_checks",
             "Fills checked against what the origin vouches for: verified, unverified (nothing to check) "

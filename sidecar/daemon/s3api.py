@@ -27,6 +27,9 @@ from sidecar.daemon.claims import caller_of
 from sidecar.daemon.fills import Fetcher, Fill, retrying
 from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, ORIGIN, STORE
 from sidecar.daemon.origins import ObjectInfo
+from sidecar.daemon.peers.context import ORIGIN_ONLY, PEER_CALLER, count_served
+from sidecar.daemon.peers.http import peer_request
+from sidecar.daemon.peers.origin import ClusterOrigin
 from sidecar.daemon.priority import DEMAND
 from sidecar.daemon.s3xml import error_response, parse_range
 from sidecar.errors import BadRequest, ChecksumMismatch, OriginError, PreconditionFailed
@@ -89,6 +92,8 @@ def _object_headers(
     ):
         headers.update(obj.checksums)
     headers.update({"ETag": obj.etag, "Accept-Ranges": "bytes", "x-shardcache-cache": cache})
+    if isinstance(obj, Entry) and PEER_CALLER.get() is not None:
+        headers["x-shardcache-xxh3-128"] = obj.xxh3_128  # a peer checks its copy against it too
     if obj.last_modified:
         headers["Last-Modified"] = obj.last_modified
     return headers
@@ -141,15 +146,20 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
             return await _head_bucket(request, bucket)
         return await _bucket_get(request, bucket)
     validate_key(key)
+    # A peer's read (sidecar/daemon/peers/): checked here, then marked in this handler's context.
+    if (refusal := peer_request(request)) is not None:
+        return refusal
     expected = request.headers.get("x-shardcache-xxh3-128")
     if expected is not None:
         expected = validate_xxh3_128(expected, "x-shardcache-xxh3-128")
     # Before the cache is looked at: a cached object is refused like any other (--auth sigv4).
-    tenant = await object_access(request, bucket, key)
+    # A peer's read skips them: the asking daemon checked its own caller.
+    tenant = "" if PEER_CALLER.get() is not None else await object_access(request, bucket, key)
     store = request.app.get(STORE)
     if key.rsplit("/", 1)[-1] in UNCACHED_NAMES:
         # The manifest is the mutable index of immutable shards: always the origin's current copy.
         store = None
+        ORIGIN_ONLY.set(True)  # and no peer caches it either
     if request.method == "HEAD":
         return await _head(request, store, bucket, key, expected)
     return await _get(request, store, bucket, key, expected, tenant)
@@ -296,6 +306,11 @@ async def _get(
     fetcher = request.app[FETCHER]
     if store is None:
         return await _passthrough_get(request, bucket, key)
+    origin = request.app[ORIGIN]
+    if PEER_CALLER.get() is not None and isinstance(origin, ClusterOrigin) and origin.fetching_from_peer(bucket, key):
+        # This daemon reads the object from a peer that (with another view of the ring) asks it
+        # back: joining that fill would wait on itself. The origin's bytes, uncached, instead.
+        return await _passthrough_get(request, bucket, key)
     fill, created = fetcher.start(bucket, key, DEMAND, tenant=tenant)
     state = "miss" if created else "coalesced"
     metrics.cache_lookups.labels(result=state).inc()
@@ -340,10 +355,10 @@ async def _get(
     await response.prepare(request)
     if first:
         await response.write(first)
-        metrics.served_bytes.labels(source=source).inc(len(first))
+        count_served(metrics, source, len(first))
     async for chunk in body:
         await response.write(chunk)
-        metrics.served_bytes.labels(source=source).inc(len(chunk))
+        count_served(metrics, source, len(chunk))
     await response.write_eof()
     metrics.request_duration.labels(cache=state).observe(time.perf_counter() - began)
     return response
@@ -367,7 +382,7 @@ async def _passthrough_get(request: web.Request, bucket: str, key: str) -> web.S
     await response.prepare(request)
     async for chunk in fetcher.passthrough(bucket, key, start, end, info.etag or None):
         await response.write(chunk)
-        metrics.served_bytes.labels(source="passthrough").inc(len(chunk))
+        count_served(metrics, "passthrough", len(chunk))
     await response.write_eof()
     return response
 
@@ -391,7 +406,7 @@ async def _send_fill(
             with os.fdopen(fd, "rb", closefd=False) as fobj:
                 await loop.sendfile(transport, fobj, offset, length)
             sent = offset + length
-            metrics.served_bytes.labels(source=state).inc(length)
+            count_served(metrics, state, length)
     except (CacheError, OSError) as exc:
         if isinstance(exc, (OriginError, IntegrityError, ConnectionError)) or not fill.info:
             raise
@@ -400,7 +415,7 @@ async def _send_fill(
             if not response.prepared:
                 await response.prepare(request)
             await response.write(chunk)
-            metrics.served_bytes.labels(source="passthrough").inc(len(chunk))
+            count_served(metrics, "passthrough", len(chunk))
     if not response.prepared:  # an empty range
         await response.prepare(request)
     await response.write_eof()
@@ -432,5 +447,5 @@ async def _serve_entry(
     response = _SendfileResponse(fd, start, end - start, status=status, headers=headers)
     response.content_length = end - start
     await response.prepare(request)
-    metrics.served_bytes.labels(source=state).inc(end - start)
+    count_served(metrics, state, end - start)
     return response

@@ -10,6 +10,7 @@ from sidecar.daemon.auth.authorizer import AuthSettings
 from sidecar.daemon.claims import ClaimSettings
 from sidecar.daemon.fills import FetchSettings
 from sidecar.daemon.origins.s3 import S3Settings
+from sidecar.daemon.peers.config import ClusterSettings
 from sidecar.daemon.scrub import ScrubSettings
 from wire.errors import InvalidName
 from wire.names import parse_connect, parse_listen
@@ -74,6 +75,14 @@ class ServeSettings:
     """Sidecar mode: the node daemon's handle socket; ``None``: ``handles.sock`` next to the
     ``upstream`` unix socket (see :meth:`upstream_handles_path`)."""
 
+    cluster: ClusterSettings | None = None
+    """``--peer``/``--peers-dns``: this node daemon is one member of a cluster cache
+    (:mod:`sidecar.daemon.peers`); ``None``: a cache of its own."""
+
+    node: str | None = None
+    """``--node``/``SHARDCACHE_NODE``: the node's name (the chart sets ``spec.nodeName``), in
+    ``/stats``, ``/readyz`` and ``/_shardcache/peers``."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
@@ -83,6 +92,13 @@ class ServeSettings:
             raise ValueError("--auth sigv4 checks callers against an S3 origin (its IAM and STS): use --origin s3")
         if self.auth.mode != "none" and self.mode == "sidecar":
             raise ValueError("--auth is the node daemon's: a sidecar proves with the pod's credentials by itself")
+        if self.cluster is not None and self.mode != "node":
+            raise ValueError("--peer/--peers-dns are the node daemon's (--mode node): a sidecar reads its node's daemon")
+        if self.cluster is not None and self.auth.mode != "none" and self.cluster.secret is None:
+            raise ValueError(
+                "--auth sigv4 with peers needs --peer-secret-file: open peer links would let any pod read "
+                "through the peer path past the tenant checks"
+            )
         if self.handles is not None and _unix_path(self.handles, "--handles", listen=True) is None:
             raise ValueError(f"--handles must be unix:///path.sock (descriptors pass over unix sockets only), not {self.handles!r}")
         if self.handles is not None and self.mode == "sidecar":

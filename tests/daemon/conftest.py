@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -114,7 +115,7 @@ class DaemonProcess:
         self.args = [PYTHON, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{self.port}", *args]
         self.log = log
         self.env = env or {}
-        self.proc = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> DaemonProcess:
         self.proc = spawn(self.args, self.log, self.env)

@@ -94,6 +94,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                   "regional STS)")
     add_flag(parser, "--auth-cache-ttl", default="120",
              help="seconds the origin's yes to (caller, object) is reused before the proof is checked again")
+    add_flag(parser, "--peer", action="append", metavar="URL",
+             help="another node daemon of the cluster cache, http://HOST:PORT; repeatable (comma-separated in "
+                  "the env var). Each object is then filled from the origin once for the cluster, by its owner")
+    add_flag(parser, "--peers-dns", default=None, metavar="NAME",
+             help="every A record of NAME is a member (re-resolved every 5 s), at the port of --advertise-url; "
+                  "the chart gives the DaemonSet's headless Service")
+    add_flag(parser, "--advertise-url", default=None, metavar="URL",
+             help="how the other daemons reach this one (its identity in the ring); default: a --listen tcp:// "
+                  "address that is not 0.0.0.0")
+    add_flag(parser, "--peer-secret-file", default=None, metavar="PATH",
+             help="the secret every member shares (peers sign their reads with it); without it peer links are "
+                  "open, and --auth sigv4 refuses to start")
+    add_flag(parser, "--node", default=None, metavar="NAME",
+             help="this node's name, shown in /stats and /_shardcache/peers (the chart sets spec.nodeName)")
     add_connection_flags(parser, max_connections=1024)
     parser.set_defaults(func=run)
 
@@ -161,6 +175,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                         "the node daemon's descriptors")
     concurrency = _int(args.origin_concurrency, "--origin-concurrency", 2)
     auth = _auth_settings(args)
+    cluster = _cluster_settings(args, listen, auth.mode)
     try:
         store = StoreSettings(
             root=Path(args.cache_dir),
@@ -194,7 +209,41 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         auth=auth,
         handles=handles,
         upstream_handles=upstream_handles,
+        cluster=cluster,
+        node=args.node or None,
     )
+
+
+def _cluster_settings(args: argparse.Namespace, listen: tuple[str, ...], auth_mode: str):  # type: ignore[no-untyped-def]
+    from sidecar.daemon.peers.config import ClusterSettings, advertised_url
+
+    peers = tuple(args.peer or ())
+    dns = args.peers_dns or None  # SHARDCACHE_PEERS_DNS= (empty) means none
+    if not peers and not dns:
+        if args.peer_secret_file or args.advertise_url:
+            raise UserError("--peer-secret-file and --advertise-url are for a cluster: give --peer URL or --peers-dns NAME")
+        return None
+    if args.mode != "node":
+        raise UserError("--peer/--peers-dns are the node daemon's (--mode node): a sidecar reads its node's daemon")
+    secret: bytes | None = None
+    if args.peer_secret_file:
+        try:
+            secret = Path(args.peer_secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise UserError(f"--peer-secret-file {args.peer_secret_file}: {exc.strerror or exc}") from None
+        if not secret:
+            raise UserError(f"--peer-secret-file {args.peer_secret_file} is empty: put the cluster's shared secret in it")
+    elif auth_mode != "none":
+        raise UserError(
+            "--auth sigv4 with --peer/--peers-dns needs --peer-secret-file PATH (the same secret on every daemon): "
+            "open peer links would let any pod read through the peer path past the tenant checks"
+        )
+    try:
+        return ClusterSettings(
+            peers=peers, peers_dns=dns, advertise_url=advertised_url(args.advertise_url or None, listen), secret=secret,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _auth_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]

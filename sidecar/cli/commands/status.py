@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -18,7 +19,7 @@ from sidecar.cli.util import (
     add_flag,
 )
 
-__all__ = ["daemon_report", "master_report", "register", "run", "tenant_lines"]
+__all__ = ["cluster_lines", "daemon_report", "master_report", "register", "run", "tenant_lines"]
 
 EXAMPLES = """\
 examples:
@@ -65,6 +66,14 @@ def _served(stats: dict[str, Any]) -> float:
     return float(sum((stats.get("served_bytes") or {}).values()))
 
 
+def _peer_in(stats: dict[str, Any]) -> float:
+    return float(stats.get("peer_read_bytes") or 0)
+
+
+def _peer_out(stats: dict[str, Any]) -> float:
+    return float((stats.get("served_bytes") or {}).get("peer") or 0)
+
+
 def daemon_report(url: str, label: str, interval: float) -> dict[str, Any]:
     """Stats of one daemon, with throughput measured over ``interval`` seconds."""
     from sidecar.cli.control import ControlClient, DaemonClientError
@@ -80,12 +89,22 @@ def daemon_report(url: str, label: str, interval: float) -> dict[str, Any]:
                 elapsed = time.monotonic() - began
                 origin_rate = (stats["origin_read_bytes"] - first["origin_read_bytes"]) / elapsed
                 served_rate = (_served(stats) - _served(first)) / elapsed
+                peer_in_rate = (_peer_in(stats) - _peer_in(first)) / elapsed
+                peer_out_rate = (_peer_out(stats) - _peer_out(first)) / elapsed
             else:
                 stats = first
                 uptime = max(float(stats.get("uptime_s") or 0), 1e-9)
                 origin_rate = stats["origin_read_bytes"] / uptime
                 served_rate = _served(stats) / uptime
+                peer_in_rate, peer_out_rate = _peer_in(stats) / uptime, _peer_out(stats) / uptime
             report.update(stats=stats, origin_bytes_per_s=round(origin_rate, 1), served_bytes_per_s=round(served_rate, 1))
+            if isinstance(stats.get("cluster"), dict):
+                report.update(peer_in_bytes_per_s=round(peer_in_rate, 1), peer_out_bytes_per_s=round(peer_out_rate, 1))
+                try:
+                    view = client.peers()
+                    report["peers"] = None if view is None else dataclasses.asdict(view)
+                except DaemonClientError:
+                    report["peers"] = None  # the cluster block of /stats is still shown
             try:
                 report["warmups"] = client.warmups()
             except DaemonClientError:
@@ -244,9 +263,58 @@ def _print_daemons(reports: list[dict[str, Any]]) -> None:
         if not report["error"]:
             for line in tenant_lines(report["stats"]):
                 print(f"{report['daemon']}: {line}")
+            for line in cluster_lines(report):
+                print(f"{report['daemon']}: {line}")
     if warmups:
         print()
         _table([["WARM-UP", "DAEMON", "STATE", "FILES", "BYTES", "FAILED", "RATE"], *warmups])
+
+
+def _count(value: Any) -> int | None:
+    """A count in the stats' cluster block, which may give a number or the list itself."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list):
+        return len(value)
+    return None
+
+
+def cluster_lines(report: dict[str, Any]) -> list[str]:
+    """One daemon's cluster: its identity, the members it sees (live/dead, node names), whether
+    peer links are authenticated, and the bytes it read from and served to peers. Nothing for a
+    daemon without peers' stats, so a standalone daemon's output stays as it was."""
+    from sidecar.cli.progress import format_bytes, format_rate
+
+    stats = report["stats"]
+    block = stats.get("cluster")
+    if not isinstance(block, dict):
+        return []
+    view = report.get("peers")
+    members = view["members"] if isinstance(view, dict) else None
+    total = len(members) if members is not None else _count(block.get("members"))
+    live = sum(1 for m in members if m["live"]) if members is not None else _count(block.get("live"))
+    links = str(block.get("peer_links") or (view or {}).get("peer_links") or "?")
+    node = block.get("node") or (view or {}).get("node")
+    ident = block.get("self") or (view or {}).get("self_id") or "?"
+    head = f"cluster: member {ident}" + (f" on node {node}" if node else "")
+    if total is not None:
+        dead = f", {total - live} dead" if live is not None else ""
+        head += f", {total} members ({live if live is not None else '?'} live{dead})"
+    head += f", peer links {links}"
+    if links == "open":
+        head += " (no --peer-secret-file: any pod can read through the peer path)"
+    lines = [head]
+    for m in members or []:
+        state = "live" if m["live"] else "DEAD"
+        who = f" node {m['node']}" if m.get("node") else ""
+        lines.append(f"  {state:<4} {m['url']}{who}{' (this daemon)' if m.get('self') else ''}")
+    lines.append(
+        f"peer bytes: in {format_bytes(_peer_in(stats))} ({format_rate(report.get('peer_in_bytes_per_s'))}), "
+        f"out {format_bytes(_peer_out(stats))} ({format_rate(report.get('peer_out_bytes_per_s'))})"
+    )
+    return lines
 
 
 def tenant_lines(stats: dict[str, Any]) -> list[str]:

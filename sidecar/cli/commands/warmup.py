@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PlannedShard",
+    "Ring",
     "WarmupOptions",
     "build_options",
     "daemon_addresses",
@@ -249,6 +250,8 @@ class Target:
     unreachable: bool = False
     down_since: float | None = None
     last_event: str = ""
+    member: str = ""  # what placement hashes: its ring member id, or its address without a ring
+    given: bool = True  # named by --daemon (False: a ring member found through the others)
 
     @property
     def label(self) -> str:
@@ -289,6 +292,133 @@ def _connect(targets: list[Target], dataset: DatasetURL) -> None:
             target.bucket, target.prefix = map_dataset(dataset, str(stats.get("origin_url") or stats.get("origin")))
         except ValueError as exc:
             target.problem = f"daemon at {target.label} {exc}"
+
+
+# -- the cluster's ring ---------------------------------------------------------------------------
+
+
+@dataclass
+class Ring:
+    """Where ``--spread`` puts each shard: on its owner among the live members of the daemons' ring
+    (``wire.rendezvous``, the rule the daemons use to find it), or, when no daemon answers a ring
+    (older daemons), by the ``--daemon`` addresses given (:func:`place`)."""
+
+    targets: list[Target]
+    """Every daemon to talk to: the ring's live members (one per member, however it was spelled),
+    daemons that answer no ring, and unreachable ones (to report them)."""
+
+    members: list[str]
+    """Live ring member ids (plus the addresses of ring-less daemons when some answer a ring)."""
+
+    has_ring: bool
+    """Some daemon answered ``/_shardcache/peers``: placement and cluster coverage follow it."""
+
+    bucket: str = ""
+    prefix: str = ""  # how the ring's daemons name the dataset (the owner hashes bucket/key)
+    owners: dict[str, str] = field(default_factory=dict)  # shard key -> member
+
+    def place(self, shards: list[PlannedShard]) -> dict[str, list[PlannedShard]]:
+        """Each shard on exactly one member: member -> its shards (also kept in ``owners``)."""
+        from wire.rendezvous import owner
+
+        if self.has_ring:
+            for shard in shards:
+                found = owner(self.members, f"{self.bucket}/{self.prefix}{shard.key}")
+                if found is not None:
+                    self.owners[shard.key] = found
+        else:
+            for member, keys in place([s.key for s in shards], self.members).items():
+                self.owners.update((key, member) for key in keys)
+        placed: dict[str, list[PlannedShard]] = {member: [] for member in self.members}
+        for shard in shards:
+            if shard.key in self.owners:
+                placed[self.owners[shard.key]].append(shard)
+        return placed
+
+
+def _read_ring(targets: list[Target], dataset: DatasetURL, out: Output, warn: bool) -> Ring:
+    """Ask each reachable daemon for its ring and turn the answers into the daemons to warm."""
+    from sidecar.cli.control import (
+        DEFAULT_DAEMON,
+        ControlClient,
+        DaemonAddress,
+        DaemonClientError,
+        DaemonUnavailable,
+        PeerView,
+        RingMember,
+    )
+
+    views: list[tuple[Target, PeerView]] = []
+    ringless: list[Target] = []
+    for target in targets:
+        if target.problem is not None:
+            continue
+        try:
+            view = target.client.peers()
+        except DaemonClientError as exc:
+            target.problem = str(exc) if isinstance(exc, DaemonUnavailable) else f"daemon at {target.label}: {exc}"
+            target.unreachable = isinstance(exc, DaemonUnavailable)
+            continue
+        if view is None:
+            target.member = target.address.url
+            ringless.append(target)
+        else:
+            target.member = view.self_id
+            views.append((target, view))
+    if not views:
+        if ringless and warn:
+            out.warning(
+                f"{', '.join(t.label for t in ringless)} answer no ring (GET /_shardcache/peers: not found; a "
+                "shardcache without the cluster cache): --spread places shards by the --daemon addresses as "
+                "given, which no daemon uses to find them; upgrade the daemons to place each shard on its owner"
+            )
+        return Ring(targets, [t.member for t in ringless], has_ring=False)
+
+    # The union of the live members each daemon sees: views differ only for the seconds a health
+    # check takes to notice a member come or go, or when the daemons given are separate clusters.
+    members: dict[str, RingMember] = {}
+    for _, view in views:
+        for member in view.live:
+            members.setdefault(member.id, member)
+    live_sets = {frozenset(m.id for m in view.live) for _, view in views}
+    if len(live_sets) > 1 and warn:
+        out.warning(
+            "the daemons see different live members ("
+            + "; ".join(f"{t.label}: {len(v.live)}" for t, v in views)
+            + "): placing over all of them; run again in a few seconds if a member just joined or left"
+        )
+    kept: list[Target] = []
+    by_member: dict[str, Target] = {}
+    for target in targets:
+        if target.problem is None and target.member in members:
+            if target.member in by_member:
+                target.client.close()  # the same daemon under another name: warmed once
+                continue
+            by_member[target.member] = target
+        kept.append(target)
+    found: list[Target] = []
+    for ident, member in members.items():
+        if ident in by_member:
+            continue
+        name = member.node or member.url  # shown as "node (host:port)"
+        try:
+            client = ControlClient(member.url, timeout=10.0)
+        except ValueError as exc:
+            # Never called (the target has a problem): a client only so every target has one.
+            target = Target(DaemonAddress(member.url, name), ControlClient(DEFAULT_DAEMON), member=ident,
+                            given=False, problem=f"ring member {member.url} cannot be reached from here: {exc}")
+        else:
+            target = Target(DaemonAddress(member.url, name), client, member=ident, given=False)
+        found.append(target)
+    _connect([t for t in found if t.problem is None], dataset)
+    if ringless and warn:
+        out.warning(
+            f"{', '.join(t.label for t in ringless)} answer no ring (an older shardcache?): placed by "
+            "address alongside the ring's members, where the ring's daemons will not look for them"
+        )
+    reference = views[0][0]
+    ids = list(members) + [t.member for t in ringless]
+    return Ring(kept + found, ids, has_ring=True, bucket=reference.bucket, prefix=reference.prefix)
 
 
 def _seconds(text: str | None, flag: str) -> float:
@@ -344,28 +474,35 @@ def run(args: argparse.Namespace) -> int:
     targets = [Target(address, ControlClient(address.url, timeout=10.0)) for address in addresses]
     try:
         _connect(targets, dataset)
+        out = Output(args.json)
+        ring: Ring | None = None
+        if options.spread or args.check:
+            ring = _read_ring(targets, dataset, out, warn=options.spread)
+            targets = ring.targets
         live = [t for t in targets if t.problem is None]
         if options.spread:
-            placed = place([s.key for s in shards], [t.address.url for t in live])
-            by_key = {s.key: s for s in shards}
+            assert ring is not None
+            placed = ring.place(shards)
             for target in live:
-                target.shards = [by_key[key] for key in placed[target.address.url]]
+                target.shards = placed.get(target.member, [])
         else:
-            for target in live:
+            given = [t for t in live if t.given]
+            for target in given:
                 target.shards = list(shards)
         name = dataset.url.rstrip("/").rsplit("/", 1)[-1]
         for target in live:
+            if not target.given and not options.spread:
+                continue  # a ring member asked only for --check's cluster coverage
             target.job_id = options.job_id or warmup_id(
                 ((target.bucket, target.prefix + s.key, s.xxh3_128) for s in target.shards), name
             )
-        out = Output(args.json)
         if source == "listing" and not args.json:
             print(f"note: {dataset.url} has no manifest.json; shards are cached without checksum verification "
                   f"(build one with `shardcache index {dataset.url}`)", file=sys.stderr)
         if args.check:
-            return _check(targets, dataset, out)
+            return _check(targets, dataset, out, shards, ring, options.spread)
         if args.dry_run:
-            return _dry_run(targets, dataset, source, out, options.spread)
+            return _dry_run(targets, dataset, source, out, options.spread, ring)
         if args.cancel:
             return _cancel(targets, out)
         return _warm(targets, dataset, args.url, options, out)
@@ -382,6 +519,12 @@ class Output:
 
     def event(self, event: str, **fields: Any) -> None:
         print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
+
+    def warning(self, message: str) -> None:
+        if self.json:
+            self.event("warning", message=message)
+        else:
+            print(f"shardcache warmup: warning: {message}", file=sys.stderr)
 
     def problems(self, targets: list[Target]) -> None:
         for target in targets:
@@ -405,7 +548,8 @@ def _exit_for_problems(targets: list[Target]) -> int:
 # -- --dry-run, --check, --cancel -----------------------------------------------------------------
 
 
-def _dry_run(targets: list[Target], dataset: DatasetURL, source: str, out: Output, spread: bool) -> int:
+def _dry_run(targets: list[Target], dataset: DatasetURL, source: str, out: Output, spread: bool,
+             ring: Ring | None) -> int:
     from sidecar.cli.progress import format_bytes
 
     out.problems(targets)
@@ -415,57 +559,115 @@ def _dry_run(targets: list[Target], dataset: DatasetURL, source: str, out: Outpu
         size = sum(s.size or 0 for s in target.shards)
         verified = sum(1 for s in target.shards if s.xxh3_128)
         if out.json:
-            out.event("plan", daemon=target.label, id=target.job_id, files=len(target.shards), bytes=size,
-                      checksummed=verified, keys=[target.prefix + s.key for s in target.shards], bucket=target.bucket)
+            out.event("plan", daemon=target.label, url=target.address.url, member=target.member or None,
+                      id=target.job_id, files=len(target.shards), bytes=size, checksummed=verified,
+                      keys=[target.prefix + s.key for s in target.shards], bucket=target.bucket)
         else:
             print(f"would warm {len(target.shards)} shards ({format_bytes(size)}, {verified} with checksums from "
                   f"the {source}) of {dataset.url} on {target.label} as job {target.job_id}")
     if not out.json:
-        print(f"dry run: nothing was fetched ({'--spread: one daemon per shard' if spread else 'every shard on every daemon'})")
+        if not spread:
+            how = "every shard on every daemon"
+        elif ring is not None and ring.has_ring:
+            how = f"--spread: each shard on its owner among the ring's {len(ring.members)} live members"
+        else:
+            how = "--spread: one daemon per shard, by the --daemon addresses"
+        print(f"dry run: nothing was fetched ({how})")
     return _exit_for_problems(targets)
 
 
-def _check(targets: list[Target], dataset: DatasetURL, out: Output) -> int:
+def _holdings(target: Target, dataset: DatasetURL, shards: list[PlannedShard]) -> set[str]:
+    """Which of ``shards`` (relative keys) ``target`` has cached (with their checksums)."""
+    answer = target.client.cached(dataset.url)
+    missing = set(answer.get("missing", []))
+    complete = len(missing) >= int(answer["objects"]) - int(answer["cached"])
+    held: set[str] = set()
+    for shard in shards:
+        key = target.prefix + shard.key
+        if complete:
+            hit = key not in missing
+        else:  # the daemon lists at most 1000 missing keys: ask about each shard instead
+            hit = target.client.head_object(target.bucket, key, shard.xxh3_128) == "hit"
+        if hit:
+            held.add(shard.key)
+    return held
+
+
+def _fraction(done_bytes: int, total_bytes: int, done_files: int, files: int) -> float:
+    if total_bytes:
+        return round(done_bytes / total_bytes, 6)
+    return 1.0 if done_files == files else 0.0
+
+
+def _check(targets: list[Target], dataset: DatasetURL, out: Output, shards: list[PlannedShard],
+           ring: Ring | None, spread: bool) -> int:
     from sidecar.cli.control import DaemonClientError
     from sidecar.cli.progress import format_bytes
 
+    cluster = ring is not None and ring.has_ring
+    if cluster:
+        assert ring is not None
+        if not ring.owners:
+            ring.place(shards)
+    # Without --spread only the daemons given get a row; the ring's other members are asked only
+    # so that the cluster's coverage counts what they hold.
+    shown = {id(t) for t in targets if t.given or spread}
+    held: dict[str, set[str]] = {}  # member (or address) -> shard keys it has
     rows: list[dict[str, Any]] = []
     for target in targets:
-        if target.problem is not None:
+        if target.problem is not None or not (id(target) in shown or cluster):
             continue
         try:
-            answer = target.client.cached(dataset.url)
-            missing = set(answer.get("missing", []))
-            complete = len(missing) >= int(answer["objects"]) - int(answer["cached"])
-            cached_files = cached_bytes = 0
-            for shard in target.shards:
-                key = target.prefix + shard.key
-                if complete:
-                    hit = key not in missing
-                else:  # the daemon lists at most 1000 missing keys: ask about each shard instead
-                    hit = target.client.head_object(target.bucket, key, shard.xxh3_128) == "hit"
-                if hit:
-                    cached_files += 1
-                    cached_bytes += shard.size or 0
+            have = _holdings(target, dataset, shards if cluster else target.shards)
         except DaemonClientError as exc:
             target.problem, target.unreachable = str(exc), True
             continue
+        held[target.member or target.address.url] = have
+        if id(target) not in shown:
+            continue
         total = sum(s.size or 0 for s in target.shards)
-        fraction = cached_bytes / total if total else (1.0 if cached_files == len(target.shards) else 0.0)
-        rows.append({"daemon": target.label, "files": len(target.shards), "cached_files": cached_files,
-                     "bytes": total, "cached_bytes": cached_bytes, "fraction": round(fraction, 6)})
-    out.problems(targets)
+        mine = [s for s in target.shards if s.key in have]
+        cached_bytes = sum(s.size or 0 for s in mine)
+        rows.append({"daemon": target.label, "files": len(target.shards), "cached_files": len(mine),
+                     "bytes": total, "cached_bytes": cached_bytes,
+                     "fraction": _fraction(cached_bytes, total, len(mine), len(target.shards))})
+    out.problems([t for t in targets if id(t) in shown or t.problem is not None])
+    summary: dict[str, Any] | None = None
+    if cluster:
+        assert ring is not None
+        # A shard is covered when its owner has it: that is where every daemon of the ring reads it.
+        total = sum(s.size or 0 for s in shards)
+        owned = [s for s in shards if s.key in held.get(ring.owners.get(s.key, ""), set())]
+        anywhere = [s for s in shards if any(s.key in have for have in held.values())]
+        owned_bytes, anywhere_bytes = sum(s.size or 0 for s in owned), sum(s.size or 0 for s in anywhere)
+        summary = {
+            "members": len(ring.members), "answered": len(held), "files": len(shards), "bytes": total,
+            "covered_files": len(owned), "covered_bytes": owned_bytes,
+            "fraction": _fraction(owned_bytes, total, len(owned), len(shards)),
+            "anywhere_files": len(anywhere), "anywhere_bytes": anywhere_bytes,
+            "anywhere_fraction": _fraction(anywhere_bytes, total, len(anywhere), len(shards)),
+        }
     if out.json:
         for row in rows:
             out.event("check", **row)
+        if summary is not None:
+            out.event("cluster", **summary)
     else:
-        width = max([len(r["daemon"]) for r in rows] + [6])
+        label = f"cluster ({summary['members']} members)" if summary is not None else ""
+        width = max([len(r["daemon"]) for r in rows] + [6, len(label)])
         print(f"{'DAEMON':<{width}}  {'CACHED':>7}  {'FILES':>13}  BYTES")
         for row in rows:
             print(f"{row['daemon']:<{width}}  {row['fraction'] * 100:6.1f}%  "
                   f"{row['cached_files']:>6}/{row['files']:<6}  "
                   f"{format_bytes(row['cached_bytes'])} / {format_bytes(row['bytes'])}")
-    code = _exit_for_problems(targets)
+        if summary is not None:
+            print(f"{label:<{width}}  {summary['fraction'] * 100:6.1f}%  "
+                  f"{summary['covered_files']:>6}/{summary['files']:<6}  "
+                  f"{format_bytes(summary['covered_bytes'])} / {format_bytes(summary['bytes'])}  on their owners")
+            print(f"{'':<{width}}  {summary['anywhere_fraction'] * 100:6.1f}%  "
+                  f"{summary['anywhere_files']:>6}/{summary['files']:<6}  "
+                  f"{format_bytes(summary['anywhere_bytes'])} / {format_bytes(summary['bytes'])}  anywhere in the cluster")
+    code = _exit_for_problems([t for t in targets if id(t) in shown])
     if code == EXIT_OK and any(row["cached_files"] < row["files"] for row in rows):
         return EXIT_FAILED
     return code

@@ -58,10 +58,19 @@ class ObjectInfo:
     sent any (:func:`sidecar.daemon.checksums.checksum_headers`)."""
     key_encrypted: bool = False
     """SSE-KMS or SSE-C: the ETag is no MD5 of the bytes."""
+    source: str = "origin"
+    """Who answered: ``origin``, or ``peer`` (another daemon of the cluster, :mod:`sidecar.daemon.peers`)."""
+    borrowed: bool = False
+    """Another daemon of the cluster owns the object: a cached copy is evicted first."""
+    xxh3_128: str | None = None
+    """The bytes' xxh3-128 where the answer vouched for it (a peer's hit): checked at the seal."""
 
 
 class Body(abc.ABC):
     """An open object body, read on a worker thread straight into the caller's buffer."""
+
+    source: str = "origin"
+    """Where its bytes come from (``origin`` or ``peer``): which counter a fill adds them to."""
 
     @abc.abstractmethod
     def readinto(self, buf: memoryview) -> int:
@@ -125,6 +134,10 @@ class Origin(abc.ABC):
             self.executor.submit(body.close)
         except RuntimeError:  # shutting down: no threads left to do it for us
             body.close()
+
+    def refused(self, bucket: str, key: str) -> None:  # noqa: B027 - optional: most origins route nothing
+        """A fill of ``bucket/key`` failed its check: an origin that chose between sources
+        (:class:`sidecar.daemon.peers.origin.ClusterOrigin`) reads it from the real one next time."""
 
     @abc.abstractmethod
     async def head(self, bucket: str, key: str) -> ObjectInfo:

@@ -163,9 +163,7 @@ class S3Origin(Origin):
         self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None = None
     ) -> Response:
         assert self._pool is not None, "S3Origin.start() was not awaited"
-        # Presigning is CPU-only once credentials are resolved; a refreshable credential provider
-        # may do network I/O on refresh, which is fine here: this runs on a worker thread.
-        url = self._client.generate_presigned_url(op, Params=params, ExpiresIn=900, HttpMethod=method)
+        url, headers = self._target(method, op, params, headers)
         resp = self._pool.request(method, url, headers)
         if resp.status >= 300:
             body = b""
@@ -175,6 +173,14 @@ class S3Origin(Origin):
             resp.close()
             raise self._error(from_http(resp.status, body), params)
         return resp
+
+    def _target(
+        self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None
+    ) -> tuple[str, dict[str, str] | None]:
+        """The URL and headers of a request (a subclass may address another server: a peer)."""
+        # Presigning is CPU-only once credentials are resolved; a refreshable credential provider
+        # may do network I/O on refresh, which is fine here: this runs on a worker thread.
+        return self._client.generate_presigned_url(op, Params=params, ExpiresIn=900, HttpMethod=method), headers
 
     @staticmethod
     def _error(answer: S3ErrorAnswer, params: dict[str, Any]) -> SidecarError:

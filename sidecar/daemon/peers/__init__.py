@@ -1,0 +1,16 @@
+"""The cluster cache (issue 17): node daemons that are one cache.
+
+Each object has an owner among the live members (:mod:`wire.rendezvous` over ``bucket/key``); a
+daemon that misses an object it does not own reads it from the owner's S3 API with a signed peer
+header (:mod:`.signing`), and the owner fills it from the origin once for the whole cluster.
+
+- :mod:`.config`: the settings (``--peer``, ``--peers-dns``, ``--advertise-url``, ``--peer-secret-file``).
+- :mod:`.membership`: who is in the ring (static peers, DNS re-resolution, health checks).
+- :mod:`.origin`: :class:`ClusterOrigin`, the origin the fetcher reads through (peer, then origin).
+- :mod:`.context`: what a request handler tells the fills it starts (a peer's request reads the origin only).
+- :mod:`.http`: the owner's side (checking the peer header) and ``GET /_shardcache/peers``.
+"""
+
+from sidecar.daemon.peers.config import ClusterSettings
+
+__all__ = ["ClusterSettings"]

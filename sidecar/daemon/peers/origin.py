@@ -1,0 +1,260 @@
+"""The origin a clustered daemon reads through: the owner of each object first, then the origin.
+
+:class:`ClusterOrigin` wraps the real origin. A ``head``, ``open`` or ``open_first`` of an object
+whose owner (the first of :func:`wire.rendezvous.ranked` over the live members) is another daemon
+goes to that daemon's S3 API (:class:`PeerOrigin`), then down the ranking to this daemon's own
+place in it, then to the real origin: a peer that is dead, slow (``peer_read_timeout_s``) or
+erroring costs one failed request, never an error the reader would not have had without peers.
+Listings, HeadBucket and GetBucketLocation always go to the real origin (they are not cached).
+
+A request that a peer sent (:data:`~sidecar.daemon.peers.context.ORIGIN_ONLY`) reads the real
+origin only; :meth:`ClusterOrigin.call` carries the caller's context onto the worker thread,
+where the route is chosen. Bytes from a peer are checked like the origin's (its checksums travel
+with them, and its xxh3-128 on a hit); a fill that fails its check makes that object come from
+the origin for a while (:meth:`ClusterOrigin.refused`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
+from sidecar.daemon.origins.httppool import HTTPPool, Response
+from sidecar.daemon.origins.s3 import S3Origin, S3Settings
+from sidecar.daemon.peers.config import ClusterSettings
+from sidecar.daemon.peers.context import ORIGIN_ONLY
+from sidecar.daemon.peers.membership import Membership
+from sidecar.daemon.peers.signing import PEER_HEADER, sign
+from sidecar.errors import AccessDenied, OriginBadResponse, OriginThrottled, OriginUnavailable
+from wire.errors import InvalidName
+from wire.names import validate_xxh3_128
+from wire.rendezvous import ranked
+
+__all__ = ["ClusterOrigin", "PeerOrigin"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What makes a read go on to the next candidate: the peer down, slow, overloaded, or refusing
+# this daemon (another secret, a clock off by more than the skew). A missing object or a bad
+# range is the origin's answer, relayed: the same from every candidate.
+_FALL_THROUGH = (OriginUnavailable, OriginBadResponse, OriginThrottled, AccessDenied)
+
+DISTRUST_S = 600.0
+"""Seconds an object whose peer bytes failed their check is read from the origin only."""
+
+
+class PeerOrigin(S3Origin):
+    """Another daemon's S3 API as an origin: S3Origin's requests and answers (errors, sizes,
+    checksums), addressed to the peer with the peer header instead of presigned."""
+
+    def __init__(self, member: str, url: str, asker: str, secret: bytes | None, pool: HTTPPool, owner: Origin) -> None:
+        super().__init__(S3Settings())
+        self.member = member
+        self.url = url.rstrip("/")
+        self._asker = asker
+        self._secret = secret
+        self._pool = pool
+        self._owner = owner  # whose worker threads run this peer's requests
+        self._local = threading.local()
+        self.namespace = f"peer:{member}"
+        self.description = f"peer {member}"
+
+    @property
+    def executor(self) -> Any:
+        return self._owner.executor
+
+    def _target(
+        self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None
+    ) -> tuple[str, dict[str, str] | None]:
+        path = "/" + quote(params["Bucket"], safe="") + "/" + quote(params.get("Key", ""), safe="/~")
+        sent = dict(headers or {})
+        sent[PEER_HEADER] = sign(self._secret, self._asker, method, path)
+        return self.url + path, sent
+
+    def _request(self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+        resp = super()._request(method, op, params, headers)
+        self._local.headers = resp.headers  # open_first reads the xxh3-128 of a hit from it
+        return resp
+
+    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+        body = super().open(bucket, key, start, end, etag)
+        body.source = "peer"
+        return body
+
+    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+        info, body = super().open_first(bucket, key)
+        body.source = "peer"
+        digest = self._local.headers.get("x-shardcache-xxh3-128")
+        try:
+            xxh3 = validate_xxh3_128(digest, "x-shardcache-xxh3-128") if digest else None
+        except InvalidName:
+            xxh3 = None
+        return dataclasses.replace(info, source="peer", borrowed=True, xxh3_128=xxh3), body
+
+
+class ClusterOrigin(Origin):
+    """The real origin behind the cluster's owners (see the module docstring)."""
+
+    def __init__(self, real: Origin, membership: Membership, settings: ClusterSettings) -> None:
+        self.real = real
+        self.membership = membership
+        self.settings = settings
+        self.threads = real.threads
+        self.namespace = real.namespace  # one cache entry id for an object on every member
+        self.description = real.description
+        self._pool: HTTPPool | None = None
+        self._peers: dict[str, PeerOrigin] = {}
+        self._lock = threading.Lock()
+        self._distrust: dict[str, float] = {}  # object name -> monotonic time its peer bytes may be tried again
+        self._last_peer: dict[str, str] = {}  # object name -> member it was last read from (bounded)
+        self.borrowing: dict[str, int] = {}  # object name -> reads of it from a peer in progress
+        self.refusals = 0
+
+    async def start(self) -> None:
+        """Attach to the real origin, started already: its threads are this origin's threads."""
+        self._executor = self.real.executor
+        self._pool = HTTPPool(
+            max_idle_per_host=16,
+            connect_timeout_s=self.settings.peer_connect_timeout_s,
+            read_timeout_s=self.settings.peer_read_timeout_s,
+        )
+        self.description = f"{self.real.description}, cluster of {len(self.membership.members)} known"
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self.call(self._pool.close)
+            self._pool = None
+        await self.real.close()
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        # The caller's context goes with it: a peer's request reads the origin only (ORIGIN_ONLY).
+        return await super().call(contextvars.copy_context().run, fn, *args)
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def _route(self, bucket: str, key: str) -> tuple[list[PeerOrigin], bool]:
+        """The peers to try for ``bucket/key``, best first, and whether another member owns it."""
+        name = f"{bucket}/{key}"
+        live = self.membership.live
+        order = ranked(live, name) if len(live) > 1 else [self.membership.self_id]
+        borrowed = order[0] != self.membership.self_id
+        if ORIGIN_ONLY.get() or not borrowed:
+            return [], borrowed
+        until = self._distrust.get(name)
+        if until is not None:
+            if time.monotonic() < until:
+                return [], borrowed
+            self._distrust.pop(name, None)
+        peers: list[PeerOrigin] = []
+        for ident in order:
+            if ident == self.membership.self_id:
+                break  # this daemon is the next candidate: it reads the origin itself
+            peer = self._peer(ident)
+            if peer is not None:
+                peers.append(peer)
+        return peers, borrowed
+
+    def _peer(self, ident: str) -> PeerOrigin | None:
+        with self._lock:
+            peer = self._peers.get(ident)
+            if peer is None:
+                url = self.membership.url_of(ident)
+                if url is None or self._pool is None:
+                    return None
+                peer = PeerOrigin(ident, url, self.membership.self_id, self.settings.secret, self._pool, self)
+                self._peers[ident] = peer
+            return peer
+
+    def _tried(self, peer: PeerOrigin, what: str, exc: Exception) -> None:
+        log.info("%s from peer %s failed (%s): trying the next candidate", what, peer.member, exc)
+
+    def _note(self, name: str, member: str) -> None:
+        with self._lock:
+            if len(self._last_peer) > 100_000:
+                self._last_peer.clear()
+            self._last_peer[name] = member
+
+    def refused(self, bucket: str, key: str) -> None:
+        name = f"{bucket}/{key}"
+        with self._lock:
+            member = self._last_peer.pop(name, None)
+            if member is None:
+                return
+            self.refusals += 1
+            self._distrust[name] = time.monotonic() + DISTRUST_S
+        log.warning("%s: the bytes peer %s sent failed their check; reading it from the origin for %g s",
+                    name, member, DISTRUST_S)
+
+    def fetching_from_peer(self, bucket: str, key: str) -> bool:
+        """Whether a read of ``bucket/key`` from a peer is in progress here (a peer asking for it
+        now would wait on itself if the two views of the ring differ)."""
+        return self.borrowing.get(f"{bucket}/{key}", 0) > 0
+
+    def _borrow(self, name: str, delta: int) -> None:
+        with self._lock:
+            left = self.borrowing.get(name, 0) + delta
+            if left > 0:
+                self.borrowing[name] = left
+            else:
+                self.borrowing.pop(name, None)
+
+    # -- the Origin interface -------------------------------------------------------------------
+
+    async def head(self, bucket: str, key: str) -> ObjectInfo:
+        peers, borrowed = self._route(bucket, key)
+        for peer in peers:
+            try:
+                return dataclasses.replace(await peer.head(bucket, key), source="peer", borrowed=True)
+            except _FALL_THROUGH as exc:
+                self._tried(peer, f"head {bucket}/{key}", exc)
+        return dataclasses.replace(await self.real.head(bucket, key), borrowed=borrowed)
+
+    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+        peers, _ = self._route(bucket, key)
+        for peer in peers:
+            try:
+                body = peer.open(bucket, key, start, end, etag)
+            except _FALL_THROUGH as exc:
+                self._tried(peer, f"{bucket}/{key} from {start}", exc)
+                continue
+            self._note(f"{bucket}/{key}", peer.member)
+            return body
+        return self.real.open(bucket, key, start, end, etag)
+
+    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+        peers, borrowed = self._route(bucket, key)
+        name = f"{bucket}/{key}"
+        for peer in peers:
+            self._borrow(name, 1)
+            try:
+                result = peer.open_first(bucket, key)
+            except _FALL_THROUGH as exc:
+                self._tried(peer, name, exc)
+                continue
+            finally:
+                self._borrow(name, -1)
+            self._note(name, peer.member)
+            return result
+        info, body = self.real.open_first(bucket, key)
+        return dataclasses.replace(info, borrowed=borrowed), body
+
+    async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
+        return await self.real.list_objects_v2(bucket, params)
+
+    async def list_objects(self, bucket: str, params: Mapping[str, str]) -> bytes:
+        return await self.real.list_objects(bucket, params)
+
+    async def head_bucket(self, bucket: str) -> str | None:
+        return await self.real.head_bucket(bucket)
+
+    async def bucket_location(self, bucket: str) -> bytes:
+        return await self.real.bucket_location(bucket)

@@ -1,0 +1,300 @@
+"""The cluster cache (issue 17, daemon side): real daemons peered on loopback in front of the
+session's moto server. Each object leaves the origin about once for the cluster, a killed member
+drops out and comes back, a peer's corrupt bytes are refused, the peer path is closed to anyone
+without the secret, and borrowed copies are evicted first."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import http.client
+import http.server
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache import Store, StoreSettings
+from sidecar.daemon.peers.config import ClusterSettings
+from sidecar.daemon.peers.signing import PEER_HEADER, sign
+from tests.daemon.conftest import DaemonProcess, make_settings, put_objects
+from tests.helpers import PYTHON, REPO, free_port, http_ok, kill9, serving, spawn, wait_until
+from wire.rendezvous import member_id, ranked
+
+pytestmark = pytest.mark.timeout(180)
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def _get(url: str, headers: dict[str, str] | None = None, timeout: float = 20) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _json(url: str) -> Any:
+    status, body = _get(url)
+    assert status == 200, body
+    return json.loads(body)
+
+
+def _live(url: str) -> set[str]:
+    try:
+        return {m["id"] for m in _json(url + "/_shardcache/peers")["members"] if m["live"]}
+    except OSError:
+        return set()
+
+
+def _sees(url: str, expected: set[str]) -> bool:
+    return _live(url) == expected
+
+
+class Cluster:
+    """Daemon processes that name each other with --peer (one port each, chosen up front)."""
+
+    def __init__(self, tmp: Path, endpoint: str, count: int) -> None:
+        secret_file = tmp / "secret"
+        secret_file.write_bytes(SECRET + b"\n")
+        self.daemons = [DaemonProcess([], tmp / f"d{i}.log") for i in range(count)]
+        for i, daemon in enumerate(self.daemons):
+            peers = [arg for other in self.daemons if other is not daemon for arg in ("--peer", other.url)]
+            daemon.args += [
+                "--origin", "s3", "--s3-endpoint", endpoint, "--cache-dir", str(tmp / f"cache{i}"),
+                "--cache-size", "1GiB", "--min-free", "0", "--peer-secret-file", str(secret_file),
+                "--node", f"node-{i}", "--scrub-rate", "0", *peers,
+            ]
+        self.ids = [member_id(d.url) for d in self.daemons]
+
+    def start(self) -> None:
+        for daemon in self.daemons:  # at once: no readiness waits on peers
+            daemon.proc = spawn(daemon.args, daemon.log, daemon.env)
+        for daemon in self.daemons:
+            wait_until(functools.partial(http_ok, daemon.url + "/readyz"), timeout=60, what="daemon readiness")
+
+    def wait_live(self, expected: set[str], among: list[DaemonProcess] | None = None, timeout: float = 15) -> float:
+        began = time.monotonic()
+        for daemon in among or self.daemons:
+            wait_until(functools.partial(_sees, daemon.url, expected), timeout=timeout, interval=0.1,
+                       what=f"{daemon.url} to see {sorted(expected)} live")
+        return time.monotonic() - began
+
+    def stop(self) -> None:
+        for daemon in self.daemons:
+            daemon.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, s3_server: Any) -> Any:
+    group = Cluster(tmp_path, s3_server.endpoint, 3)
+    group.start()
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+def _dataset(prefix: str, count: int, size: int) -> dict[str, bytes]:
+    return {f"{prefix}/shard-{i:04d}.tar": os.urandom(size) for i in range(count)}
+
+
+def test_three_daemons_read_each_object_from_the_origin_once(cluster: Cluster, s3_server: Any, bucket: str) -> None:
+    client = s3_server.client()
+    dataset = _dataset("train", 24, 300 * 1024)
+    put_objects(client, bucket, dataset)
+    cluster.wait_live(set(cluster.ids))
+    for daemon in cluster.daemons:
+        peers = _json(daemon.url + "/_shardcache/peers")
+        assert peers["peer_links"] == "authenticated" and peers["self"] == member_id(daemon.url)
+        assert {m["node"] for m in peers["members"]} == {"node-0", "node-1", "node-2"}
+    # Every node reads the whole dataset, each starting at another place (as trainers do).
+    for turn, daemon in enumerate(cluster.daemons):
+        keys = sorted(dataset)
+        for key in keys[turn * 8:] + keys[:turn * 8]:
+            status, body = _get(f"{daemon.url}/{bucket}/{key}")
+            assert status == 200 and body == dataset[key], key
+    stats = [d.stats() for d in cluster.daemons]
+    total = sum(len(v) for v in dataset.values())
+    origin = sum(s["origin_read_bytes"] for s in stats)
+    peer_in = sum(s["peer_read_bytes"] for s in stats)
+    peer_out = sum(s["served_bytes"]["peer"] for s in stats)
+    print(f"dataset {total} B: origin {origin} B ({origin / total:.3f}x), peers {peer_in} B")
+    assert origin <= 1.1 * total
+    assert peer_in >= total  # each node read the two thirds it does not own from their owners
+    assert peer_out == peer_in
+    for s in stats:
+        assert s["cluster"]["live"] == 3 and s["cluster"]["peer_links"] == "authenticated"
+        assert s["cache"]["borrowed_items"] > 0
+
+    # kill -9 of one member: it leaves the others' rings within seconds, and reads go on.
+    victim, rest = cluster.daemons[2], cluster.daemons[:2]
+    kill9(victim.proc)  # type: ignore[arg-type]
+    fresh = _dataset("more", 12, 200 * 1024)
+    put_objects(client, bucket, fresh)
+    for key in sorted(fresh)[:4]:  # before the others notice: the dead owner costs a refused connection
+        for daemon in rest:
+            status, body = _get(f"{daemon.url}/{bucket}/{key}")
+            assert status == 200 and body == fresh[key]
+    dropped = cluster.wait_live(set(cluster.ids[:2]), rest, timeout=10)
+    print(f"dead member dropped out of the ring in {dropped:.1f} s after the first reads")
+    for key in sorted(fresh):
+        for daemon in rest:
+            status, body = _get(f"{daemon.url}/{bucket}/{key}")
+            assert status == 200 and body == fresh[key]
+    for key in sorted(dataset):  # the dead one's share of the old objects: from its next candidate
+        status, body = _get(f"{rest[0].url}/{bucket}/{key}")
+        assert status == 200 and body == dataset[key]
+
+    # Restarted (as the DaemonSet does, same cache), it is back in every ring.
+    victim.proc = spawn(victim.args, victim.log, victim.env)
+    cluster.wait_live(set(cluster.ids), timeout=30)
+
+
+def test_peer_header_needs_the_secret(start_daemon: Any, tmp_path: Path, s3_server: Any, bucket: str) -> None:
+    s3_server.client().put_object(Bucket=bucket, Key="a.bin", Body=b"x" * 1000)
+    settings = make_settings(tmp_path / "cache", "s3", s3_server.endpoint)
+    url = "http://" + settings.listen[0][len("tcp://"):]
+    settings = dataclasses.replace(settings, cluster=ClusterSettings(
+        peers=(f"http://127.0.0.1:{free_port()}",), advertise_url=url, secret=SECRET,
+    ))
+    daemon = start_daemon(settings)
+    target = f"/{bucket}/a.bin"
+    asker = "http://127.0.0.1:1"
+    refused = {
+        "unsigned": f"m={asker},open",
+        "wrong secret": sign(b"another-secret-of-16-bytes", asker, "GET", target),
+        "expired": sign(SECRET, asker, "GET", target, now=time.time() - 300),
+        "another path": sign(SECRET, asker, "GET", target + "x"),
+        "no member": "t=1,sig=00",
+    }
+    for why, value in refused.items():
+        status, body = _get(daemon.url + target, {PEER_HEADER: value})
+        assert status == 403 and b"<Code>AccessDenied</Code>" in body and b"not a peer" in body, why
+    status, body = _get(daemon.url + target, {PEER_HEADER: sign(SECRET, asker, "GET", target)})
+    assert status == 200 and body == b"x" * 1000
+    assert daemon.stats()["served_bytes"]["peer"] == 1000
+    status, body = _get(daemon.url + target)  # a client's read, no peer header: as ever
+    assert status == 200 and body == b"x" * 1000
+    peers = _json(daemon.url + "/_shardcache/peers")
+    assert peers["peer_links"] == "authenticated" and [m["self"] for m in peers["members"]].count(True) == 1
+
+
+class _CorruptPeer(http.server.BaseHTTPRequestHandler):
+    """A 'peer' that answers every read with the real headers (ETag, checksums) and flipped bytes."""
+
+    objects: dict[str, tuple[bytes, dict[str, str]]] = {}
+    reads = 0
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/readyz":
+            body, headers = b'{"ready": true, "node": "liar"}', {"Content-Type": "application/json"}
+        elif self.path in self.objects:
+            type(self).reads += 1
+            data, headers = self.objects[self.path]
+            body = bytes(b ^ 0xFF for b in data)
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_corrupt_peer_bytes_are_refused(start_daemon: Any, tmp_path: Path, s3_server: Any, bucket: str) -> None:
+    liar = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CorruptPeer)
+    liar_url = f"http://127.0.0.1:{liar.server_address[1]}"
+    settings = make_settings(tmp_path / "cache", "s3", s3_server.endpoint)
+    url = "http://" + settings.listen[0][len("tcp://"):]
+    # A key the liar owns in the ring of the two.
+    key = next(f"k{i}.bin" for i in range(1000) if ranked([member_id(url), member_id(liar_url)],
+                                                       f"{bucket}/k{i}.bin")[0] == member_id(liar_url))
+    data = os.urandom(256 * 1024)
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key=key, Body=data)
+    head = client.head_object(Bucket=bucket, Key=key)
+    _CorruptPeer.objects = {f"/{bucket}/{key}": (data, {"ETag": head["ETag"], "Content-Type": "binary/octet-stream"})}
+    settings = dataclasses.replace(settings, cluster=ClusterSettings(peers=(liar_url,), advertise_url=url))
+    with serving(liar):
+        daemon = start_daemon(settings)
+        wait_until(lambda: _live(daemon.url) == {member_id(url), member_id(liar_url)}, timeout=15, what="liar live")
+        assert _json(daemon.url + "/_shardcache/peers")["peer_links"] == "open"
+        answers = []
+        for _ in range(3):
+            try:
+                answers.append(_get(f"{daemon.url}/{bucket}/{key}"))
+            except (OSError, http.client.HTTPException) as exc:  # cut short: corrupt bytes never complete an answer
+                answers.append((0, repr(exc).encode()))
+            if answers[-1] == (200, data):
+                break
+        assert answers[-1] == (200, data)
+        assert all(body != bytes(b ^ 0xFF for b in data) for _, body in answers)
+        assert _CorruptPeer.reads == 1  # refused once, then the object comes from the origin
+        stats = daemon.stats()
+        assert stats["verification"]["fills"]["failed"] == 1
+        assert stats["origin_read_bytes"] >= len(data)
+        status, body = _get(f"{daemon.url}/{bucket}/{key}")
+        assert status == 200 and body == data
+
+
+def test_sigv4_with_peers_and_no_secret_refuses_to_start(tmp_path: Path) -> None:
+    args = [PYTHON, "-m", "sidecar.cli", "serve", "--auth", "sigv4", "--origin", "s3", "--cache-dir", str(tmp_path),
+            "--listen", "tcp://127.0.0.1:1", "--peer", "http://127.0.0.1:2"]
+    done = subprocess.run(args, capture_output=True, timeout=60, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0
+    assert b"--peer-secret-file" in done.stderr
+
+
+def test_borrowed_entries_are_evicted_first(tmp_path: Path) -> None:
+    def put(store: Store, key: str, borrowed: bool) -> None:
+        writer = store.begin("b", key, f'"{key}"', 100, borrowed=borrowed)
+        assert writer is not None
+        writer.write_at(0, key.encode().ljust(100, b"."))
+        writer.commit()
+
+    store = Store(StoreSettings(root=tmp_path, capacity_bytes=300, min_free_ratio=0.0))
+    store.open()
+    put(store, "owned-old", False)
+    put(store, "borrowed", True)
+    put(store, "owned", False)
+    entry = store.lookup("b", "borrowed")
+    assert entry is not None and entry.borrowed
+    store.touch_in_memory(entry)  # the most recently used, and still the first to go
+    put(store, "new", False)
+    assert store.lookup("b", "borrowed") is None
+    assert store.lookup("b", "owned-old") is not None
+    put(store, "borrowed-2", True)  # no borrowed one left: the oldest owned goes
+    assert store.lookup("b", "owned-old") is None
+    store.close()
+    reopened = Store(StoreSettings(root=tmp_path, capacity_bytes=300, min_free_ratio=0.0))
+    reopened.open()  # persisted in the meta file
+    again = reopened.lookup("b", "borrowed-2")
+    assert again is not None and again.borrowed and reopened.stats()["borrowed_items"] == 1
+    reopened.close()
+
+
+
+
+def test_dns_records_are_members_at_the_advertised_port() -> None:
+    from sidecar.daemon.peers.membership import Membership
+
+    settings = ClusterSettings(peers_dns="peers.invalid", advertise_url="http://10.0.0.1:8600")
+    membership = Membership(settings, "n1")
+    membership._apply_dns({"10.0.0.1", "10.0.0.2", "fd00::3"})  # self's own record is self
+    assert sorted(membership.members) == ["http://10.0.0.1:8600", "http://10.0.0.2:8600", "http://[fd00::3]:8600"]
+    assert membership.live == ("http://10.0.0.1:8600",)  # the others are dead until they answer
+    membership._apply_dns({"10.0.0.1"})  # gone from the records: gone from the ring
+    assert list(membership.members) == ["http://10.0.0.1:8600"]
