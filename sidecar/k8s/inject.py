@@ -2,8 +2,9 @@
 
 :func:`inject` takes a Kubernetes object (a plain ``dict`` as decoded from YAML or JSON) and
 returns a new object whose pod template(s) carry the shardcache sidecar,
-``SHARDCACHE_ENDPOINT`` and, when configured, ``SHARDCACHE_MASTER_TOKEN`` from a Secret in the
-pod's namespace. How the sidecar reaches the node daemon is the pod's *mode*
+``SHARDCACHE_ENDPOINT``, ``SHARDCACHE_NODE`` (the downward API's ``spec.nodeName``, in the sidecar
+too) and, when configured, ``SHARDCACHE_MASTER_TOKEN`` from a Secret in the pod's namespace. How
+the sidecar reaches the node daemon is the pod's *mode*
 (:data:`MODES`: the configuration's, unless the pod's ``shardcache.io/mode`` annotation says
 otherwise; the webhook takes the configuration's from the namespace, see
 :mod:`sidecar.k8s.webhook`):
@@ -65,6 +66,8 @@ __all__ = [
     "SIDECAR_NAME",
     "ENDPOINT_ENV",
     "HANDLES_ENV",
+    "NODE_ENV",
+    "NODE_FIELD_PATH",
     "MASTER_TOKEN_ENV",
     "MASTER_TOKEN_KEY",
     "AWS_CREDENTIAL_ENV",
@@ -138,6 +141,11 @@ MASTER_TOKEN_ENV = "SHARDCACHE_MASTER_TOKEN"
 MASTER_TOKEN_KEY = "token"
 # The app containers' address of the sidecar's file handle socket (read by the loader).
 HANDLES_ENV = "SHARDCACHE_HANDLES"
+# The pod's node, from the downward API: the loader's locality and the master's lease preference
+# (docs/design.md), and the sidecar's node in its /stats. The webhook cannot know the node (the pod is
+# not scheduled yet), the kubelet can.
+NODE_ENV = "SHARDCACHE_NODE"
+NODE_FIELD_PATH = "spec.nodeName"
 VOLUME_SOCKET = "shardcache-socket"
 VOLUME_POD_SOCKET = "shardcache-pod-socket"
 VOLUME_POD_CACHE = "shardcache-pod-cache"
@@ -608,6 +616,11 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
     for label, container in apps:
         _inject_app_container(container, effective, label, handles=handles)
     _share_credentials(sidecar_container, apps, where)
+    # After the credentials, so that a sidecar that already had them (a second pass, or an older
+    # injection) only gains this one entry at the end of its env.
+    sidecar_env = _named_list(sidecar_container, "env", f"{where}container {SIDECAR_NAME}")
+    _add_node_env(sidecar_env)
+    sidecar_container["env"] = sidecar_env
 
     # Our volumes, each only where the sidecar mounts it (and the pod socket for the handles the
     # app containers connect to): a restricted sidecar has no socket mount, so its pod never gets
@@ -665,7 +678,16 @@ def _inject_app_container(container: dict[str, Any], config: InjectConfig, where
         sees = any(m.get("name") == VOLUME_POD_SOCKET and _normpath(str(m.get("mountPath", ""))) == POD_SOCKET_MOUNT for m in mounts)
         if sees and _find(env, HANDLES_ENV) is None:
             env.append({"name": HANDLES_ENV, "value": _handles_url()})
+    _add_node_env(env)
     container["env"] = env
+
+
+def _add_node_env(env: list[dict[str, Any]]) -> None:
+    """Append ``SHARDCACHE_NODE`` from ``spec.nodeName`` unless the container sets it (the user's
+    value, or a fieldRef of their own, wins); appended like the other variables, so the webhook's
+    patch only adds."""
+    if _find(env, NODE_ENV) is None:
+        env.append({"name": NODE_ENV, "valueFrom": {"fieldRef": {"fieldPath": NODE_FIELD_PATH}}})
 
 
 def _handles_url() -> str:

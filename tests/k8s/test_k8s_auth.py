@@ -37,6 +37,7 @@ from sidecar.k8s.inject import (
     AWS_CREDENTIAL_ENV,
     AWS_TOKEN_DIRS,
     INJECT_LABEL,
+    NODE_ENV,
     SIDECAR_NAME,
     InjectConfig,
     dump_documents,
@@ -127,12 +128,20 @@ def test_the_daemon_accepts_its_args(charts: dict[str, list[dict[str, Any]]], op
     flags = {"--auth", "--auth-identity", "--sts-endpoint", "--auth-cache-ttl", "--tenant-quota"}
     if not flags <= serve._option_string_actions.keys():
         pytest.skip(f"shardcache serve lacks {sorted(flags - serve._option_string_actions.keys())} (issue 15, being built)")
+    # The DaemonSet also runs the cluster flags (node.cluster.enabled, tests/k8s/test_k8s_cluster.py).
+    cluster = {"--peers-dns", "--advertise-url", "--peer-secret-file"}
+    if not cluster <= serve._option_string_actions.keys():
+        pytest.skip(f"shardcache serve lacks {sorted(cluster - serve._option_string_actions.keys())} (issue 17, being built)")
     from sidecar.cli.commands.serve import build_settings
 
     args = parser.parse_args(daemon(charts[option])["args"])
     assert args.command == "serve" and args.mode == "node"
     if args.origin.startswith("file://"):
         args.origin = f"file://{tmp_path}"  # the hostPath the DaemonSet mounts there
+    # What the kubelet and the Secret volume provide: $(POD_IP) expanded, the peer secret's file.
+    args.advertise_url = args.advertise_url.replace("$(POD_IP)", "10.0.0.7")
+    (tmp_path / "peer-secret").write_text("s" * 64)  # as long as the chart generates
+    args.peer_secret_file = str(tmp_path / "peer-secret")
     # The daemon's own checks of its flags (sigv4 needs an S3 origin, the TTL's range, the quota's size).
     settings = build_settings(args)
     auth = AUTH_OPTIONS[option][0].get("node", {}).get("auth", {})
@@ -327,8 +336,19 @@ def sidecar_of(spec: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
+# Every injected container gets it (tests/k8s/test_k8s_cluster.py); these tests are about the rest.
+NODE_ENTRY = {"name": NODE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+
+
+def cred_env(container: dict[str, Any]) -> list[dict[str, Any]]:
+    """The container's env but the SHARDCACHE_NODE entry, which must be there once."""
+    env = container.get("env", [])
+    assert env.count(NODE_ENTRY) == 1, env
+    return [e for e in env if e != NODE_ENTRY]
+
+
 def env_names(container: dict[str, Any]) -> list[str]:
-    return [e["name"] for e in container.get("env", [])]
+    return [e["name"] for e in cred_env(container)]
 
 
 def extra_mounts(container: dict[str, Any]) -> list[dict[str, Any]]:
@@ -351,7 +371,7 @@ def test_irsa_role_and_token_reach_the_sidecar(config: InjectConfig) -> None:
     original = irsa_pod()
     out = injected(original, config)
     sidecar = sidecar_of(out["spec"])
-    assert sidecar["env"] == IRSA_ENV
+    assert cred_env(sidecar) == IRSA_ENV
     assert extra_mounts(sidecar) == [IRSA_MOUNT]
     # The app container is left as it was, but for what injection always adds.
     (train,) = [c for c in out["spec"]["containers"] if c["name"] == "train"]
@@ -361,14 +381,14 @@ def test_irsa_role_and_token_reach_the_sidecar(config: InjectConfig) -> None:
 
 def test_pod_identity_uri_and_token_reach_the_sidecar() -> None:
     sidecar = sidecar_of(injected(pod_identity_pod())["spec"])
-    assert sidecar["env"] == POD_IDENTITY_ENV
+    assert cred_env(sidecar) == POD_IDENTITY_ENV
     assert extra_mounts(sidecar) == [POD_IDENTITY_MOUNT]
 
 
 def test_keys_from_a_secret_and_env_from_secrets() -> None:
     sidecar = sidecar_of(injected(secret_pod())["spec"])
     # valueFrom as it is; app settings (DATASET) are not the sidecar's.
-    assert sidecar["env"] == secret_pod()["spec"]["containers"][0]["env"][:2]
+    assert cred_env(sidecar) == secret_pod()["spec"]["containers"][0]["env"][:2]
     # Secrets whole, prefix and optional kept; the ConfigMap of app settings is not copied.
     assert sidecar["envFrom"] == [{"secretRef": {"name": "team-a-session"}}, {"prefix": "MINIO_", "secretRef": {"name": "minio", "optional": True}}]
     assert extra_mounts(sidecar) == []
@@ -391,7 +411,7 @@ def test_the_sidecar_keeps_what_it_already_sets() -> None:
     sidecar = sidecar_of(injected(obj)["spec"])
     assert sidecar["env"][0] == own_role and env_names(sidecar).count("AWS_ROLE_ARN") == 1
     assert sidecar["volumeMounts"] == [own_mount]
-    assert [e for e in sidecar["env"] if e["name"] != "AWS_ROLE_ARN"] == [e for e in IRSA_ENV if e["name"] != "AWS_ROLE_ARN"]
+    assert [e for e in cred_env(sidecar) if e["name"] != "AWS_ROLE_ARN"] == [e for e in IRSA_ENV if e["name"] != "AWS_ROLE_ARN"]
 
 
 def test_endpoint_urls_are_never_copied() -> None:
@@ -448,14 +468,14 @@ def test_a_home_aws_directory_is_pointed_at() -> None:
     obj = pod([trainer(env=[{"name": "AWS_PROFILE", "value": "team-a"}], volumeMounts=[mount])],
               [{"name": "aws", "secret": {"secretName": "team-a-aws"}}])
     sidecar = sidecar_of(injected(obj)["spec"])
-    assert sidecar["env"] == [{"name": "AWS_PROFILE", "value": "team-a"},
+    assert cred_env(sidecar) == [{"name": "AWS_PROFILE", "value": "team-a"},
                               {"name": "AWS_SHARED_CREDENTIALS_FILE", "value": "/home/trainer/.aws/credentials"},
                               {"name": "AWS_CONFIG_FILE", "value": "/home/trainer/.aws/config"}]
     assert extra_mounts(sidecar) == [mount]
     # Named files win over the directory.
     obj["spec"]["containers"][0]["env"].append({"name": "AWS_CONFIG_FILE", "value": "/home/trainer/.aws/team-a.ini"})
     sidecar = sidecar_of(injected(obj)["spec"])
-    assert [e["name"] for e in sidecar["env"]] == ["AWS_PROFILE", "AWS_CONFIG_FILE"]
+    assert env_names(sidecar) == ["AWS_PROFILE", "AWS_CONFIG_FILE"]
 
 
 def test_one_source_the_first_app_container_with_credentials() -> None:
@@ -469,10 +489,10 @@ def test_one_source_the_first_app_container_with_credentials() -> None:
     sidecar = sidecar_of(injected(obj)["spec"])
     # Never the uploader's session token with the trainer's keys, nor the role of the init
     # container (regular containers, the trainers, come first).
-    assert sidecar["env"] == [{"name": "AWS_ACCESS_KEY_ID", "value": "AKIATRAIN"}, {"name": "AWS_SECRET_ACCESS_KEY", "value": "train"}]
+    assert cred_env(sidecar) == [{"name": "AWS_ACCESS_KEY_ID", "value": "AKIATRAIN"}, {"name": "AWS_SECRET_ACCESS_KEY", "value": "train"}]
     # A pod without credentials gives the sidecar nothing: it runs as it always did.
     plain = sidecar_of(injected(pod([trainer(env=[APP_ENDPOINT])]))["spec"])
-    assert "env" not in plain and "envFrom" not in plain and extra_mounts(plain) == []
+    assert cred_env(plain) == [] and "envFrom" not in plain and extra_mounts(plain) == []
 
 
 def test_a_malformed_env_from_names_the_field() -> None:
@@ -507,14 +527,14 @@ def test_credentials_a_later_webhook_adds_reach_the_sidecar_on_reinvocation() ->
     mutated["spec"]["volumes"].append(IRSA_VOLUME)
     again = injected(mutated)
     sidecar = sidecar_of(again["spec"])
-    assert sidecar["env"] == IRSA_ENV and extra_mounts(sidecar) == [IRSA_MOUNT]
+    assert cred_env(sidecar) == IRSA_ENV and extra_mounts(sidecar) == [IRSA_MOUNT]
     patch = json_patch(mutated, again)
     assert patch and all(op["op"] == "add" for op in patch), patch
     assert jsonpatch.apply_patch(mutated, patch) == again
     # Had it mutated the sidecar too, there is nothing left to copy.
     both = copy.deepcopy(mutated)
     sidecar = sidecar_of(both["spec"])
-    sidecar["env"] = copy.deepcopy(IRSA_ENV)
+    sidecar["env"] += copy.deepcopy(IRSA_ENV)
     sidecar["volumeMounts"].append(IRSA_MOUNT)
     out, outcome = inject(both, CONFIG)
     assert outcome.result == "unchanged" and out == both
@@ -531,7 +551,7 @@ def test_every_pod_template_of_a_workload() -> None:
     out = injected(job)
     for pod_template in pod_templates(out):
         sidecar = sidecar_of(pod_template["spec"])
-        assert sidecar["env"] == IRSA_ENV and extra_mounts(sidecar) == [IRSA_MOUNT]
+        assert cred_env(sidecar) == IRSA_ENV and extra_mounts(sidecar) == [IRSA_MOUNT]
 
 
 # ----------------------------------------------------------------------------- properties

@@ -40,6 +40,8 @@ from tests.k8s.support import (
 )
 
 CONFIG = InjectConfig(image="registry.example.com/shardcache:1.2.3")
+# What every injected container gets (tests/k8s/test_k8s_cluster.py).
+NODE_ENTRY = {"name": "SHARDCACHE_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
 FALLBACK = InjectConfig(image="registry.example.com/shardcache:1.2.3", native_sidecar=False)
 WORKLOADS = [d for d in load_fixture_docs() if d["kind"] in TEMPLATE_PATHS]
 PASSTHROUGH = [d for d in load_fixture_docs() if d["kind"] not in TEMPLATE_PATHS]
@@ -167,8 +169,9 @@ def test_sidecar_args_parse_with_the_real_serve_command() -> None:
 def test_sidecar_env_from_config() -> None:
     config = InjectConfig(env=(("AWS_ENDPOINT_URL", "http://minio:9000"), ("AWS_REGION", "eu-west-1")))
     sidecar = sidecar_of(inject(pod(), config)[0]["spec"])
-    assert sidecar["env"] == [{"name": "AWS_ENDPOINT_URL", "value": "http://minio:9000"}, {"name": "AWS_REGION", "value": "eu-west-1"}]
-    assert "env" not in sidecar_of(inject(pod(), CONFIG)[0]["spec"])
+    # ...then SHARDCACHE_NODE, which every injected container gets (tests/k8s/test_k8s_cluster.py).
+    assert sidecar["env"] == [{"name": "AWS_ENDPOINT_URL", "value": "http://minio:9000"}, {"name": "AWS_REGION", "value": "eu-west-1"}, NODE_ENTRY]
+    assert sidecar_of(inject(pod(), CONFIG)[0]["spec"])["env"] == [NODE_ENTRY]
     with pytest.raises(InjectionError, match="environment variable name"):
         InjectConfig(env=(("BAD NAME", "x"),))
 
@@ -291,7 +294,7 @@ def test_existing_env_and_pod_socket_path_are_kept() -> None:
     assert outcome.result == "injected"
     # The path is the user's: no mount of ours over it, and no handles address the container
     # could not reach.
-    assert train["env"] == [{"name": ENDPOINT_ENV, "value": "http://elsewhere:9000"}]
+    assert train["env"] == [{"name": ENDPOINT_ENV, "value": "http://elsewhere:9000"}, NODE_ENTRY]
     assert train["volumeMounts"] == [{"name": "mine", "mountPath": "/run/shardcache-pod"}]
     # A value the user set wins; the mount is still added.
     assert [e for e in evaluate["env"] if e["name"] == HANDLES_ENV] == [{"name": HANDLES_ENV, "value": "unix:///elsewhere/h.sock"}]

@@ -473,7 +473,8 @@ def test_network_policy_admits_restricted_sidecars_on_the_service_port(renderer:
         assert selects(policy["spec"]["podSelector"], ds["spec"]["template"]["metadata"]["labels"])
         port = find(objects, "Service", "-local")["spec"]["ports"][0]["port"]
         restricted = namespace("vision", team="vision", **{"shardcache.io/mode": "restricted"})
-        (rule,) = policy["spec"]["ingress"]
+        # The first rule; the other admits the other daemons (node.cluster, tests/k8s/test_k8s_cluster.py).
+        rule = policy["spec"]["ingress"][0]
         assert any(p["port"] == port for p in rule["ports"])
         assert any(selects(peer["namespaceSelector"], restricted) for peer in rule["from"] if "namespaceSelector" in peer)
         assert not any(selects(peer["namespaceSelector"], namespace("kube-system")) for peer in rule["from"] if "namespaceSelector" in peer)

@@ -408,7 +408,9 @@ def test_network_policies_by_default(charts: dict[str, list[dict[str, Any]]], re
         selected = [w for w in (o for o in objects if o["kind"] in ("DaemonSet", "Deployment"))
                     if _selects(spec["podSelector"], w["spec"]["template"]["metadata"]["labels"])]
         assert selected == [workloads[component]]
-        (rule,) = spec["ingress"]
+        # The node policy's second rule admits the other daemons (node.cluster, tests/k8s/test_k8s_cluster.py).
+        rule, *peers = spec["ingress"]
+        assert len(peers) == (component == "node")
         (container,) = workloads[component]["spec"]["template"]["spec"]["containers"]
         assert rule["ports"] == [{"port": p["containerPort"], "protocol": "TCP"} for p in container["ports"]]
         if component == "webhook":

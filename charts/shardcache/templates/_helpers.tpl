@@ -182,6 +182,18 @@ matchExpressions:
 
 {{- define "shardcache.master.tokenDir" -}}/etc/shardcache/master-token{{- end }}
 
+{{/* The Secret the node daemons sign their reads from each other with (key "secret"): the user's, or the chart's. */}}
+{{- define "shardcache.node.peerSecretName" -}}
+{{- default (printf "%s-peer-secret" (include "shardcache.componentName" (dict "ctx" . "component" "node"))) .Values.node.cluster.peerSecret.existingSecret }}
+{{- end }}
+
+{{- define "shardcache.node.peerSecretDir" -}}/etc/shardcache/peer-secret{{- end }}
+
+{{/* The headless Service FULLNAME-node: every daemon's pod IP is one of its A records (--peers-dns). */}}
+{{- define "shardcache.node.peersDNS" -}}
+{{- printf "%s.%s.svc.%s" (include "shardcache.componentName" (dict "ctx" . "component" "node")) .Release.Namespace .Values.node.cluster.dnsDomain }}
+{{- end }}
+
 {{- define "shardcache.master.url" -}}
 {{- printf "http://%s.%s.svc:%d" (include "shardcache.componentName" (dict "ctx" . "component" "master")) .Release.Namespace (int .Values.master.port) }}
 {{- end }}
