@@ -35,7 +35,7 @@ _LOCAL_ONLY = {"/healthz", "/metrics"}
 # connect that times out (restricted mode's node-local Service drops packets while no daemon
 # on the node is ready). Then the sidecar serves from its standalone cache.
 UNREACHABLE = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, FileNotFoundError, ConnectionRefusedError)
-_AUTH_HEADERS = {"x-shardcache-session", "x-shardcache-proof"}
+_AUTH_HEADERS = {"x-shardcache-session", "x-shardcache-proof", "x-shardcache-peer"}  # the sidecar's or a daemon's to set
 
 
 class Upstream:
