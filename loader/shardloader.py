@@ -12,6 +12,10 @@ Dynamic mode (elastic; every shard read once per epoch across all trainers)::
 Iterating yields one epoch; iterating again yields the next. ``continuous=True`` yields across
 epochs without end (static) or until the job's last epoch (dynamic), for synchronous DDP where
 every rank runs a fixed number of steps: ``itertools.islice(loader, steps * batch)``.
+
+The loader times how long the loop iterating it waits for each sample (:mod:`loader.stall`):
+``loader.wait_stats()`` gives the totals, and in dynamic mode they go to the master with the
+trainer's renews, releases and completions (the job status shows them per trainer).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
 from loader.settings import LoaderSettings
 from loader.sources import Source, make_source, resolve_shards
+from loader.stall import WaitMeter, WaitReporter
 from loader.static import rank_shards, worker_shards
 from loader.tar import iter_samples
 
@@ -62,6 +67,8 @@ class _Runtime:
         self.trainer: str | None = None
         # Prefetch hints held back until the shard being read has opened (see _hint).
         self.pending_hints: list[Shard] = []
+        # The loop's wait for data in this process (kept across close(): see ShardLoader.close).
+        self.meter: WaitMeter | None = None
 
 
 class ShardLoader:
@@ -156,6 +163,9 @@ class ShardLoader:
         self._stream: str | None = None
         # Set by loader.torch's DataLoader: this process reads, the iterating one reports and completes.
         self._ledger: Any = None
+        # Whether iterating this loader is what the training loop does (times its waits). False
+        # under a ShardDataset: there the drop-in DataLoader times the loop's batches instead.
+        self._metered = True
         self._shards: list[Shard] | None = None
         # static progress
         self._pos = _Position(0 if epoch is None else int(epoch))
@@ -248,7 +258,9 @@ class ShardLoader:
             rt.source.close()
         if rt.client is not None:
             rt.client.close()
+        meter = rt.meter
         self._rt = _Runtime()
+        self._rt.meter = meter  # wait_stats() survives close()
 
     def __enter__(self) -> ShardLoader:
         return self
@@ -276,6 +288,22 @@ class ShardLoader:
         if self.mode == "static":
             return self._pos.epoch
         return self._current_epoch if self._current_epoch is not None else self._next_epoch
+
+    def wait_meter(self) -> WaitMeter:
+        """This process's :class:`~loader.stall.WaitMeter` of the loop iterating this loader (or
+        the drop-in DataLoader over it)."""
+        rt = self._runtime()
+        if rt.meter is None:
+            rt.meter = WaitMeter()
+        return rt.meter
+
+    def wait_stats(self) -> dict[str, Any]:
+        """How long the training loop of this process waited for data, since its first step:
+        ``seconds``, ``steps`` (samples, or batches with ``loader.torch.DataLoader``),
+        ``elapsed_s``, ``fraction`` (of ``elapsed_s`` spent waiting), ``buckets`` (counts of single
+        waits up to each of ``bucket_bounds_s``), ``p50_s``/``p99_s``. All zero in a DataLoader
+        worker and under a plain ``torch.utils.data.DataLoader``, which cannot see the loop."""
+        return self.wait_meter().stats()
 
     @property
     def finished(self) -> bool:
@@ -362,8 +390,34 @@ class ShardLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._generation += 1
         if self.mode == "static":
-            return self._iter_static(self._generation)
-        return self._iter_dynamic(self._generation)
+            items = self._iter_static(self._generation)
+        else:
+            items = self._iter_dynamic(self._generation)
+        # A DataLoader worker's copy (its own stream) is not the loop: its waits are the worker's.
+        if not self._metered or self._stream is not None:
+            return items
+        meter = self.wait_meter()
+        if self.mode == "static":
+            return meter.timed(items)
+        return self.reported(meter.timed(items), meter, lambda: self._current_epoch)
+
+    def reported(
+        self, items: Iterator[Any], meter: WaitMeter, epoch: Callable[[], int | None] = lambda: None
+    ) -> Iterator[Any]:
+        """``items`` (timed by ``meter``) while this trainer's wait goes to the master: with the
+        requests its client sends, and every few seconds on its own when none carried it (for
+        ``epoch()``; None: the master counts it to the trainer's current epoch)."""
+        client = self._client()
+        client.wait_source = meter
+        job = self.job or ""
+        trainer = self.trainer
+        reporter = WaitReporter(
+            meter, lambda: bool(client.report_wait(job, trainer, epoch())), name=f"shardcache-wait-{job}"
+        ).start()
+        try:
+            yield from items
+        finally:
+            reporter.stop(flush=True)  # the last steps' wait, also after the job's last epoch
 
     def _hint(self, shards: list[Shard], replace: bool = False) -> None:
         """Queue prefetch hints for the next shards; they go to the daemon once the shard about

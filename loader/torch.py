@@ -22,6 +22,15 @@ so they report (and complete) what they read: a rank's death may then skip what 
 had queued, up to ``prefetch_factor * num_workers`` batches (and with ``num_workers=0`` the
 samples of a batch being collated). Everything else holds.
 
+Waiting for data (:mod:`loader.stall`): :class:`DataLoader` times each batch the training loop
+asks for, from ``__next__`` until it has the batch, in the iterating process; ``dl.wait_stats()``
+(or ``ds.loader.wait_stats()``) gives the totals, and in dynamic mode they go to the master with
+the trainer's renews and completions. A plain ``torch.utils.data.DataLoader`` cannot be timed
+from inside: its workers (and, with ``num_workers=0``, the dataset's iterator) see when a sample
+is read, not when the loop takes a batch, so over a :class:`ShardDataset` it reports no wait at
+all (``wait_stats()`` stays at zero and the master shows no wait for the trainer) rather than a
+figure that would be wrong.
+
 Static mode across epochs: call ``ds.set_epoch(epoch)`` before each epoch (as with
 ``DistributedSampler``), or use ``persistent_workers=True`` so each worker's loader advances.
 In dynamic mode the master says which epoch is current.
@@ -54,6 +63,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
     ) -> None:
         super().__init__()
         self.loader = ShardLoader(url, **loader_args)
+        # Iterating the dataset is not the training loop's step (a batch is): DataLoader times that.
+        self.loader._metered = False
         self.transform = transform
         self._worker_loader: ShardLoader | None = None
         self._worker_key: tuple[int, int, int] | None = None
@@ -149,9 +160,22 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches = super().__iter__()
-        if self._deferred is None:
+        dataset = self.dataset
+        if not isinstance(dataset, ShardDataset):
             return batches
-        return self._delivered(batches, self._deferred.loader)
+        loader = dataset.loader
+        meter = loader.wait_meter()
+        if self._deferred is None:
+            return meter.timed(batches)
+        # Timed outside the delivery: what it does per batch is part of the loop's wait.
+        return loader.reported(meter.timed(self._delivered(batches, loader)), meter)
+
+    def wait_stats(self) -> dict[str, Any]:
+        """How long the training loop waited for its batches (``ShardLoader.wait_stats``); over
+        anything but a :class:`ShardDataset`, nothing is timed."""
+        if isinstance(self.dataset, ShardDataset):
+            return self.dataset.loader.wait_stats()
+        raise ConfigError("wait_stats() times a ShardDataset's batches; this DataLoader reads another dataset")
 
     def _delivered(self, batches: Iterator[Any], loader: ShardLoader) -> Iterator[Any]:
         delivery = Delivery(loader._client(), loader.job or "", loader.trainer, loader.settings.renew_fraction)

@@ -35,6 +35,17 @@ if ! command -v tc >/dev/null || ! command -v ip >/dev/null; then
     fi
 fi
 
+# Debian's chromium, the real headless browser tests/master/test_master_page.py drives the
+# master's status page with (over its DevTools protocol).
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "scripts/test.sh: chromium missing; install it (sudo apt-get install chromium)" >&2
+    fi
+fi
+
 # torch pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels); the bench
 # extra brings the peers the benchmark suite's smoke test runs (s3fs, webdataset,
 # mosaicml-streaming, s3torchconnector); constraints.txt keeps their versions resolvable.

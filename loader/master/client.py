@@ -34,6 +34,9 @@ Methods (the HTTP contract is ``docs/master-api.md``):
 - ``fail(job, lease, trainer, error) -> str``: report that the shard could not be read;
   returns ``"todo"`` (it will be re-issued) or ``"failed"`` (it reached ``max_failures`` and is
   skipped this epoch).
+- ``report_wait(job, trainer, epoch=None) -> bool``: send the attached :attr:`wait_source`'s delta
+  (``POST /v1/jobs/{job}/wait``, ``wire.stall``); False when there was nothing to send or the
+  master does not take wait reports.
 - ``status(job) -> dict`` and ``jobs() -> list[dict]``: job status as in the API doc;
   ``leader() -> dict``: the answering master's role and the leader it knows.
 
@@ -46,6 +49,13 @@ backoff and jitter, trying the next master of the list and following ``NotLeader
 
 One instance may be shared by threads: each thread keeps its own keep-alive connection per
 master, and the known leader is shared.
+
+Wait reports (``wire.stall``): with :attr:`MasterClient.wait_source` set (a
+``loader.stall.WaitMeter``, in the process whose training loop it times), renew, release and
+complete bodies carry the loop's wait since the last acknowledged report. Only to a master whose
+``GET /v1/version`` lists the ``wait`` feature (one look per client): older masters refuse unknown
+body fields. A call that fails gives its delta back to the meter, so the next report carries it
+(but for ``LeaseLost``/``NotLeaseHolder``: the master counted the wait of those).
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ from wire.errors import InvalidName
 from wire.httpclient import ThreadConnections, UnixHTTPConnection, exchange
 from wire.names import Address, parse_connect
 from wire.retry import Backoff
+from wire.stall import VERSION_PATH, knows_wait, wait_path
 
 # The errors are re-exported so a trainer needs one import line.
 __all__ = [
@@ -111,6 +122,8 @@ _GZIP_BODY_BYTES = 1 << 20
 _LOOKUP_FIRST_SHARDS = 10_000
 _DEFAULTED = ("lease_ttl_s", "max_failures")  # defaults the master chooses: unknown here
 _SPEC_FIELDS = frozenset({"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures"})
+# The version probe is a nicety: an unreachable master is not waited for as long as a lease call.
+_PROBE_DEADLINE_S = 5.0
 
 
 def split_master_urls(master: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -160,6 +173,9 @@ class MasterClient:
         self._lock = threading.Lock()
         self._preferred = 0  # index into self._urls of the master believed to lead
         self._conns = ThreadConnections(self._new_connection)
+        self.wait_source: Any = None
+        """A ``loader.stall.WaitMeter`` whose delta rides on renew/release/complete (None: none)."""
+        self._wait_ok: bool | None = None  # does the master take ``wait``? None: not asked yet
 
     @property
     def urls(self) -> list[str]:
@@ -264,11 +280,12 @@ class MasterClient:
             return self._call("POST", f"/v1/jobs/{_q(job)}/leases", body)
 
     def renew(self, job: str, lease: str, trainer: str, offset: int) -> float:
-        answer = self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/renew", {"trainer": trainer, "offset": offset})
+        path = f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/renew"
+        answer = self._reporting(path, {"trainer": trainer, "offset": offset})
         return float(answer["ttl_s"])
 
     def complete(self, job: str, lease: str, trainer: str) -> None:
-        self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/complete", {"trainer": trainer})
+        self._reporting(f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/complete", {"trainer": trainer})
 
     def fail(self, job: str, lease: str, trainer: str, error: str) -> str:
         answer = self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/fail", {"trainer": trainer, "error": str(error)})
@@ -278,8 +295,65 @@ class MasterClient:
         """Give a lease back before its end (the trainer is leaving): the shard is handed out again
         at once, from ``offset``. Returns the shard's state (``todo``)."""
         path = f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/release"
-        answer = self._call("POST", path, {"trainer": trainer, "offset": offset})
+        answer = self._reporting(path, {"trainer": trainer, "offset": offset})
         return str(answer["shard_state"])
+
+    def report_wait(self, job: str, trainer: str, epoch: int | None = None) -> bool:
+        """Send the wait since the last report on its own (a trainer with no lease to renew);
+        False when there was nothing to send or the master does not take it."""
+        source = self.wait_source
+        if source is None or not self.knows_wait():
+            return False
+        body: dict[str, Any] = {"trainer": trainer}
+        if epoch is not None:
+            body["epoch"] = epoch
+        # Bounded like the probe: a report is never worth holding up the loop's end for a minute.
+        sent = self._reporting(wait_path(_q(job)), body, only_with_wait=True, deadline_s=_PROBE_DEADLINE_S)
+        return sent is not None
+
+    def knows_wait(self) -> bool:
+        """Whether the master takes ``wait`` fields (asked once: ``GET /v1/version``)."""
+        if self._wait_ok is None:
+            try:
+                version = self._call("GET", VERSION_PATH, deadline_s=_PROBE_DEADLINE_S)
+            except MasterUnavailable:
+                return False  # ask again with the next report
+            except MasterError:
+                self._wait_ok = False  # 404: a master from before the version route
+            else:
+                self._wait_ok = knows_wait(version)
+        return self._wait_ok
+
+    def _reporting(
+        self, path: str, body: dict[str, Any], only_with_wait: bool = False, deadline_s: float | None = None
+    ) -> Any:
+        """POST ``body`` with the wait since the last report attached (if any and the master takes
+        it); the delta goes back to the meter if the call fails. ``only_with_wait``: send nothing
+        (None) when there is no delta."""
+        source = self.wait_source
+        taken = source.take() if source is not None and self.knows_wait() else None
+        if taken is None:
+            return None if only_with_wait else self._call("POST", path, body)
+        try:
+            answer = self._call("POST", path, {**body, "wait": taken.field()}, deadline_s=deadline_s)
+        except BadRequest as exc:
+            source.restore(taken)
+            if "'wait" not in exc.message:
+                raise
+            # A master that says it knows wait reports yet refuses this one (an older leader after
+            # a failover, or a bug on either side): stop sending them, never fail training on it.
+            self._wait_ok = False
+            if only_with_wait:
+                return None
+            return self._call("POST", path, body)
+        except (LeaseLost, NotLeaseHolder):
+            source.commit(taken)  # the master counts the wait of a refused lease call (wire.stall)
+            raise
+        except BaseException:
+            source.restore(taken)
+            raise
+        source.commit(taken)
+        return answer
 
     def close(self) -> None:
         """Close every connection of this client, made on any thread (a call in flight on another
@@ -296,13 +370,15 @@ class MasterClient:
 
     def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None, *, encoded: tuple[bytes, dict[str, str]] | None = None,
-        retried: list[MasterError] | None = None,
+        retried: list[MasterError] | None = None, deadline_s: float | None = None,
     ) -> dict[str, Any]:
         """One API call with retries; ``encoded``: the body already encoded, and its headers;
-        ``retried`` collects the error of every attempt that was retried."""
+        ``retried`` collects the error of every attempt that was retried; ``deadline_s``: retry
+        for this long instead of ``retry_deadline_s``."""
         payload = encoded[0] if encoded is not None else None if body is None else json.dumps(body).encode()
         extra = encoded[1] if encoded is not None else {}
-        deadline = time.monotonic() + self._deadline
+        limit = self._deadline if deadline_s is None else min(self._deadline, deadline_s)
+        deadline = time.monotonic() + limit
         retries = 0
         last: MasterError | None = None
         hops = 0
@@ -335,7 +411,7 @@ class MasterClient:
             if time.monotonic() + self._backoff.bound(retries) > deadline:
                 assert last is not None
                 raise MasterUnavailable(
-                    f"no master answered {method} {path} within {self._deadline:g}s "
+                    f"no master answered {method} {path} within {limit:g}s "
                     f"(tried {', '.join(self.urls)}); last error: {last.message}. "
                     "Check that `shardcache master` is running and reachable."
                 ) from last

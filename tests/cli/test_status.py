@@ -30,7 +30,7 @@ class Master:
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=10) as resp:
-            return json.loads(resp.read())  # type: ignore[no-any-return]
+            return json.loads(resp.read())
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def master(tmp_path: Path) -> Iterator[Master]:
         stop(m.proc)
 
 
-def test_status_of_daemon_and_master(master: Master, file_dataset: Dataset, daemon_factory: Any, tmp_path: Path):
+def test_status_of_daemon_and_master(master: Master, file_dataset: Dataset, daemon_factory: Any, tmp_path: Path) -> None:
     daemon: Daemon = daemon_factory(f"file://{tmp_path}/root")
     assert run_cli(["warmup", file_dataset.url, "--daemon", daemon.url]).returncode == 0
     # Reads through the daemon: one miss... then hits.
@@ -78,7 +78,7 @@ def test_status_of_daemon_and_master(master: Master, file_dataset: Dataset, daem
     assert job["failed_shards"][0]["key"] == lease[1]["key"]
 
 
-def test_status_unreachable_and_unknown_job(master: Master):
+def test_status_unreachable_and_unknown_job(master: Master) -> None:
     down = f"http://127.0.0.1:{free_port()}"
     result = run_cli(["status", "--daemon", down, "--interval", "0"])
     assert result.returncode == 69
@@ -134,3 +134,62 @@ def test_status_line_for_the_callers_own_tenant() -> None:
     assert tenant_lines({"tenant": stats["tenant"]}) == ["tenant key:AKIA?[2J: 0 B, no quota, 0 items"]
     assert tenant_lines({"cache": {"tenants": {"quota_bytes": None, "count": 2}}}) == ["tenants: 2 with entries, no quota"]
     assert tenant_lines({"cache": {"tenants": {"quota_bytes": None, "count": 0}}}) == []
+
+
+def _wait(seconds: float, elapsed_s: float, bucket: int, steps: int) -> dict[str, Any]:
+    from wire.stall import WAIT_BUCKETS_S, encode_wait
+
+    counts = [steps if i == bucket else 0 for i in range(len(WAIT_BUCKETS_S))]
+    return encode_wait(seconds, steps, elapsed_s, counts)
+
+
+def _report_wait(master: Master, job: str, body: dict[str, Any]) -> None:
+    request = urllib.request.Request(f"{master.url}/v1/jobs/{job}/wait", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 204
+
+
+def test_status_shows_the_trainers_wait_and_warns_above_the_threshold(master: Master) -> None:
+    shards = [{"key": f"s-{i}.tar", "size": 10, "samples": 4} for i in range(4)]
+    master.post("/v1/jobs", {"name": "slow", "dataset": "s3://b/p/", "shards": shards})
+    master.post("/v1/jobs", {"name": "fast", "dataset": "s3://b/p/", "shards": shards})
+    (held,) = master.post("/v1/jobs/slow/leases", {"trainer": "t1", "node": "n1", "count": 1})["leases"]
+    # slow: t1 waited 4.1 s of 10 (41%), t2 0.5 s of 10 (5%): 23% of the job's 20 s.
+    master.post(f"/v1/jobs/slow/leases/{held['lease']}/renew", {"trainer": "t1", "offset": 1, "wait": _wait(4.1, 10, 6, 30)})
+    _report_wait(master, "slow", {"trainer": "t2", "wait": _wait(0.5, 10, 3, 200)})
+    # fast: 5% waited, under the default 10%.
+    _report_wait(master, "fast", {"trainer": "t3", "wait": _wait(0.5, 10, 0, 900)})
+
+    result = run_cli(["status", "--master", master.url])
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert next(line for line in lines if line.startswith("slow ")).split()[-2:] == ["23%", "running"]
+    assert next(line for line in lines if line.startswith("fast ")).split()[-2:] == ["5%", "running"]
+    header = next(line for line in lines if line.startswith("JOB ") and "NODE" in line)
+    assert header.split() == ["JOB", "TRAINER", "NODE", "LEASES", "WAIT", "60S", "WAITED", "P50", "P99"]
+    rows = [line.split() for line in lines if line.startswith(("slow ", "fast ")) and len(line.split()) == 8]
+    assert rows == [["fast", "t3", "-", "0", "5%", "0.5s", "1ms", "1ms"],  # jobs by name, trainers by wait
+                    ["slow", "t1", "n1", "1", "41%", "4.1s", "1s", "1s"],
+                    ["slow", "t2", "-", "0", "5%", "0.5s", "50ms", "50ms"]]
+    warnings = [line for line in lines if line.startswith("WARNING")]
+    assert len(warnings) == 1, result.stdout
+    assert warnings[0].startswith("WARNING job slow: trainers waited 23% of the last 60 s for data (t1 41%, t2 5%): ")
+    assert "warmup" in warnings[0] and "num_workers" in warnings[0]
+
+    # The threshold moves: above 4% the fast job is warned about too; above 50%, neither.
+    low = run_cli(["status", "--master", master.url, "--warn-wait", "4%"])
+    assert sum(line.startswith("WARNING job") for line in low.stdout.splitlines()) == 2, low.stdout
+    high = run_cli(["status", "--master", master.url, "--warn-wait", "50"])
+    assert high.returncode == 0 and "WARNING" not in high.stdout
+    bad = run_cli(["status", "--master", master.url, "--warn-wait", "lots"])
+    assert bad.returncode == 2 and "--warn-wait" in bad.stderr
+
+    # --json passes the master's fields through, with the warnings it would print.
+    doc = json.loads(run_cli(["status", "--master", master.url, "--job", "slow", "--json"]).stdout)["master"]
+    (job,) = doc["jobs"]
+    assert job["wait"] == {"fraction_60s": 0.23, "trainers_waiting": 1}
+    t1 = next(t for t in job["trainers"] if t["trainer"] == "t1")
+    assert t1["wait"]["fraction_60s"] == 0.41 and t1["wait"]["steps"] == 30 and t1["wait"]["p99_s"] == 1.0
+    assert t1["wait"]["epochs"] == {"0": {"seconds": 4.1, "steps": 30, "fraction": 0.41}}
+    assert len(doc["wait_warnings"]) == 1 and doc["wait_warnings"][0].startswith("WARNING job slow")

@@ -28,10 +28,12 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError
+from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError, NotLeaseHolder
 from loader.master.server.auth import TokenFile, token_middleware
+from loader.master.server.page import add_page_routes, open_page
 from loader.master.server.service import MasterService
 from loader.master.server.settings import MasterSettings, listen_address
+from loader.master.server.spec import check_ident, check_int
 from loader.master.server.state import (
     MAX_COUNT,
     MAX_LEASE_WAIT_S,
@@ -45,6 +47,7 @@ from loader.master.server.state import (
     validate_lease_id,
 )
 from wire import errors as wire_errors
+from wire.stall import WAIT_FEATURE, WaitReport, validate_wait
 from wire.web import ConnectionGuard, GuardedSite, error_middleware, http_code, read_json_object
 
 __all__ = ["build_app", "serve", "run_forever", "tune_allocator", "trim_allocator", "SERVICE_KEY", "SETTINGS_KEY"]
@@ -287,22 +290,65 @@ async def lease(request: web.Request) -> web.Response:
     return _json(answer)
 
 
+_WAIT_CARRIERS = frozenset({"renew", "release", "complete"})
+
+
+def _wait_report(body: dict[str, Any]) -> WaitReport | None:
+    """The body's optional ``wait`` field, validated (400 saying what is wrong), or None."""
+    if "wait" not in body:
+        return None
+    check_ident(body.get("trainer"), "trainer")
+    return validate_wait(body["wait"])
+
+
 async def _lease_call(request: web.Request, action: str, fields: set[str], make: Callable[[str, str, dict[str, Any]], Any]) -> web.Response:
     service = _service(request)
     job = _job(request)
     lease_id = validate_lease_id(request.match_info["lease"])
     body = await read_json_object(request, service.settings.max_small_body_bytes)
-    _only(body, fields)
+    # A wait report rides on the calls the iterating process makes (not on fail: a worker's).
+    _only(body, fields | ({"wait"} if action in _WAIT_CARRIERS else set()))
+    report = _wait_report(body)
+    # The lease's epoch, read before the call (a complete or release closes the lease).
+    wait_epoch = service.wait_epoch(job, body["trainer"], lease_id) if report is not None else 0
     epochs = _closed_epochs(service, job)
     try:
         result = await service.submit(make(job, lease_id, body))
-    except LeaseLost:
-        service.metrics.refused.labels(action).inc()
+    except (LeaseLost, NotLeaseHolder) as exc:
+        if isinstance(exc, LeaseLost):
+            service.metrics.refused.labels(action).inc()
+        # The wait happened whatever became of the lease, and the master read it: counted, so
+        # the trainer does not send it again (only a 400, 404 or 503 leaves it uncounted).
+        if report is not None:
+            service.report_wait(job, body["trainer"], wait_epoch, report)
         raise
     if epochs is not None and _closed_epochs(service, job) != epochs:
         _trim_soon()  # a large job's epoch closed (its done bits, requeue and progress are gone)
+    if report is not None:
+        service.report_wait(job, body["trainer"], wait_epoch, report)
     service.note(job, body.get("trainer"), None, result.progress)
     return _json(result.answer)
+
+
+async def report_wait(request: web.Request) -> web.Response:
+    """``POST /v1/jobs/{job}/wait``: a wait report from a trainer with no lease to renew."""
+    service = _service(request)
+    job = _job(request)
+    body = await read_json_object(request, service.settings.max_small_body_bytes)
+    _only(body, {"trainer", "epoch", "wait"})
+    if "wait" not in body:
+        raise BadRequest("'wait' is required: {\"trainer\": ..., \"epoch\": ... (optional), \"wait\": {seconds, steps, "
+                         "elapsed_s, buckets}}")
+    report = _wait_report(body)
+    assert report is not None
+    trainer = body["trainer"]
+    epoch = body.get("epoch")
+    if epoch is not None:
+        check_int(epoch, "epoch")
+    service.require_state().job(job)  # 404 NoSuchJob for a job that does not exist (or not any more)
+    service.report_wait(job, trainer, epoch if epoch is not None else service.wait_epoch(job, trainer), report)
+    service.note(job, trainer, None)
+    return web.Response(status=204)
 
 
 def _closed_epochs(service: MasterService, job: str) -> int | None:
@@ -340,6 +386,25 @@ async def release(request: web.Request) -> web.Response:
     )
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardcache")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+# Read once at import: looking it up reads the file system, which a request must not do on the loop.
+_VERSION = _package_version()
+
+
+async def api_version(request: web.Request) -> web.Response:
+    # What this master takes beyond the first v1: a client sends a newer field only to a master
+    # listing it here (unknown body fields are refused, 400).
+    return _json({"api": "v1", "version": _VERSION, "features": [WAIT_FEATURE]})
+
+
 async def leader(request: web.Request) -> web.Response:
     service = _service(request)
     return _json({"leader": service.leader_url(), "role": service.role, "self": service.identity["url"]})
@@ -364,7 +429,8 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     # client_max_size is aiohttp's own cap; read_json_object() applies the tighter per-route limits.
     errors = error_middleware(_error_answer, known=(MasterError, wire_errors.WireError), log=log)
     # The token check sits inside the error middleware, so a refusal is the usual JSON answer.
-    checks = [token_middleware(TokenFile(settings.token_file))] if settings.token_file is not None else []
+    # The status page's own files hold no data and are served without it (open_page).
+    checks = [open_page(token_middleware(TokenFile(settings.token_file)))] if settings.token_file is not None else []
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_observe, errors, *checks])
     app[SETTINGS_KEY] = settings
 
@@ -389,10 +455,13 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/complete", complete)
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/fail", fail)
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/release", release)
+    app.router.add_post("/v1/jobs/{job}/wait", report_wait)
+    app.router.add_get("/v1/version", api_version)
     app.router.add_get("/v1/leader", leader)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    add_page_routes(app)  # GET /: the status page (loader/master/server/page/)
     return app
 
 

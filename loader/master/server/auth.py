@@ -27,6 +27,8 @@ __all__ = ["TokenFile", "token_middleware", "OPEN_PATHS", "ROTATION_GRACE_S"]
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# Also open, for GET/HEAD only: the status page's own files, which hold no data (the browser loads
+# the page before it can ask for the token): loader.master.server.page.open_page.
 ROTATION_GRACE_S = 300.0
 _CHECK_EVERY_S = 1.0
 

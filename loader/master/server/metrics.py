@@ -3,12 +3,16 @@ process must not collide on the global one)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from loader.master.server.wait import WaitTotals
+from wire.stall import WAIT_BUCKETS_S
 
 __all__ = ["MasterMetrics"]
 
@@ -39,6 +43,37 @@ class _JobCollector(Collector):
         yield epoch
         yield rate
         yield events
+
+
+class _WaitCollector(Collector):
+    """The trainers' waits for data per job, read at scrape time from the reports' totals. A
+    histogram built from the buckets the trainers counted (the master never sees single waits):
+    its ``_count`` is steps, its ``_sum`` the seconds waited; label ``job`` only, so the series
+    stay few however many trainers a job has."""
+
+    def __init__(self, source: Callable[[], list[tuple[str, WaitTotals, float | None]]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        waits = HistogramMetricFamily(
+            "shardcache_master_wait_seconds",
+            "Time a trainer's training loop waited for its next sample or batch, one observation per step",
+            labels=["job"],
+        )
+        ratio = GaugeMetricFamily(
+            "shardcache_master_wait_ratio",
+            "Share of the trainers' wall time spent waiting for data over the last 60 s (0..1, all trainers)",
+            labels=["job"],
+        )
+        for job, totals, fraction in self._source():
+            cumulative, running = [], 0
+            for bound, count in zip(WAIT_BUCKETS_S, totals.buckets, strict=True):
+                running += count
+                cumulative.append(("+Inf" if math.isinf(bound) else repr(bound), float(running)))
+            waits.add_metric([job], cumulative, totals.seconds)
+            ratio.add_metric([job], fraction or 0.0)
+        yield waits
+        yield ratio
 
 
 class MasterMetrics:
@@ -91,6 +126,9 @@ class MasterMetrics:
 
     def watch_jobs(self, source: Callable[[], list[dict[str, Any]]]) -> None:
         self.registry.register(_JobCollector(source))
+
+    def watch_waits(self, source: Callable[[], list[tuple[str, WaitTotals, float | None]]]) -> None:
+        self.registry.register(_WaitCollector(source))
 
     def observe_commit(self, events: int, seconds: float) -> None:
         self.commit_batch.observe(events)

@@ -39,7 +39,9 @@ from loader.master.server.state import (
     event_from_json,
     event_to_text,
 )
+from loader.master.server.wait import JobWaits, WaitTotals
 from wire.retry import Backoff
+from wire.stall import WaitReport
 
 __all__ = ["MasterService"]
 
@@ -100,6 +102,8 @@ class MasterService:
         self._snap_seq = 0
         self._presence: dict[str, dict[str, tuple[str, float]]] = {}
         self._rates: dict[str, _Rate] = {}
+        # job -> its trainers' wait-for-data reports (in memory only, as presence and the rate).
+        self._waits: dict[str, JobWaits] = {}
         self._etcd: Any = None
         self._election: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -108,6 +112,7 @@ class MasterService:
         # requests wait on instead of the client sleeping a fixed retry interval.
         self._changes: dict[str, asyncio.Event] = {}
         self.metrics.watch_jobs(self._job_statuses)
+        self.metrics.watch_waits(self._wait_figures)
 
     # -- lifecycle --
 
@@ -326,9 +331,10 @@ class MasterService:
             await asyncio.wait_for(changed.wait(), timeout_s)
 
     def forget(self, job: str) -> None:
-        """Drop what the service keeps of a deleted job in memory (presence, rate)."""
+        """Drop what the service keeps of a deleted job in memory (presence, rate, waits)."""
         self._presence.pop(job, None)
         self._rates.pop(job, None)
+        self._waits.pop(job, None)
 
     def note(self, job: str, trainer: str | None, node: str | None, progress: int = 0) -> None:
         """Trainer presence and throughput for the status (in memory only)."""
@@ -338,6 +344,32 @@ class MasterService:
             seen[trainer] = (node if node is not None else (old[0] if old else ""), self.clock())
         if progress:
             self._rates.setdefault(job, _Rate()).add(progress)
+
+    def wait_epoch(self, job: str, trainer: str, lease: str | None = None) -> int:
+        """The epoch a wait report is counted in: the reporting lease's (read before the call
+        closes it), else the epoch of the trainer's latest report, else the job's current one."""
+        state = self.require_state()
+        found = state.jobs.get(job)
+        rec = found.leases.get(lease) if found is not None and lease is not None else None
+        if rec is not None:
+            return int(rec.epoch)
+        waits = self._waits.get(job)
+        last = waits.current_epoch(trainer) if waits is not None else None
+        if last is not None:
+            return last
+        return int(found.epoch) if found is not None else 0
+
+    def report_wait(self, job: str, trainer: str, epoch: int, report: WaitReport) -> None:
+        """Count a trainer's wait report (not journaled: a restarted master starts from zero)."""
+        self._waits.setdefault(job, JobWaits()).add(trainer, epoch, report, self.clock())
+
+    def _wait_figures(self) -> list[tuple[str, WaitTotals, float | None]]:
+        """(job, its wait totals, its wait fraction of the last 60 s) for the metrics."""
+        state = self.state
+        if state is None or self.role != "leader":
+            return []
+        now = self.clock()
+        return [(job, w.totals, w.job(now)["fraction_60s"]) for job, w in sorted(self._waits.items()) if job in state.jobs]
 
     # One large shard list built at a time (see spec_stream.read_spec); made on first use, in
     # the service's event loop.
@@ -410,9 +442,11 @@ class MasterService:
         out = state.status(name, now)
         by_trainer: dict[str, dict[str, int]] = out.pop("leases_by_trainer")
         seen = self._presence.get(name, {})
+        waits = self._waits.get(name) or JobWaits()
         for trainer, (_, last) in list(seen.items()):
             if now - last > _PRESENCE_KEEP_S and trainer not in by_trainer:
                 del seen[trainer]
+                waits.forget(trainer)
         trainers = []
         for trainer in sorted(set(seen) | set(by_trainer)):
             node, last_seen = seen[trainer] if trainer in seen else ("", None)
@@ -425,11 +459,14 @@ class MasterService:
                     "leases": sum(streams.values()),
                     # The trainer's DataLoader workers, each its own lease stream ("" = the trainer itself).
                     "streams": [{"stream": s, "leases": n} for s, n in sorted(streams.items())],
+                    # How long its training loop waited for data (null: it never reported).
+                    "wait": waits.trainer(trainer, now),
                 }
             )
         out["trainers"] = trainers
         rate = self._rates.get(name)
         out["samples_per_s"] = rate.per_s() if rate else 0.0
+        out["wait"] = waits.job(now)
         return out
 
     def jobs(self) -> list[dict[str, Any]]:

@@ -19,7 +19,9 @@ from sidecar.cli.util import (
     add_flag,
 )
 
-__all__ = ["cluster_lines", "daemon_report", "master_report", "register", "run", "tenant_lines"]
+__all__ = [
+    "cluster_lines", "daemon_report", "master_report", "register", "run", "tenant_lines", "trainer_rows", "wait_warnings",
+]
 
 EXAMPLES = """\
 examples:
@@ -33,7 +35,10 @@ examples:
   shardcache status --master http://m1:8700,http://m2:8700 --job resnet50 --json
 
 Columns: cache use, hit rate (hits / lookups since start), origin and served throughput (measured
-over --interval), warm-ups; for masters each job's epoch, shard progress, trainers and failed shards.
+over --interval), warm-ups; for masters each job's epoch, shard progress, trainers and failed shards,
+and each trainer's wait for data: the share of the last 60 s its training loop spent waiting for
+its next sample or batch (WAIT 60S), and the median and 99th percentile of single waits. A job whose
+trainers waited more than --warn-wait of the last 60 s gets a WARNING line.
 exit status: 0 everything answered; 1 --job not found; 69 a daemon or master could not be reached.
 """
 
@@ -55,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--job", default=None, metavar="NAME", help="show only this job (with all its failed shards)")
     add_flag(parser, "--interval", default="1", metavar="SECONDS",
              help="measure throughput over this long (0: averages since each daemon started)")
+    add_flag(parser, "--warn-wait", default="10", metavar="PERCENT",
+             help="warn about a job whose trainers waited more than this share of the last 60 s for data")
     add_flag(parser, "--json", action="store_true", default=False, help="print one JSON document")
     parser.set_defaults(func=run)
 
@@ -178,6 +185,17 @@ def _master_urls(given: list[str] | None) -> list[str]:
         raise UserError(exc.message) from None
 
 
+def _warn_wait(raw: str) -> float:
+    """``--warn-wait`` as a fraction: a percentage, with or without its ``%``."""
+    try:
+        percent = float(str(raw).strip().removesuffix("%"))
+    except ValueError:
+        raise UserError(f"--warn-wait must be a percentage such as 10 or 10%, not {raw!r}") from None
+    if not 0 <= percent <= 100:
+        raise UserError(f"--warn-wait must be between 0 and 100 (percent), not {raw!r}")
+    return percent / 100
+
+
 def run(args: argparse.Namespace) -> int:
     from sidecar.cli.commands.warmup import daemon_addresses
 
@@ -187,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--interval must be a number of seconds, not {args.interval!r}") from None
     if not 0 <= interval <= 60:
         raise UserError("--interval must be between 0 and 60 seconds")
+    warn_wait = _warn_wait(args.warn_wait)
     masters = _master_urls(args.master)
     # `--master URL` alone asks about masters only; daemons are shown when named or configured.
     show_daemons = bool(args.daemon) or not masters or bool(os.environ.get("SHARDCACHE_ENDPOINT", "").strip())
@@ -195,12 +214,14 @@ def run(args: argparse.Namespace) -> int:
         # In parallel: each daemon's throughput sample takes --interval.
         reports = list(pool.map(lambda d: daemon_report(d.url, d.label, interval), daemons))
     master = master_report(masters, args.job) if masters else None
+    if master is not None:
+        master["wait_warnings"] = wait_warnings(master["jobs"], warn_wait)
     if args.json:
         print(json.dumps({"daemons": reports, "master": master}, indent=2))
     else:
         _print_daemons(reports)
         if master is not None:
-            _print_master(master)
+            _print_master(master, all_trainers=bool(args.job))
     if master is not None and master["missing_job"]:
         if not args.json:
             print(f"shardcache status: no job {args.job!r} on the master (see `shardcache status --master ...`)")
@@ -364,7 +385,78 @@ def _epoch(job: dict[str, Any]) -> str:
     return f"{epoch + 1}-{newest + 1}/{total}" if newest > epoch else f"{epoch + 1}/{total}"
 
 
-def _print_master(master: dict[str, Any]) -> None:
+def _percent(fraction: Any) -> str:
+    return "-" if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) else f"{fraction * 100:.0f}%"
+
+
+def _seconds(value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:g}s"
+
+
+def _printable(value: Any) -> str:
+    # Names come from trainers, through the master: shown with anything unprintable replaced.
+    return "".join(c if c.isprintable() else "?" for c in str(value))
+
+
+def _trainer_wait(trainer: dict[str, Any]) -> dict[str, Any]:
+    wait = trainer.get("wait")
+    return wait if isinstance(wait, dict) else {}
+
+
+def _by_wait(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's trainers, those that waited most first (never-reported ones last)."""
+    trainers = [t for t in job.get("trainers") or [] if isinstance(t, dict)]
+
+    def share(t: dict[str, Any]) -> float:
+        value = _trainer_wait(t).get("fraction_60s")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else -1.0
+
+    return sorted(trainers, key=lambda t: -share(t))
+
+
+_TRAINER_ROWS = 20  # per job, unless --job asks for one job
+
+
+def trainer_rows(job: dict[str, Any], limit: int | None = _TRAINER_ROWS) -> list[list[str]]:
+    """One row per trainer of ``job``: its node, leases and wait for data (share of the last 60 s,
+    total seconds, median and p99 of single waits); the ones that waited most first."""
+    rows = []
+    for t in _by_wait(job)[:limit]:
+        wait = _trainer_wait(t)
+        rows.append([
+            _printable(job.get("name")), _printable(t.get("trainer")), _printable(t.get("node") or "-"),
+            str(t.get("leases", 0)), _percent(wait.get("fraction_60s")),
+            f"{wait['seconds']:.1f}s" if isinstance(wait.get("seconds"), (int, float)) else "-",
+            _seconds(wait.get("p50_s")), _seconds(wait.get("p99_s")),
+        ])
+    return rows
+
+
+def wait_warnings(jobs: list[dict[str, Any]], threshold: float) -> list[str]:
+    """A WARNING line for each job whose trainers waited more than ``threshold`` (a fraction) of
+    the last 60 s for data, naming the trainers that waited most and what to do about it."""
+    lines = []
+    for job in jobs:
+        share = (job.get("wait") or {}).get("fraction_60s")
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or share <= threshold:
+            continue
+        reported = [t for t in _by_wait(job) if _trainer_wait(t).get("fraction_60s") is not None]
+        named = ", ".join(f"{_printable(t.get('trainer'))} {_percent(_trainer_wait(t)['fraction_60s'])}"
+                          for t in reported[:8])
+        if len(reported) > 8:
+            named += f", +{len(reported) - 8} more"
+        lines.append(
+            f"WARNING job {_printable(job.get('name'))}: trainers waited {_percent(share)} of the last 60 s for data "
+            f"({named}): reading does not keep up with training. Warm the cache before the epoch "
+            "(shardcache warmup), give the DataLoader more workers (num_workers) or a deeper prefetch, and check "
+            "the daemons' hit rate and origin throughput above"
+        )
+    return lines
+
+
+def _print_master(master: dict[str, Any], *, all_trainers: bool = False) -> None:
     print()
     _table([["MASTER", "ROLE", "LEADER"]] + [
         [m["master"], m["role"] or ("unreachable" if m.get("unreachable") else "error"), m.get("leader") or "-"]
@@ -380,16 +472,31 @@ def _print_master(master: dict[str, Any]) -> None:
             print("no jobs")
         return
     print()
-    rows = [["JOB", "EPOCH", "DONE", "LEASED", "TODO", "FAILED", "TRAINERS", "SAMPLES/S", "STATE"]]
+    rows = [["JOB", "EPOCH", "DONE", "LEASED", "TODO", "FAILED", "TRAINERS", "SAMPLES/S", "WAIT 60S", "STATE"]]
     for job in master["jobs"]:
         shards = job.get("shards") or {}
         rows.append([
             job["name"], _epoch(job),
             f"{shards.get('done', 0)}/{shards.get('total', 0)}", str(shards.get("leased", 0)),
             str(shards.get("todo", 0)), str(shards.get("failed", 0)), str(len(job.get("trainers") or [])),
-            f"{job.get('samples_per_s') or 0:.1f}", "finished" if job.get("finished") else "running",
+            f"{job.get('samples_per_s') or 0:.1f}", _percent((job.get("wait") or {}).get("fraction_60s")),
+            "finished" if job.get("finished") else "running",
         ])
     _table(rows)
+    trainers: list[list[str]] = []
+    hidden: list[str] = []
+    for job in master["jobs"]:
+        trainers += trainer_rows(job, None if all_trainers else _TRAINER_ROWS)
+        more = len(job.get("trainers") or []) - _TRAINER_ROWS
+        if not all_trainers and more > 0:
+            hidden.append(f"{_printable(job['name'])}: {more} more trainers (shardcache status --job {_printable(job['name'])})")
+    if trainers:
+        print()
+        _table([["JOB", "TRAINER", "NODE", "LEASES", "WAIT 60S", "WAITED", "P50", "P99"], *trainers])
+        for line in hidden:
+            print(line)
+    for line in master.get("wait_warnings") or []:
+        print(line)
     for job in master["jobs"]:
         for shard in job.get("failed_shards") or []:
             print(f"FAILED shard {job['name']}/{shard.get('key')} (epoch {_epoch(job)}, "

@@ -1,0 +1,68 @@
+"""The master's status page: ``GET /`` and its two assets, plain files served as they are.
+
+No build step and no CDN: ``index.html``, ``page.js`` and ``page.css`` (package data beside this
+module) are read once and served from memory. The page holds no data: it fetches ``GET /v1/jobs``
+from the browser every 2 s, with the token the user typed (kept in ``sessionStorage``) when the
+master runs with ``--token-file``. So these paths are served without the token
+(:func:`open_page`), while every ``/v1/`` call the page makes still needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+__all__ = ["PAGE_PATHS", "add_page_routes", "open_page"]
+
+# path -> (package file, content type)
+_ASSETS = {
+    "/": ("index.html", "text/html"),
+    "/page/page.js": ("page.js", "text/javascript"),
+    "/page/page.css": ("page.css", "text/css"),
+}
+PAGE_PATHS = frozenset(_ASSETS)
+
+# The page builds its DOM with textContent only; the policy is a second line against injected
+# markup (job and trainer names are user input): no inline script, nothing from elsewhere.
+_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    # A master upgraded in place serves its new page on the next load.
+    "Cache-Control": "no-cache",
+}
+
+
+@functools.cache
+def _asset(name: str) -> bytes:
+    return resources.files(__package__).joinpath(name).read_bytes()
+
+
+def add_page_routes(app: web.Application) -> None:
+    """Add ``GET /`` (and HEAD) and the page's assets to ``app``."""
+    for path, (name, content_type) in _ASSETS.items():
+        body = _asset(name)  # read at build time: a missing file fails the master's start, not a request
+
+        async def handler(request: web.Request, body: bytes = body, content_type: str = content_type) -> web.Response:
+            return web.Response(body=body, content_type=content_type, charset="utf-8", headers=_HEADERS)
+
+        app.router.add_get(path, handler)
+
+
+def open_page(check: Middleware) -> Middleware:
+    """``check`` (the token middleware) for every request but a GET/HEAD of the page's own files,
+    which hold no data: the browser must load the page before it can ask for the token."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in PAGE_PATHS and request.method in ("GET", "HEAD"):
+            return await handler(request)
+        return await check(request, handler)
+
+    return middleware
