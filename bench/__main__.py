@@ -13,7 +13,9 @@ One component at a time, each its own module (``--quick`` for a smoke run of eac
 ``python -m bench.daemon_bench`` (the node daemon's reads), ``python -m bench.stall_bench`` (a
 trainer's data stall), ``python -m bench.master_bench`` (lease round trips per second) and
 ``python -m bench.master_memory`` (what a 1,000,000-shard job costs the master's memory) and
-``python -m bench.auth_bench`` (what ``--auth sigv4`` costs warm reads).
+``python -m bench.auth_bench`` (what ``--auth sigv4`` costs warm reads), ``python -m bench.handles_bench``
+(short-circuit by handle vs path), ``python -m bench.cluster_bench`` (one cache per cluster on a netns test
+bed) and ``python -m bench.accelerator_bench`` (emulated accelerators kept >= 90% busy, MLPerf Storage's method).
 """
 
 from __future__ import annotations
