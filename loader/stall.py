@@ -23,12 +23,11 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from wire.stall import WAIT_BUCKETS_S, WAIT_REPORT_INTERVAL_S, bucket_index, encode_wait, quantile_s
+from wire.stall import WAIT_BUCKETS_S, WAIT_REPORT_INTERVAL_S, WaitReport, bucket_index, quantile_s
 
-__all__ = ["Taken", "WaitMeter", "WaitReporter"]
+__all__ = ["WaitMeter", "WaitReporter"]
 
 log = logging.getLogger("loader.stall")
 
@@ -36,20 +35,6 @@ T = TypeVar("T")
 
 # Below this much wall time with nothing waited, a report says nothing worth a request.
 _MIN_ELAPSED_S = 0.5
-
-
-@dataclass(frozen=True)
-class Taken:
-    """A delta taken for one report; give it back with :meth:`WaitMeter.restore` if the send failed."""
-
-    seconds: float
-    steps: int
-    elapsed_s: float
-    buckets: tuple[int, ...]
-
-    def field(self) -> dict[str, Any]:
-        """The ``wait`` field of a request body (``wire.stall``)."""
-        return encode_wait(self.seconds, self.steps, self.elapsed_s, self.buckets)
 
 
 class WaitMeter:
@@ -126,7 +111,7 @@ class WaitMeter:
 
     # -- the senders' side -------------------------------------------------------------------
 
-    def take(self) -> Taken | None:
+    def take(self) -> WaitReport | None:
         """The delta since the last report, reset; None when there is nothing to say."""
         now = self._clock()
         with self._lock:
@@ -141,7 +126,7 @@ class WaitMeter:
                 self._seconds = seconds
                 return None
             # Two threads iterating one loader can wait at once; the wire's fraction is per loop.
-            taken = Taken(min(seconds, elapsed), self._steps, elapsed, tuple(self._buckets))
+            taken = WaitReport(min(seconds, elapsed), self._steps, elapsed, tuple(self._buckets))
             self._seconds = 0.0
             self._steps = 0
             self._buckets = [0] * len(self._buckets)
@@ -149,7 +134,7 @@ class WaitMeter:
             self._mark = now
             return taken
 
-    def restore(self, taken: Taken) -> None:
+    def restore(self, taken: WaitReport) -> None:
         """A send failed: its delta goes into the next report."""
         with self._lock:
             self._seconds += taken.seconds
@@ -157,7 +142,7 @@ class WaitMeter:
             self._buckets = [a + b for a, b in zip(self._buckets, taken.buckets, strict=True)]
             self._carried_s += taken.elapsed_s
 
-    def commit(self, taken: Taken) -> None:
+    def commit(self, taken: WaitReport) -> None:
         """A send succeeded: the periodic reporter waits a whole interval again."""
         now = self._clock()
         with self._lock:

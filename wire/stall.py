@@ -76,6 +76,11 @@ class WaitReport:
     def to_json(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "steps": self.steps, "elapsed_s": self.elapsed_s, "buckets": list(self.buckets)}
 
+    def field(self) -> dict[str, Any]:
+        """The ``wait`` field of a request body, rounded and validated as the master will (the
+        loader's delta to send: :class:`loader.stall.WaitMeter`)."""
+        return encode_wait(self.seconds, self.steps, self.elapsed_s, self.buckets)
+
 
 def bucket_index(seconds: float) -> int:
     """The bucket a single wait of ``seconds`` falls in (bounds are inclusive upper bounds)."""

@@ -62,17 +62,22 @@ def ask(path: Path, bucket: str, key: str, **fields: Any) -> tuple[dict[str, Any
         return exchange(sock, {"op": "open", "bucket": bucket, "key": key, **fields})
 
 
+def read_all(fd: int) -> bytes:
+    """Everything in the file behind ``fd``, read as the loader does: pread (``fd`` stays open)."""
+    size = os.fstat(fd).st_size
+    data = b""
+    while len(data) < size:
+        chunk = os.pread(fd, size - len(data), len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def read_fd(fd: int) -> bytes:
-    """Everything in the file behind ``fd`` (then closed), read as the loader does: pread."""
+    """:func:`read_all`, then ``fd`` closed."""
     try:
-        size = os.fstat(fd).st_size
-        data = b""
-        while len(data) < size:
-            chunk = os.pread(fd, size - len(data), len(data))
-            if not chunk:
-                break
-            data += chunk
-        return data
+        return read_all(fd)
     finally:
         os.close(fd)
 

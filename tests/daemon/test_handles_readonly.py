@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from tests.daemon.test_handles import read_all
 from tests.helpers import PYTHON, REPO, free_port, http_ok, spawn, stop, wait_until
 from wire.handles import exchange
 
@@ -129,17 +130,6 @@ def viewed(namespaces: None, origin: Path) -> Iterator[Daemon]:
         yield daemon
     finally:
         stop(daemon.proc)
-
-
-def read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    data = b""
-    while len(data) < size:
-        chunk = os.pread(fd, size - len(data), len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def reopen(fd: int, flags: int) -> int:

@@ -155,6 +155,19 @@ class Renderer:
         self.chart.close()
 
 
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes label selector semantics (an empty selector selects everything)."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
 def find(objects: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[str, Any]:
     matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(name_suffix)]
     assert len(matches) == 1, f"expected one {kind} *{name_suffix}, got {[o['metadata']['name'] for o in matches]}"

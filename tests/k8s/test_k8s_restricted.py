@@ -47,6 +47,7 @@ from tests.k8s.support import (
     kubectl_parse,
     load_fixture_docs,
     pod_templates,
+    selects,
     subcommands,
     validate_k8s,
 )
@@ -365,19 +366,6 @@ def render(renderer: Renderer, values: dict[str, Any] | None = None, *, api_vers
 
     files = render_files(renderer, values, api_versions=api_versions)
     return [d for path, text in sorted(files.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
-
-
-def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    """Kubernetes label selector semantics."""
-    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
-        return False
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
-        if not ok:
-            return False
-    return True
 
 
 def namespace(name: str, **labels: str) -> dict[str, str]:

@@ -38,6 +38,7 @@ from tests.k8s.support import (
     check_pod_semantics,
     find,
     kubectl_parse,
+    selects,
     validate_k8s,
 )
 from tests.k8s.test_k8s_inject_cli import docs, run_inject
@@ -338,19 +339,6 @@ def test_sidecar_reads_through_a_read_only_socket_dir_and_cannot_write_it(
 # ----------------------------------------------------------------------------- the chart
 
 
-def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    """Kubernetes label selector semantics (an empty selector selects everything)."""
-    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
-        return False
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
-        if not ok:
-            return False
-    return True
-
-
 def admits(policy: dict[str, Any], namespace: str, port: int, pod_labels: dict[str, str] | None = None,
            release_namespace: str = NS) -> bool:
     """Whether ``policy`` admits a TCP connection to ``port`` from a pod in ``namespace``
@@ -364,10 +352,10 @@ def admits(policy: dict[str, Any], namespace: str, port: int, pod_labels: dict[s
             if "ipBlock" in peer:
                 continue
             if "namespaceSelector" in peer:
-                ns_ok = _selects(peer["namespaceSelector"], ns_labels)
+                ns_ok = selects(peer["namespaceSelector"], ns_labels)
             else:
                 ns_ok = namespace == release_namespace
-            if ns_ok and _selects(peer.get("podSelector", {}), pod_labels or {}):
+            if ns_ok and selects(peer.get("podSelector", {}), pod_labels or {}):
                 return True
     return False
 
@@ -406,7 +394,7 @@ def test_network_policies_by_default(charts: dict[str, list[dict[str, Any]]], re
         assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec  # egress stays open
         # Each policy selects its component's pods, and only those.
         selected = [w for w in (o for o in objects if o["kind"] in ("DaemonSet", "Deployment"))
-                    if _selects(spec["podSelector"], w["spec"]["template"]["metadata"]["labels"])]
+                    if selects(spec["podSelector"], w["spec"]["template"]["metadata"]["labels"])]
         assert selected == [workloads[component]]
         # The node policy's second rule admits the other daemons (node.cluster, tests/k8s/test_k8s_cluster.py).
         rule, *peers = spec["ingress"]

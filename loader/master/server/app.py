@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError, NotLeaseHolder
 from loader.master.server.auth import TokenFile, token_middleware
-from loader.master.server.page import add_page_routes, open_page
+from loader.master.server.page import PAGE_PATHS, add_page_routes
 from loader.master.server.service import MasterService
 from loader.master.server.settings import MasterSettings, listen_address
 from loader.master.server.spec import check_ident, check_int
@@ -429,8 +429,8 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     # client_max_size is aiohttp's own cap; read_json_object() applies the tighter per-route limits.
     errors = error_middleware(_error_answer, known=(MasterError, wire_errors.WireError), log=log)
     # The token check sits inside the error middleware, so a refusal is the usual JSON answer.
-    # The status page's own files hold no data and are served without it (open_page).
-    checks = [open_page(token_middleware(TokenFile(settings.token_file)))] if settings.token_file is not None else []
+    # The status page's own files hold no data and are served without the token.
+    checks = [token_middleware(TokenFile(settings.token_file), open_reads=PAGE_PATHS)] if settings.token_file is not None else []
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_observe, errors, *checks])
     app[SETTINGS_KEY] = settings
 

@@ -27,8 +27,6 @@ __all__ = ["TokenFile", "token_middleware", "OPEN_PATHS", "ROTATION_GRACE_S"]
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-# Also open, for GET/HEAD only: the status page's own files, which hold no data (the browser loads
-# the page before it can ask for the token): loader.master.server.page.open_page.
 ROTATION_GRACE_S = 300.0
 _CHECK_EVERY_S = 1.0
 
@@ -78,10 +76,15 @@ class TokenFile:
         return prev is not None and now < prev[1] and hmac.compare_digest(presented, prev[0])
 
 
-def token_middleware(tokens: TokenFile) -> Middleware:
+def token_middleware(tokens: TokenFile, open_reads: frozenset[str] = frozenset()) -> Middleware:
+    """Refuse every call without the token but :data:`OPEN_PATHS`, and GET/HEAD of ``open_reads``
+    (the status page's own files: they hold no data, and the browser loads the page before it can
+    ask for the token)."""
+
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
+        is_open = request.path in OPEN_PATHS or (request.method in ("GET", "HEAD") and request.path in open_reads)
+        if not is_open:
             scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not tokens.accepts(presented.strip().encode()):
                 raise Unauthorized(

@@ -57,12 +57,14 @@ class Prover:
         self._creds_at = -1e9
         self._chain: Any = None
         self._lock = asyncio.Lock()
+        self._ready: tuple[Target, str, Credentials] | None = None  # what _prepare last returned, while valid
 
     def invalidate(self) -> None:
         """The daemon asked for a new session (or changed its mind about checking proofs)."""
         self._session = None
         self._target = None
         self._none_until = 0.0
+        self._ready = None
 
     async def _credentials(self) -> Credentials:
         now = time.monotonic()
@@ -86,8 +88,12 @@ class Prover:
 
     async def _prepare(self, http: aiohttp.ClientSession) -> tuple[Target, str, Credentials] | None:
         """(target, session token, credentials), or None when the daemon checks no proofs."""
-        if time.monotonic() < self._none_until:
+        now = time.monotonic()
+        if now < self._none_until:
             return None
+        ready = self._ready
+        if ready is not None and now < self._renew_at and now - self._creds_at <= _CREDENTIALS_S:
+            return ready  # every request but one in a few minutes: no lock, no await
         async with self._lock:
             try:
                 return await self._prepare_locked(http)
@@ -121,7 +127,8 @@ class Prover:
             # Renewed at two thirds of its life: never used past it.
             self._renew_at = time.monotonic() + float(answer.get("expires_in_s", 900)) * 2 / 3
             log.info("auth session with the node daemon as %s", answer.get("tenant"))
-        return self._target, self._session, creds
+        self._ready = (self._target, self._session, creds)
+        return self._ready
 
     async def prove(self, http: aiohttp.ClientSession, request: web.Request, data: bytes | None
                     ) -> tuple[dict[str, str], bytes | None]:

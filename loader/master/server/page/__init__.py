@@ -4,7 +4,7 @@ No build step and no CDN: ``index.html``, ``page.js`` and ``page.css`` (package 
 module) are read once and served from memory. The page holds no data: it fetches ``GET /v1/jobs``
 from the browser every 2 s, with the token the user typed (kept in ``sessionStorage``) when the
 master runs with ``--token-file``. So these paths are served without the token
-(:func:`open_page`), while every ``/v1/`` call the page makes still needs it.
+(``token_middleware(..., open_reads=PAGE_PATHS)``), while every ``/v1/`` call the page makes still needs it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import functools
 from importlib import resources
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
-__all__ = ["PAGE_PATHS", "add_page_routes", "open_page"]
+__all__ = ["PAGE_PATHS", "add_page_routes"]
 
 # path -> (package file, content type)
 _ASSETS = {
@@ -53,16 +52,3 @@ def add_page_routes(app: web.Application) -> None:
             return web.Response(body=body, content_type=content_type, charset="utf-8", headers=_HEADERS)
 
         app.router.add_get(path, handler)
-
-
-def open_page(check: Middleware) -> Middleware:
-    """``check`` (the token middleware) for every request but a GET/HEAD of the page's own files,
-    which hold no data: the browser must load the page before it can ask for the token."""
-
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PAGE_PATHS and request.method in ("GET", "HEAD"):
-            return await handler(request)
-        return await check(request, handler)
-
-    return middleware
