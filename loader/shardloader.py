@@ -83,6 +83,10 @@ class ShardLoader:
         continuous: iterate across epochs without stopping at epoch ends.
         epochs, lease_ttl_s, max_failures: the job spec in dynamic mode (``epochs=None``:
             unbounded).
+        locality_window: dynamic mode: cache-aware leases. The master hands this trainer, from
+            the next ``locality_window`` shards of the epoch's seeded order, the first one owned
+            by or cached on its node (``SHARDCACHE_NODE``), so most reads stay on the node; 0
+            (default) is the plain seeded shuffle. Part of the job spec, like ``seed``.
         trainer: this trainer's id for the master (default: host-pid-random).
         endpoint: cache daemon/sidecar URL; default ``SHARDCACHE_ENDPOINT``; ``""`` reads the
             origin directly even when the variable is set.
@@ -106,6 +110,7 @@ class ShardLoader:
         epochs: int | None = None,
         lease_ttl_s: float = 30.0,
         max_failures: int = 3,
+        locality_window: int = 0,
         trainer: str | None = None,
         endpoint: str | None = None,
         on_error: OnError = "raise",
@@ -141,6 +146,8 @@ class ShardLoader:
                 raise ConfigError("epochs must be >= 1 (or None for unbounded)")
             if lease_ttl_s <= 0 or max_failures < 1:
                 raise ConfigError("lease_ttl_s must be > 0 and max_failures >= 1")
+            if isinstance(locality_window, bool) or not isinstance(locality_window, int) or not 0 <= locality_window <= 65536:
+                raise ConfigError("locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle)")
         else:
             world_size = 1 if world_size is None else int(world_size)
             rank = 0 if rank is None else int(rank)
@@ -154,6 +161,7 @@ class ShardLoader:
         self.epochs = epochs
         self.lease_ttl_s = float(lease_ttl_s)
         self.max_failures = int(max_failures)
+        self.locality_window = int(locality_window)
         # Fixed here, in the process that builds the loader, so that DataLoader workers (forked or
         # pickled copies) share it: siblings are "<base>-w<i>" and can recognise each other.
         self._trainer_base = trainer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -542,6 +550,8 @@ class ShardLoader:
             "shuffle": self.shuffle,
             "lease_ttl_s": self.lease_ttl_s,
             "max_failures": self.max_failures,
+            # Sent only when set: a job without it is the spec it always was (an older master too).
+            **({"locality_window": self.locality_window} if self.locality_window else {}),
         }
 
     def _join(self) -> dict[str, Any]:

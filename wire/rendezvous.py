@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-__all__ = ["member_id", "owner", "ranked"]
+__all__ = ["member_id", "owner", "ranked", "score"]
 
 
 def member_id(url: str) -> str:
@@ -31,8 +31,13 @@ def member_id(url: str) -> str:
     return f"{parts.scheme}://{host}:{port}"
 
 
+def score(member: str, name: str) -> int:
+    """``member``'s weight for ``name``: the owner has the greatest (ties: the greater member)."""
+    return xxhash.xxh3_64_intdigest(f"{member}\0{name}".encode("utf-8", "surrogatepass"))
+
+
 def _score(member: str, name: str) -> tuple[int, str]:
-    return xxhash.xxh3_64_intdigest(f"{member}\0{name}".encode("utf-8", "surrogatepass")), member
+    return score(member, name), member
 
 
 def ranked(members: Iterable[str], name: str) -> list[str]:

@@ -62,6 +62,26 @@ class EpochOrder:
             left, right = right, left ^ (_mix64(key ^ right) & mask)
         return (left << hb) | right
 
+    def _decrypt(self, x: int) -> int:
+        hb, mask = self._half_bits, self._mask
+        left, right = x >> hb, x & mask
+        for key in reversed(self._keys):
+            left, right = right ^ (_mix64(key ^ left) & mask), left
+        return (left << hb) | right
+
+    def index(self, shard: int) -> int:
+        """The position of ``shard`` in the order (the inverse of ``order[i]``), also O(1): the
+        master finds where a shard stands in another open epoch without a table per epoch."""
+        if not 0 <= shard < self.n:
+            raise IndexError(shard)
+        if not self.shuffle:
+            return shard
+        # Cycle walking backwards: the inverse network leads back through the same cycle.
+        x = self._decrypt(shard)
+        while x >= self.n:
+            x = self._decrypt(x)
+        return x
+
     def __getitem__(self, index: int) -> int:
         if not 0 <= index < self.n:
             raise IndexError(index)

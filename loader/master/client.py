@@ -121,7 +121,9 @@ _GZIP_BODY_BYTES = 1 << 20
 # very spec then sends no shard list at all (a new master says the list's digest in the status).
 _LOOKUP_FIRST_SHARDS = 10_000
 _DEFAULTED = ("lease_ttl_s", "max_failures")  # defaults the master chooses: unknown here
-_SPEC_FIELDS = frozenset({"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures"})
+_SPEC_FIELDS = frozenset(
+    {"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures", "locality_window"}
+)
 # The version probe is a nicety: an unreachable master is not waited for as long as a lease call.
 _PROBE_DEADLINE_S = 5.0
 
@@ -220,7 +222,8 @@ class MasterClient:
         if not isinstance(have, dict) or have.get("shards_sha256") != digest or have.get("shards") != len(body["shards"]):
             return None
         want = {"name": name, "dataset": body.get("dataset"), "epochs": body.get("epochs"), "seed": body.get("seed", 0),
-                "shuffle": body.get("shuffle", True), "max_failures": body.get("max_failures")}
+                "shuffle": body.get("shuffle", True), "max_failures": body.get("max_failures"),
+                "locality_window": body.get("locality_window", 0)}
         if any(type(v) is not type(have.get(k)) or v != have.get(k) for k, v in want.items()):
             return None
         ttl = body["lease_ttl_s"]

@@ -18,6 +18,7 @@ from typing import Any, Self
 
 from wire.httpclient import UnixHTTPConnection, exchange
 from wire.names import DAEMON_PORT, Address, parse_connect
+from wire.peerview import PeerView, RingMember, parse_peers  # re-exported: the CLI's callers import them here
 
 __all__ = [
     "DEFAULT_DAEMON",
@@ -111,51 +112,6 @@ def resolve_addresses(
                 seen.add(url)
                 found.append(DaemonAddress(url, name))
     return found
-
-
-@dataclass(frozen=True)
-class RingMember:
-    """One member of a daemon's cluster, as ``GET /_shardcache/peers`` lists it."""
-
-    id: str  # wire.rendezvous.member_id of its URL: what the ring hashes
-    url: str  # where to reach it
-    live: bool
-    node: str | None
-    self: bool
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """A daemon's view of its cluster (``GET /_shardcache/peers``)."""
-
-    self_id: str
-    node: str | None
-    peer_links: str  # "authenticated" or "open"
-    members: tuple[RingMember, ...]
-
-    @property
-    def live(self) -> list[RingMember]:
-        return [m for m in self.members if m.live]
-
-
-def parse_peers(doc: Any) -> PeerView:
-    """The answer of ``/_shardcache/peers``; ValueError when it is not that document."""
-    from wire.rendezvous import member_id
-
-    if not isinstance(doc, dict) or not isinstance(doc.get("members"), list) or not isinstance(doc.get("self"), str):
-        raise ValueError("not a /_shardcache/peers answer (no self/members)")
-    members = []
-    for item in doc["members"]:
-        if not isinstance(item, dict) or not isinstance(item.get("url"), str):
-            raise ValueError(f"a member without a url: {item!r}")
-        url = item["url"]
-        # The id is what the ring hashes; a daemon that omits it means its URL's normalized form.
-        ident = str(item.get("id") or member_id(url))
-        node = item.get("node")
-        members.append(RingMember(ident, url, bool(item.get("live", True)), str(node) if node else None,
-                                  bool(item.get("self", ident == doc["self"]))))
-    node = doc.get("node")
-    return PeerView(doc["self"], str(node) if node else None, str(doc.get("peer_links") or "open"), tuple(members))
 
 
 class ControlClient:

@@ -1,6 +1,6 @@
 """The lease state machine against an independent model, driven by hypothesis with an injected
 clock: random sequences of lease / renew / complete / fail / release / time passing / master
-restarts.
+restarts, cluster ring changes.
 
 The model is a second, naive implementation of the rules in docs/master-api.md; every answer
 of the real machine is checked against it, so exactly-once is checked at every step: a
@@ -9,6 +9,11 @@ epoch), a shard is handed out only while no valid lease holds it and it is neith
 failed, offsets resume where the last renew left them, and the epoch advances exactly when
 every shard is done or failed. The log of accepted events, replayed into a fresh machine, must
 rebuild the same state (that is how the stores recover), as must a snapshot round trip.
+
+Jobs draw a ``locality_window`` (0: the plain order; >0: cache-aware leases) and trainers sit on
+nodes of a ring that changes (Placement events): exactly-once must hold with any window, the order
+may move by less than the window, and a master that never restarted must choose exactly as one
+rebuilt from snapshots (the window's index is derived state, rebuilt on restore).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from loader.master.server.state import (
     JobSpec,
     Lease,
     MasterState,
+    Placement,
     Release,
     Renew,
     Resume,
@@ -42,6 +48,8 @@ from loader.master.server.state import (
 )
 
 TRAINERS = ("t0", "t1", "t2")
+NODE_OF = {"t0": "n0", "t1": "n1", "t2": "n0"}
+MEMBERS = (("http://m0:8600", "n0"), ("http://m1:8600", "n1"), ("http://m2:8600", ""), ("http://m3:8600", "n2"))
 FAKE = "unknownLease0"
 JOB = "job"
 
@@ -62,6 +70,8 @@ class LeaseMachine(RuleBasedStateMachine):
         self.ids = 0
         self.base: dict[str, Any] | None = None
         self.log: list[tuple[Event, float]] = []
+        self.all_log: list[tuple[Event, float]] = []
+        """Every accepted event since the start: replayed into a master that never restarted."""
 
     # -- setup --
 
@@ -72,11 +82,15 @@ class LeaseMachine(RuleBasedStateMachine):
         samples=st.one_of(st.none(), st.integers(min_value=0, max_value=20)),
         shuffle=st.booleans(),
         seed=st.integers(min_value=0, max_value=1000),
+        window=st.sampled_from([0, 0, 1, 2, 3, 8]),
     )
-    def create(self, n: int, epochs: int | None, max_failures: int, samples: int | None, shuffle: bool, seed: int) -> None:
+    def create(self, n: int, epochs: int | None, max_failures: int, samples: int | None, shuffle: bool, seed: int,
+               window: int) -> None:
         self.n, self.epochs, self.max_failures, self.samples = n, epochs, max_failures, samples
         self.ttl = 10.0
-        spec = JobSpec(JOB, "s3://b/p/", tuple(ShardSpec(f"k{i}", 1, samples) for i in range(n)), epochs, seed, shuffle, self.ttl, max_failures)
+        self.window = window
+        spec = JobSpec(JOB, "s3://b/p/", tuple(ShardSpec(f"k{i}", 1, samples) for i in range(n)), epochs, seed, shuffle,
+                       self.ttl, max_failures, window)
         self.spec = spec
         self.apply_ok(CreateJob(spec))
         # The model: every open epoch's own done / failed / failures / offsets.
@@ -101,6 +115,7 @@ class LeaseMachine(RuleBasedStateMachine):
         if result.mutated:
             assert result.record is not None
             self.log.append((result.record, result.now))
+            self.all_log.append((result.record, result.now))
         return result.answer
 
     def apply(self, event: Event) -> tuple[dict[str, Any] | None, MasterError | None, bool]:
@@ -111,6 +126,7 @@ class LeaseMachine(RuleBasedStateMachine):
         if result.mutated:
             assert result.record is not None
             self.log.append((result.record, result.now))
+            self.all_log.append((result.record, result.now))
             self.last_mut = result.now
         return result.answer, None, result.mutated
 
@@ -209,7 +225,7 @@ class LeaseMachine(RuleBasedStateMachine):
         granted = self.check_lease(trainer, count, epoch, request_id, stream)
         if retry and granted:
             # The same request again (its answer was lost): the same leases, nothing new.
-            again, err, mutated = self.apply(Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id, stream))
+            again, err, mutated = self.apply(Lease(JOB, trainer, NODE_OF[trainer], count, epoch, self.new_ids(count), request_id, stream))
             assert err is None and again is not None and not mutated
             assert [g["lease"] for g in again["leases"]] == granted
 
@@ -222,14 +238,14 @@ class LeaseMachine(RuleBasedStateMachine):
         request_id, ids = last
         still = [lid for lid in ids if self.valid(lid) and self.live[lid][0] == trainer]
         if still:
-            answer, err, mutated = self.apply(Lease(JOB, trainer, "node", count, None, self.new_ids(count), request_id, stream))
+            answer, err, mutated = self.apply(Lease(JOB, trainer, NODE_OF[trainer], count, None, self.new_ids(count), request_id, stream))
             assert err is None and answer is not None and not mutated
             assert [g["lease"] for g in answer["leases"]] == still
         else:
             self.check_lease(trainer, count, None, request_id, stream)
 
     def check_lease(self, trainer: str, count: int, epoch: int | None, request_id: str, stream: str | None) -> list[str]:
-        event = Lease(JOB, trainer, "node", count, epoch, self.new_ids(count), request_id, stream)
+        event = Lease(JOB, trainer, NODE_OF[trainer], count, epoch, self.new_ids(count), request_id, stream)
         answer, err, _ = self.apply(event)
         assert err is None, err
         assert answer is not None
@@ -360,6 +376,12 @@ class LeaseMachine(RuleBasedStateMachine):
             assert answer["offset"] == offsets[shard]
             self.live[lease][2] = self.now + self.ttl
 
+    @rule(members=st.sets(st.sampled_from(MEMBERS)))
+    def ring_changes(self, members: set[tuple[str, str]]) -> None:
+        """The cluster cache's membership moves: only where shards are preferred changes."""
+        _, err, _ = self.apply(Placement(tuple(sorted(members))))
+        assert err is None
+
     @rule()
     def master_restarts(self) -> None:
         """Resume: leases expired by the last accepted event stay expired, the others get a full TTL."""
@@ -380,6 +402,12 @@ class LeaseMachine(RuleBasedStateMachine):
         for event, at in self.log:
             assert fresh.apply(event, at).mutated
         assert fresh.to_json() == self.state.to_json()
+        # And a master that never restarted (every window index kept up incrementally) chose
+        # exactly as the restored ones did.
+        never = MasterState()
+        for event, at in self.all_log:
+            assert never.apply(event, at).mutated
+        assert never.to_json() == self.state.to_json()
         self.base = json.loads(json.dumps(fresh.to_json()))
         self.state = MasterState.from_json(self.base)
         self.log = []
@@ -389,6 +417,19 @@ class LeaseMachine(RuleBasedStateMachine):
     @invariant()
     def exactly_once(self) -> None:
         assert all(count == 1 for count in self.completions.values())
+
+    @invariant()
+    def order_moves_less_than_the_window(self) -> None:
+        if not hasattr(self, "n"):
+            return
+        locality = self.state.status(JOB, self.now)["locality"]
+        if self.window == 0:
+            assert locality is None
+            return
+        for epoch in locality["epochs"]:
+            assert epoch["max_displacement"] < self.window, (epoch, self.window)
+            if self.window == 1 and epoch["handed"] > 1:
+                assert epoch["spearman"] == 1.0
 
     @invariant()
     def status_matches_model(self) -> None:

@@ -405,6 +405,12 @@ async def api_version(request: web.Request) -> web.Response:
     return _json({"api": "v1", "version": _VERSION, "features": [WAIT_FEATURE]})
 
 
+async def cluster(request: web.Request) -> web.Response:
+    """The cluster cache's ring the master places shards by (``--cluster``), and where it came from."""
+    service = _service(request)
+    return _json(service.cluster())
+
+
 async def leader(request: web.Request) -> web.Response:
     service = _service(request)
     return _json({"leader": service.leader_url(), "role": service.role, "self": service.identity["url"]})
@@ -458,6 +464,7 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     app.router.add_post("/v1/jobs/{job}/wait", report_wait)
     app.router.add_get("/v1/version", api_version)
     app.router.add_get("/v1/leader", leader)
+    app.router.add_get("/v1/cluster", cluster)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -31,6 +31,27 @@ class _JobCollector(Collector):
         epoch = GaugeMetricFamily("shardcache_master_job_epoch", "Current epoch of the job", labels=["job"])
         rate = GaugeMetricFamily("shardcache_master_job_samples_per_second", "Samples processed per second (last 30 s)", labels=["job"])
         events = CounterMetricFamily("shardcache_master_job_events", "Lease events of the job", labels=["job", "event"])
+        # Cache-aware leases (jobs with a locality_window only).
+        placed = CounterMetricFamily(
+            "shardcache_master_job_leases_by_locality",
+            "Leases granted by how the shard stood to the trainer's node: owner (its cluster-cache owner is there), "
+            "cached (last read there), other, unplaced (nothing known)",
+            labels=["job", "locality"],
+        )
+        local = GaugeMetricFamily(
+            "shardcache_master_job_local_lease_ratio",
+            "Share of the job's placed leases whose shard was on the trainer's node (0..1)", labels=["job"],
+        )
+        moved = GaugeMetricFamily(
+            "shardcache_master_job_order_displacement_positions",
+            "Mean distance, in positions, between a shard's place in the seeded order and when it was handed out "
+            "(the newest epoch)", labels=["job"],
+        )
+        rho = GaugeMetricFamily(
+            "shardcache_master_job_order_spearman",
+            "Rank correlation of the handed-out order with the seeded order (the newest epoch; 1: unchanged)",
+            labels=["job"],
+        )
         for status in self._source():
             name = status["name"]
             for state in ("todo", "leased", "done", "failed"):
@@ -39,6 +60,18 @@ class _JobCollector(Collector):
             rate.add_metric([name], status.get("samples_per_s") or 0.0)
             for event, value in status.get("totals", {}).items():
                 events.add_metric([name, event], value)
+            locality = status.get("locality")
+            if locality:
+                for kind, value in locality["leases"].items():
+                    placed.add_metric([name, kind], value)
+                if locality["local_share"] is not None:
+                    local.add_metric([name], locality["local_share"])
+                newest = locality["epochs"][-1] if locality["epochs"] else None
+                if newest is not None and newest["mean_displacement"] is not None:
+                    moved.add_metric([name], newest["mean_displacement"])
+                if newest is not None and newest["spearman"] is not None:
+                    rho.add_metric([name], newest["spearman"])
+        yield from (placed, local, moved, rho)
         yield shards
         yield epoch
         yield rate

@@ -21,7 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loader.master.errors import MasterError, NotLeader, StateError, TooManyJobs
 from loader.master.server.journal import Journal, Store
@@ -42,6 +42,9 @@ from loader.master.server.state import (
 from loader.master.server.wait import JobWaits, WaitTotals
 from wire.retry import Backoff
 from wire.stall import WaitReport
+
+if TYPE_CHECKING:
+    from loader.master.server.placement import PlacementPoller
 
 __all__ = ["MasterService"]
 
@@ -111,12 +114,19 @@ class MasterService:
         # job -> an event set (and dropped) at the job's next change: what long-polling lease
         # requests wait on instead of the client sleeping a fixed retry interval.
         self._changes: dict[str, asyncio.Event] = {}
+        self.placement: PlacementPoller | None = None
+        if settings.cluster:
+            from loader.master.server.placement import PlacementPoller
+
+            self.placement = PlacementPoller(self, settings.cluster, settings.cluster_poll_s)
         self.metrics.watch_jobs(self._job_statuses)
         self.metrics.watch_waits(self._wait_figures)
 
     # -- lifecycle --
 
     async def start(self) -> None:
+        if self.placement is not None:
+            self._spawn(self.placement.run(), "master-placement")
         kind, where = parse_state(self.settings.state)
         if kind == "sqlite":
             from loader.master.server.store_sqlite import SqliteStore
@@ -467,7 +477,19 @@ class MasterService:
         rate = self._rates.get(name)
         out["samples_per_s"] = rate.per_s() if rate else 0.0
         out["wait"] = waits.job(now)
+        if out.get("locality") is not None:
+            out["locality"]["ring"]["source"] = self.placement.status() if self.placement is not None else None
         return out
+
+    def cluster(self) -> dict[str, Any]:
+        state = self.require_state()
+        ring = state.ring
+        return {
+            "version": ring.version,
+            "members": [{"id": m, "node": n or None} for m, n in sorted(ring.node_of.items())],
+            "nodes": len({n for n in ring.node_of.values() if n}),
+            "source": self.placement.status() if self.placement is not None else None,
+        }
 
     def jobs(self) -> list[dict[str, Any]]:
         state = self.require_state()

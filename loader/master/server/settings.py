@@ -71,6 +71,13 @@ class MasterSettings:
     """Snapshot the state after at least this many logged events (and at least twice the shard
     count, so snapshots cost O(1) per event), then drop the log below it."""
 
+    cluster: tuple[str, ...] = ()
+    """``--cluster URL``: daemons of the cluster cache to learn its ring from
+    (``GET /_shardcache/peers``, the first that answers), for jobs with a ``locality_window``."""
+
+    cluster_poll_s: float = 5.0
+    """How often the leader asks for the ring."""
+
     connections: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(max_connections=4096))
     """Header-read and idle timeouts and connections at once; every trainer process keeps one
     connection, hence the higher limit."""
@@ -89,6 +96,11 @@ class MasterSettings:
             raise ValueError("snapshot_min_events must be >= 1")
         if self.max_jobs < 1:
             raise ValueError("max_jobs must be >= 1")
+        if not 0.1 <= self.cluster_poll_s <= 3600:
+            raise ValueError("cluster_poll_s must be in [0.1, 3600] seconds")
+        for url in self.cluster:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--cluster takes a daemon's URL, http://host:8600, not {url!r}")
         if self.max_batch < 1 or self.max_body_bytes < 1024 or self.max_small_body_bytes < 1024:
             raise ValueError("max_batch, max_body_bytes and max_small_body_bytes must be positive (bodies >= 1 KiB)")
 

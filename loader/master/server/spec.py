@@ -59,13 +59,19 @@ __all__ = [
     "MAX_INT",
     "MAX_KEY",
     "SPEC_FIELDS",
+    "MAX_LOCALITY_WINDOW",
 ]
 
 MAX_INT = 2**63 - 1
 MAX_KEY = 1024
 """Longest shard key, in characters."""
 _MAX_IDENT = 256
-SPEC_FIELDS = frozenset({"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures"})
+SPEC_FIELDS = frozenset(
+    {"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures", "locality_window"}
+)
+MAX_LOCALITY_WINDOW = 65_536
+"""Largest ``locality_window``: how far ahead of the seeded order a lease may look for a shard
+local to the trainer's node (each epoch holds at most this many positions in its index)."""
 _SHARD_FIELDS = frozenset({"key", "size", "samples"})
 # Below this many shards the spec's JSON text is kept as it is; above, compressed (a 1M-shard
 # text is ~70 MB, compressed ~11 MB).
@@ -531,7 +537,9 @@ def check_tail(
     if max_failures is None:
         max_failures = default_max_failures
     max_failures = check_int(max_failures, "max_failures", 1, 1_000_000)
-    return JobSpec(name, dataset, shards, epochs, seed, shuffle, float(ttl), max_failures)
+    window = raw.get("locality_window", 0)
+    window = check_int(0 if window is None else window, "locality_window", 0, MAX_LOCALITY_WINDOW)
+    return JobSpec(name, dataset, shards, epochs, seed, shuffle, float(ttl), max_failures, window)
 
 
 # -- the spec --------------------------------------------------------------------------------
@@ -551,6 +559,10 @@ class JobSpec:
     shuffle: bool = True
     lease_ttl_s: float = 30.0
     max_failures: int = 3
+    locality_window: int = 0
+    """Positions of the epoch's seeded order a lease looks ahead for a shard on the trainer's node
+    (0: the plain seeded order). Written into the spec's JSON only when set, so the text (and the
+    journal) of a job without it is what it always was."""
     _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
     """The canonical JSON text, plain ("text") or compressed ("z"), made once."""
 
@@ -613,13 +625,15 @@ class JobSpec:
             "shuffle": self.shuffle,
             "lease_ttl_s": self.lease_ttl_s,
             "max_failures": self.max_failures,
+            **({"locality_window": self.locality_window} if self.locality_window else {}),
         }
 
     def _text_parts(self) -> tuple[str, str]:
         head = '{"name":' + json.dumps(self.name) + ',"dataset":' + json.dumps(self.dataset) + ',"shards":'
         rest = json.dumps(
             {"epochs": self.epochs, "seed": self.seed, "shuffle": self.shuffle, "lease_ttl_s": self.lease_ttl_s,
-             "max_failures": self.max_failures},
+             "max_failures": self.max_failures,
+             **({"locality_window": self.locality_window} if self.locality_window else {})},
             separators=(",", ":"),
         )
         return head, "," + rest[1:]
@@ -672,6 +686,7 @@ class JobSpec:
             "shuffle": self.shuffle,
             "lease_ttl_s": self.lease_ttl_s,
             "max_failures": self.max_failures,
+            "locality_window": self.locality_window,
             "shards_sha256": self.table.sha256,
         }
 
@@ -690,7 +705,8 @@ class JobSpec:
         rebuilt as it was, without defaults applied again. Its text is made now (replay runs
         before serving), not at the first snapshot."""
         table = ShardTable.of((x["key"], x["size"], x["samples"]) for x in s["shards"])
-        spec = cls(s["name"], s["dataset"], table, s["epochs"], s["seed"], s["shuffle"], float(s["lease_ttl_s"]), s["max_failures"])
+        spec = cls(s["name"], s["dataset"], table, s["epochs"], s["seed"], s["shuffle"], float(s["lease_ttl_s"]),
+                   s["max_failures"], int(s.get("locality_window") or 0))
         spec.encode()
         return spec
 
@@ -712,10 +728,13 @@ def read_log_spec(text: str, pos: int = 0) -> tuple[JobSpec, int]:
     shuffle, i = _DECODER.raw_decode(text, _expect(text, i, ',"shuffle":'))
     ttl, i = _DECODER.raw_decode(text, _expect(text, i, ',"lease_ttl_s":'))
     max_failures, i = _DECODER.raw_decode(text, _expect(text, i, ',"max_failures":'))
+    window = 0
+    if text.startswith(',"locality_window":', i):  # written only when set
+        window, i = _DECODER.raw_decode(text, i + len(',"locality_window":'))
     end = _expect(text, i, "}")
     if not isinstance(name, str) or not isinstance(dataset, str) or not isinstance(shuffle, bool):
         raise ValueError("not a logged job spec")
-    spec = JobSpec(name, dataset, table, epochs, seed, shuffle, float(ttl), max_failures)
+    spec = JobSpec(name, dataset, table, epochs, seed, shuffle, float(ttl), max_failures, int(window))
     spec.encode()  # as from_log: made now, before serving, not at the first snapshot
     return spec, end
 
@@ -752,7 +771,7 @@ def _expect(text: str, i: int, literal: str) -> int:
     return i + len(literal)
 
 
-_DIFF_FIELDS = ("name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures")
+_DIFF_FIELDS = ("name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures", "locality_window")
 
 
 def spec_diff(a: JobSpec, b: JobSpec) -> list[str]:

@@ -39,11 +39,15 @@ import heapq
 import json
 import re
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from loader.master.errors import BadRequest, JobConflict, JobInUse, LeaseLost, NoSuchJob, NotLeaseHolder
+from loader.master.server.locality import MAX_MEMBERS, JobLocality, Ring, Window
 from loader.master.server.spec import JobSpec, ShardSpec, check_ident, check_int, read_log_spec, spec_diff, validate_job_name
+from wire.dataset import parse_dataset_url
+from wire.errors import InvalidName
 from wire.shuffle import EpochOrder
 
 __all__ = [
@@ -58,6 +62,7 @@ __all__ = [
     "Release",
     "Resume",
     "DeleteJob",
+    "Placement",
     "Event",
     "Result",
     "JobState",
@@ -178,7 +183,15 @@ class DeleteJob:
     force: bool = False
 
 
-Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob
+@dataclass(frozen=True)
+class Placement:
+    """The cluster cache's live members, as a daemon lists them (``/_shardcache/peers``): pairs of
+    (member id, node name or ""). Jobs with a ``locality_window`` place shards by it."""
+
+    members: tuple[tuple[str, str], ...]
+
+
+Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob | Placement
 
 
 def event_to_json(event: Event) -> dict[str, Any]:
@@ -201,6 +214,8 @@ def event_to_json(event: Event) -> dict[str, Any]:
         return {"t": "resume"}
     if isinstance(event, DeleteJob):
         return {"t": "delete", "job": event.job, "force": event.force}
+    if isinstance(event, Placement):
+        return {"t": "placement", "members": [list(m) for m in event.members]}
     raise TypeError(f"not an event: {event!r}")
 
 
@@ -232,6 +247,8 @@ def event_from_json(raw: dict[str, Any]) -> Event:
         return Resume()
     if kind == "delete":
         return DeleteJob(raw["job"], bool(raw["force"]))
+    if kind == "placement":
+        return Placement(tuple((str(m), str(n)) for m, n in raw["members"]))
     raise ValueError(f"unknown event type {kind!r}")
 
 
@@ -280,7 +297,7 @@ class EpochState:
     """One open epoch: where its seeded order's cursor is, what came back to be handed out again,
     and which shards are done (one bit each) or failed."""
 
-    __slots__ = ("epoch", "n", "order", "cursor", "requeue", "progress", "done_bits", "done_count", "failed")
+    __slots__ = ("epoch", "n", "order", "cursor", "requeue", "progress", "done_bits", "done_count", "failed", "window")
 
     def __init__(self, epoch: int, n: int, seed: int, shuffle: bool) -> None:
         self.epoch = epoch
@@ -294,6 +311,8 @@ class EpochState:
         self.done_bits = bytearray((n + 7) // 8)
         self.done_count = 0
         self.failed: set[int] = set()
+        self.window: Window | None = None
+        """A windowed job's positions taken ahead of the cursor and its index (locality.py)."""
 
     def todo(self) -> int:
         return self.n - self.cursor + len(self.requeue)
@@ -324,8 +343,9 @@ class EpochState:
     def complete(self) -> bool:
         return self.done_count + len(self.failed) >= self.n
 
-    def take(self, trainer: str) -> tuple[int, bool]:
-        """The next shard to hand out, and whether it was handed out before in this epoch."""
+    def take(self, trainer: str, node: str = "", loc: JobLocality | None = None, ring: Ring | None = None) -> tuple[int, bool]:
+        """The next shard to hand out, and whether it was handed out before in this epoch. With
+        ``loc`` (a windowed job) a fresh shard is the first of the window local to ``node``."""
         requeue = self.requeue
         if requeue:
             for i in range(min(_REQUEUE_SCAN, len(requeue))):
@@ -337,10 +357,62 @@ class EpochState:
             if self.cursor >= self.n:
                 return requeue.popleft(), True
         if self.cursor < self.n:
-            shard = self.order[self.cursor]
-            self.cursor += 1
-            return shard, False
+            if loc is None or ring is None:
+                shard = self.order[self.cursor]
+                self.cursor += 1
+                return shard, False
+            win = self.window
+            if win is None:
+                win = self.window = Window(self.cursor)
+            position = self._local_position(win, node, loc, ring) if node and loc.window > 1 else self.cursor
+            win.note(position)
+            if position == self.cursor:
+                self.cursor += 1
+                while self.cursor in win.ahead:
+                    win.ahead.remove(self.cursor)
+                    self.cursor += 1
+            else:
+                win.ahead.add(position)
+            return self.order[position], False
         return requeue.popleft(), True
+
+    def _local_position(self, win: Window, node: str, loc: JobLocality, ring: Ring) -> int:
+        """The smallest position of the window ``[cursor, cursor + W)`` not handed out whose
+        shard is local to ``node``; the cursor when there is none."""
+        if win.entries > 4 * loc.window + 64:
+            win.reset(self.cursor)  # mostly stale entries (nodes that never ask): rebuild
+        if win.frontier < self.cursor:
+            win.frontier = self.cursor
+        limit = min(self.cursor + loc.window, self.n)
+        while win.frontier < limit:
+            position = win.frontier
+            win.frontier += 1
+            self._index(win, position, loc, ring)
+        heap = win.heaps.get(node)
+        while heap:
+            position = heap[0]
+            if position >= self.cursor and position not in win.ahead and loc.is_local(self.order[position], node, ring):
+                return position
+            heapq.heappop(heap)
+            win.entries -= 1
+        return self.cursor
+
+    def _index(self, win: Window, position: int, loc: JobLocality, ring: Ring) -> None:
+        owner, reader = loc.nodes_of(self.order[position], ring)
+        if owner:
+            win.push(owner, position)
+        if reader and reader != owner:
+            win.push(reader, position)
+
+    def note_reader(self, shard: int, node: str) -> None:
+        """``shard`` is now cached on ``node`` (completed there in another epoch): if it waits in
+        this epoch's window, index it for ``node`` too."""
+        win = self.window
+        if win is None or self.cursor >= self.n:
+            return
+        position = self.order.index(shard)
+        if self.cursor <= position < win.frontier and position not in win.ahead:
+            win.push(node, position)
 
     def failed_list(self, spec: JobSpec) -> list[dict[str, Any]]:
         out = []
@@ -358,6 +430,7 @@ class EpochState:
             "done": base64.b64encode(self.done_bits).decode(),
             "done_count": self.done_count,
             "failed": sorted(self.failed),
+            **({"window": self.window.to_json()} if self.window is not None else {}),
         }
 
     @classmethod
@@ -369,6 +442,8 @@ class EpochState:
         ep.done_bits = bytearray(base64.b64decode(raw["done"]))
         ep.done_count = raw["done_count"]
         ep.failed = set(raw["failed"])
+        if "window" in raw:
+            ep.window = Window.from_json(raw["window"], ep.cursor)
         return ep
 
 
@@ -398,6 +473,12 @@ class JobState:
         }
     )
     _heap: list[tuple[float, str]] = field(default_factory=list, repr=False)
+    locality: JobLocality | None = field(default=None, repr=False)
+    """Where shards are, for a job with a ``locality_window`` (locality.py); None otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.spec.locality_window > 0 and self.locality is None:
+            self.locality = JobLocality(self.spec.locality_window, self.n, _object_names(self.spec))
 
     @property
     def n(self) -> int:
@@ -517,7 +598,10 @@ class JobState:
             return
         del self.open[ep.epoch]
         self.totals["epochs"] += 1
-        self.recent = [{"epoch": ep.epoch, "done": ep.done_count, "failed": ep.failed_list(self.spec)}, *self.recent[:1]]
+        closed: dict[str, Any] = {"epoch": ep.epoch, "done": ep.done_count, "failed": ep.failed_list(self.spec)}
+        if ep.window is not None:
+            closed["order"] = ep.window.report(ep.epoch)
+        self.recent = [closed, *self.recent[:1]]
         if self.open:
             return
         if self.spec.epochs is not None and self.next_epoch >= self.spec.epochs:
@@ -540,6 +624,8 @@ class JobState:
             "recent": self.recent,
             "totals": dict(self.totals),
         })
+        if self.locality is not None:
+            out["locality"] = self.locality.to_json()
         return out
 
     @classmethod
@@ -561,6 +647,8 @@ class JobState:
         job.last_request = OrderedDict(((t, st), (rid, tuple(ids))) for t, st, rid, ids in raw["last_request"])
         job.recent = list(raw["recent"])
         job.totals.update(raw["totals"])
+        if job.locality is not None and "locality" in raw:
+            job.locality.restore(raw["locality"], job.n)
         return job
 
     @classmethod
@@ -607,6 +695,8 @@ class MasterState:
     def __init__(self) -> None:
         self.jobs: dict[str, JobState] = {}
         self.last_now: float = 0.0
+        self.ring = Ring()
+        """The cluster cache's live members (Placement events), for jobs with a locality window."""
 
     # -- entry point --
 
@@ -617,6 +707,8 @@ class MasterState:
             result = self._create(event, now)
         elif isinstance(event, Resume):
             result = self._resume(event, now)
+        elif isinstance(event, Placement):
+            result = self._placement(event)
         else:
             job = self.job(event.job)
             if isinstance(event, Lease):
@@ -679,6 +771,25 @@ class MasterState:
                     job._push(rec)
                     mutated = True
         return Result({}, mutated=mutated)
+
+    def _placement(self, event: Placement) -> Result:
+        members = event.members
+        if not isinstance(members, tuple) or len(members) > MAX_MEMBERS:
+            raise BadRequest(f"a placement lists at most {MAX_MEMBERS} members")
+        for item in members:
+            if (not isinstance(item, tuple) or len(item) != 2 or not all(isinstance(x, str) and len(x) <= 512 for x in item)
+                    or not item[0]):
+                raise BadRequest("a placement member is a pair of (member id, node name) strings")
+        # -- mutation --
+        if not self.ring.update(members):
+            return Result({"version": self.ring.version, "members": len(self.ring.node_of), "changed": False},
+                          mutated=False)
+        for job in self.jobs.values():
+            if job.locality is not None:
+                for ep in job.open.values():
+                    if ep.window is not None:
+                        ep.window.reset(ep.cursor)  # owners moved: the index is rebuilt on the next lease
+        return Result({"version": self.ring.version, "members": len(self.ring.node_of), "changed": True}, mutated=True)
 
     @staticmethod
     def _pool(job: JobState, epoch: int | None) -> EpochState | None:
@@ -746,9 +857,11 @@ class MasterState:
             ep = self._pool(job, ev.epoch)
             if ep is None:
                 break
-            shard, again = ep.take(ev.trainer)
+            shard, again = ep.take(ev.trainer, ev.node, job.locality, self.ring)
             if again:
                 job.totals["reissued"] += 1
+            if job.locality is not None:
+                job.locality.counts[job.locality.kind(shard, ev.node, self.ring)] += 1
             rec = LeaseRec(lid, shard, ep.epoch, ev.trainer, stream, ev.node, now + ttl)
             job.leases[lid] = rec
             job._push(rec)
@@ -825,6 +938,10 @@ class MasterState:
         job.close(rec, ev.trainer, "done")
         ep.mark_done(rec.shard)
         job.totals["completed"] += 1
+        if job.locality is not None and rec.node and job.locality.readers.set(rec.shard, rec.node):
+            for other in job.open.values():
+                if other is not ep:
+                    other.note_reader(rec.shard, rec.node)
         job.maybe_close_epoch(ep)
         return Result({"status": "done", "epoch": rec.epoch, "already": False}, mutated=True, progress=gained)
 
@@ -917,10 +1034,25 @@ class MasterState:
             "leases_by_trainer": streams,
             "totals": dict(job.totals),
             "spec": job.spec.summary(),
+            "locality": self._locality_report(job),
         }
 
+    def _locality_report(self, job: JobState) -> dict[str, Any] | None:
+        if job.locality is None:
+            return None
+        epochs = [ep.window.report(ep.epoch) for ep in job.open.values() if ep.window is not None]
+        epochs += [r["order"] for r in job.recent if "order" in r]
+        report = job.locality.report(sorted(epochs, key=lambda e: e["epoch"]))
+        report["ring"] = {"version": self.ring.version, "members": len(self.ring.node_of),
+                          "nodes": len({n for n in self.ring.node_of.values() if n})}
+        return report
+
     def to_json(self) -> dict[str, Any]:
-        return {"version": 2, "last_now": self.last_now, "jobs": [job.to_json() for job in self.jobs.values()]}
+        out: dict[str, Any] = {"version": 2, "last_now": self.last_now}
+        if self.ring.version:
+            out["ring"] = self.ring.to_json()
+        out["jobs"] = [job.to_json() for job in self.jobs.values()]
+        return out
 
     def snapshot_text(self) -> str:
         """``to_json()`` as JSON text, spliced from each spec's cached text: the only part that
@@ -929,7 +1061,8 @@ class MasterState:
         for job in self.jobs.values():
             rest = json.dumps(job.to_json(with_spec=False), separators=(",", ":"))
             jobs.append('{"spec":' + job.spec.json_text + "," + rest[1:])
-        return '{"version":2,"last_now":' + json.dumps(self.last_now) + ',"jobs":[' + ",".join(jobs) + "]}"
+        ring = ',"ring":' + json.dumps(self.ring.to_json(), separators=(",", ":")) if self.ring.version else ""
+        return '{"version":2,"last_now":' + json.dumps(self.last_now) + ring + ',"jobs":[' + ",".join(jobs) + "]}"
 
     @classmethod
     def from_text(cls, text: str) -> MasterState:
@@ -951,6 +1084,9 @@ class MasterState:
         state = cls()
         last_now, i = _DECODER.raw_decode(text, len(head))
         state.last_now = float(last_now)
+        if text.startswith(',"ring":', i):
+            ring, i = _DECODER.raw_decode(text, i + len(',"ring":'))
+            state.ring = Ring.from_json(ring)
         i = _expect(text, i, ',"jobs":[')
         while not text.startswith("]}", i):
             if state.jobs:
@@ -973,6 +1109,8 @@ class MasterState:
             raise ValueError(f"unsupported master state version {raw.get('version')!r}")
         state = cls()
         state.last_now = float(raw["last_now"])
+        if "ring" in raw:
+            state.ring = Ring.from_json(raw["ring"])
         for item in raw["jobs"]:
             job = JobState.from_json(item)
             state.jobs[job.spec.name] = job
@@ -980,6 +1118,19 @@ class MasterState:
 
 
 _DECODER = json.JSONDecoder()
+
+
+def _object_names(spec: JobSpec) -> Callable[[int], str] | None:
+    """How the daemons name a job's shards for the ring (``bucket/prefix+key``); None for a
+    dataset they cannot place by name (``file://``)."""
+    try:
+        url = parse_dataset_url(spec.dataset)
+    except InvalidName:
+        return None
+    if url.scheme != "s3":
+        return None
+    base, shards = f"{url.bucket}/{url.prefix}", spec.shards
+    return lambda shard: base + shards[shard].key
 
 
 def _expect(text: str, i: int, literal: str) -> int:

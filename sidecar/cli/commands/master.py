@@ -63,6 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(parser, "--snapshot-events", default="10000", metavar="N",
              help="snapshot the state (and drop the log below it) after at least N logged changes "
              "and twice the total shard count")
+    add_flag(parser, "--cluster", action="append", default=None, metavar="URL",
+             help="a daemon of the cluster cache, http://HOST:8600 (repeatable; the first that answers is asked): "
+             "the master reads the ring from its /_shardcache/peers so that jobs with a locality_window are "
+             "handed the shards owned by their trainers' nodes (the chart: the daemons' Service)")
+    add_flag(parser, "--cluster-poll", default="5", metavar="SECONDS",
+             help="how often the leader asks --cluster for the ring")
     add_connection_flags(parser, max_connections=4096)
     parser.set_defaults(func=run)
 
@@ -102,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             max_jobs=int(_number(args.max_jobs, "--max-jobs", int)),
             snapshot_min_events=int(_number(args.snapshot_events, "--snapshot-events", int)),
             token_file=_token_file(args.token_file),
+            cluster=tuple(args.cluster or ()),
+            cluster_poll_s=_number(args.cluster_poll, "--cluster-poll"),
             connections=connection_limits(args),
         )
     except ValueError as exc:

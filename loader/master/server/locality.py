@@ -1,0 +1,330 @@
+"""Cache-aware leases: which node holds each shard, and the window a lease chooses in.
+
+A job with ``locality_window`` W > 0 hands a trainer on node X, from the next W positions of the
+epoch's seeded order, the first shard that is local to X; when none is, the next shard of the plain
+order. A shard is local to X when
+
+- its **owner** is on X: the member of the cluster cache that :func:`wire.rendezvous.owner` picks
+  over the live members for ``bucket/key``, the rule the daemons themselves use, over the ring the
+  master last learned (``Placement`` events, polled from a daemon's ``/_shardcache/peers``); or
+- it is **cached** on X: X's trainer was the last to complete it in this job, so X's daemon filled
+  (or borrowed) it. This holds without a cluster cache too (per-node caches).
+
+The window keeps the order random and bounded: a shard is handed out fewer than W leases away
+from its place in the plain order, since a position the window does not find local to anyone
+stays at the window's left edge until nothing else in the window is left. W = 1 is the plain
+order, with the locality counted.
+
+Everything here is a pure function of the state (the ring, the seeded orders, the completions),
+so a replayed or restored master chooses exactly as the live one did: the per-node heaps are an
+index that is rebuilt whenever the locality of a position in a window may have changed, and a lease
+always takes the smallest local position of the window, whatever the index held.
+
+What it costs the master: per lease O(log W) amortised (the heaps, each position entering one or
+two of them once), plus the owner of each shard entering a window: O(members) hashes the first
+time, memoised per shard and updated by the members that joined since (O(1) per ring change
+per shard) or recomputed when its owner left. 16 bytes per shard for the owners, 2 for the last
+reader, both only in jobs with a window.
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+import math
+from array import array
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from wire.rendezvous import score
+
+__all__ = [
+    "KINDS",
+    "MAX_MEMBERS",
+    "MAX_NODES",
+    "Ring",
+    "Owners",
+    "Readers",
+    "Window",
+    "JobLocality",
+]
+
+KINDS = ("owner", "cached", "other", "unplaced")
+"""How a granted lease stood to the trainer's node: its shard's owner was on the node, its last
+reader was, neither, or nothing was known (no ring and no reader, or no node)."""
+MAX_MEMBERS = 10_000
+"""Most members a Placement may list."""
+MAX_NODES = 65_535
+"""Most distinct node names a job records as readers (2 bytes a shard); later ones are not."""
+_JOINS_SLACK = 1024
+
+
+class Ring:
+    """The cluster's live members as the master last learned them: member id -> node name ("" for
+    a member that names no node: it owns shards but is local to no trainer)."""
+
+    __slots__ = ("version", "node_of", "joined", "joins")
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.node_of: dict[str, str] = {}
+        self.joined: dict[str, int] = {}
+        """member -> the ring version at which it (last) joined."""
+        self.joins: list[tuple[int, str]] = []
+        """(version, member) in joining order: the members added since a memoised owner."""
+
+    def update(self, members: Iterable[tuple[str, str]]) -> bool:
+        """Take ``members`` as the ring; False when that is the ring already."""
+        new = dict(members)
+        if new == self.node_of:
+            return False
+        self.version += 1
+        for member in new:
+            if member not in self.node_of:
+                self.joined[member] = self.version
+                self.joins.append((self.version, member))
+        for member in [m for m in self.joined if m not in new]:
+            del self.joined[member]
+        self.node_of = new
+        if len(self.joins) > 4 * len(new) + _JOINS_SLACK:
+            self.joins = sorted((v, m) for m, v in self.joined.items())
+        return True
+
+    def joined_since(self, version: int) -> Iterable[str]:
+        """Live members that joined after ``version``."""
+        i = len(self.joins)
+        while i > 0 and self.joins[i - 1][0] > version:
+            i -= 1
+        for v, member in self.joins[i:]:
+            if self.joined.get(member) == v:
+                yield member
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "members": [[m, n] for m, n in sorted(self.node_of.items())]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Ring:
+        ring = cls()
+        ring.version = int(raw["version"])
+        ring.node_of = {str(m): str(n) for m, n in raw["members"]}
+        # Owners are memoised from scratch after a restore, so every member counts as joined now.
+        ring.joined = dict.fromkeys(ring.node_of, ring.version)
+        ring.joins = [(ring.version, m) for m in sorted(ring.node_of)]
+        return ring
+
+
+class Owners:
+    """The owner of each shard under the ring, memoised in arrays (derived state, never stored)."""
+
+    __slots__ = ("names", "members", "member_ix", "owner", "score", "version")
+
+    def __init__(self, n: int, names: Callable[[int], str]) -> None:
+        self.names = names
+        self.members: list[str] = []
+        self.member_ix: dict[str, int] = {}
+        self.owner = array("i", [-1]) * n
+        self.score = array("Q", [0]) * n
+        self.version = array("Q", [0]) * n
+
+    def _ix(self, member: str) -> int:
+        ix = self.member_ix.get(member)
+        if ix is None:
+            ix = self.member_ix[member] = len(self.members)
+            self.members.append(member)
+        return ix
+
+    def member(self, shard: int, ring: Ring) -> str | None:
+        if not ring.node_of:
+            return None
+        ix = self.owner[shard]
+        if ix >= 0:
+            best = self.members[ix]
+            seen = self.version[shard]
+            if seen == ring.version:
+                return best
+            if best in ring.node_of:
+                # Only members that joined since can beat an owner that is still there.
+                top, name = (self.score[shard], best), self.names(shard)
+                for member in ring.joined_since(seen):
+                    cand = (score(member, name), member)
+                    if cand > top:
+                        top = cand
+                self._keep(shard, top, ring.version)
+                return top[1]
+        name = self.names(shard)
+        top = max((score(member, name), member) for member in ring.node_of)
+        self._keep(shard, top, ring.version)
+        return top[1]
+
+    def _keep(self, shard: int, top: tuple[int, str], version: int) -> None:
+        self.owner[shard] = self._ix(top[1])
+        self.score[shard] = top[0]
+        self.version[shard] = version
+
+
+class Readers:
+    """The node whose trainer last completed each shard (state: snapshotted)."""
+
+    __slots__ = ("nodes", "node_ix", "reader", "known")
+
+    def __init__(self, n: int) -> None:
+        self.nodes: list[str] = []
+        self.node_ix: dict[str, int] = {}
+        self.reader = array("H", [0]) * n
+        """Index + 1 into ``nodes``; 0: no reader known."""
+        self.known = 0
+        """Shards with a reader."""
+
+    def get(self, shard: int) -> str | None:
+        ix = self.reader[shard]
+        return self.nodes[ix - 1] if ix else None
+
+    def set(self, shard: int, node: str) -> bool:
+        """Record ``node`` as the last reader of ``shard``; True when that changed it."""
+        ix = self.node_ix.get(node)
+        if ix is None:
+            if len(self.nodes) >= MAX_NODES:
+                return False
+            self.nodes.append(node)
+            ix = self.node_ix[node] = len(self.nodes)
+        before = self.reader[shard]
+        if before == ix:
+            return False
+        self.known += before == 0
+        self.reader[shard] = ix
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nodes": list(self.nodes), "reader": base64.b64encode(self.reader.tobytes()).decode()}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], n: int) -> Readers:
+        out = cls(n)
+        out.nodes = [str(x) for x in raw["nodes"]]
+        out.node_ix = {node: i + 1 for i, node in enumerate(out.nodes)}
+        reader = array("H")
+        reader.frombytes(base64.b64decode(raw["reader"]))
+        if len(reader) != n:
+            raise ValueError("a job's reader table does not match its shard count")
+        out.reader = reader
+        out.known = len(reader) - reader.count(0)
+        return out
+
+
+class Window:
+    """One epoch's window: the positions taken ahead of the cursor, an index of the window's
+    positions by the nodes they are local to, and how far the handed-out order moved."""
+
+    __slots__ = ("ahead", "frontier", "heaps", "entries", "handed", "sum_d", "max_d", "sk", "sp", "skk", "spp", "skp")
+
+    def __init__(self, cursor: int) -> None:
+        self.ahead: set[int] = set()
+        """Positions at or past the cursor already handed out (state)."""
+        self.frontier = cursor
+        """Positions below it have entered the index (derived)."""
+        self.heaps: dict[str, list[int]] = {}
+        self.entries = 0
+        # State: the k-th fresh hand-out of the epoch took plain position p; sums for the mean
+        # displacement |k - p| and for the (Spearman) correlation of k and p.
+        self.handed = 0
+        self.sum_d = 0
+        self.max_d = 0
+        self.sk = self.sp = self.skk = self.spp = self.skp = 0
+
+    def reset(self, cursor: int) -> None:
+        """Drop the index (a ring change, or too many stale entries): rebuilt on the next lease."""
+        self.heaps = {}
+        self.entries = 0
+        self.frontier = cursor
+
+    def push(self, node: str, position: int) -> None:
+        heapq.heappush(self.heaps.setdefault(node, []), position)
+        self.entries += 1
+
+    def note(self, position: int) -> None:
+        k = self.handed
+        d = abs(k - position)
+        self.handed = k + 1
+        self.sum_d += d
+        self.max_d = max(self.max_d, d)
+        self.sk += k
+        self.sp += position
+        self.skk += k * k
+        self.spp += position * position
+        self.skp += k * position
+
+    def report(self, epoch: int) -> dict[str, Any]:
+        m = self.handed
+        rho: float | None = None
+        if m > 1:
+            cov = m * self.skp - self.sk * self.sp
+            var = (m * self.skk - self.sk**2) * (m * self.spp - self.sp**2)
+            rho = round(cov / math.sqrt(var), 6) if var > 0 else 1.0
+        return {
+            "epoch": epoch, "handed": m, "mean_displacement": round(self.sum_d / m, 3) if m else None,
+            "max_displacement": self.max_d, "spearman": rho,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ahead": sorted(self.ahead),
+                "stats": [self.handed, self.sum_d, self.max_d, self.sk, self.sp, self.skk, self.spp, self.skp]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], cursor: int) -> Window:
+        win = cls(cursor)
+        win.ahead = set(raw["ahead"])
+        win.handed, win.sum_d, win.max_d, win.sk, win.sp, win.skk, win.spp, win.skp = raw["stats"]
+        return win
+
+
+class JobLocality:
+    """A windowed job's placement knowledge and its counts of local leases."""
+
+    __slots__ = ("window", "owners", "readers", "counts", "names")
+
+    def __init__(self, window: int, n: int, names: Callable[[int], str] | None) -> None:
+        self.window = window
+        self.names = names
+        """The object name (``bucket/key``) of a shard, as the daemons hash it; None: a dataset
+        the ring cannot place (a ``file://`` one), local only by its readers."""
+        self.owners = Owners(n, names) if names is not None else None
+        self.readers = Readers(n)
+        self.counts = dict.fromkeys(KINDS, 0)
+
+    def owner_node(self, shard: int, ring: Ring) -> str | None:
+        if self.owners is None:
+            return None
+        member = self.owners.member(shard, ring)
+        return (ring.node_of.get(member) or None) if member is not None else None
+
+    def nodes_of(self, shard: int, ring: Ring) -> tuple[str | None, str | None]:
+        return self.owner_node(shard, ring), self.readers.get(shard)
+
+    def kind(self, shard: int, node: str, ring: Ring) -> str:
+        """How ``shard`` stands to a trainer on ``node`` (one of :data:`KINDS`)."""
+        owner, reader = self.nodes_of(shard, ring)
+        if node and owner == node:
+            return "owner"
+        if node and reader == node:
+            return "cached"
+        return "other" if node and (owner is not None or reader is not None) else "unplaced"
+
+    def is_local(self, shard: int, node: str, ring: Ring) -> bool:
+        owner, reader = self.nodes_of(shard, ring)
+        return owner == node or reader == node
+
+    def report(self, epochs: list[dict[str, Any]]) -> dict[str, Any]:
+        placed = self.counts["owner"] + self.counts["cached"] + self.counts["other"]
+        local = self.counts["owner"] + self.counts["cached"]
+        return {
+            "window": self.window, "leases": dict(self.counts),
+            "local_share": round(local / placed, 4) if placed else None,
+            "readers_known": self.readers.known, "epochs": epochs,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {"readers": self.readers.to_json(), "counts": dict(self.counts)}
+
+    def restore(self, raw: dict[str, Any], n: int) -> None:
+        self.readers = Readers.from_json(raw["readers"], n)
+        self.counts.update(raw["counts"])
