@@ -214,6 +214,27 @@ def test_the_daemon_accepts_its_args(rendered: dict[str, list[dict[str, Any]]], 
         assert settings.node == NODE_NAME
 
 
+def master_args(objects: list[dict[str, Any]]) -> list[str]:
+    (only,) = find(objects, "Deployment", "-master")["spec"]["template"]["spec"]["containers"]
+    return list(only["args"])
+
+
+def test_the_master_reads_the_ring_from_the_daemons_service(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Cache-aware leases (issue 18): the master asks the daemons' headless Service for the ring,
+    with the flag the real ``shardcache master`` takes; per-node caches have no ring to read."""
+    from sidecar.cli import build_parser
+
+    for option in ("defaults", "elsewhere"):
+        objects = rendered[option]
+        args = master_args(objects)
+        port = daemon(objects)["ports"][0]["containerPort"]
+        dns = arg_after(daemon(objects)["args"], "--peers-dns")
+        assert arg_after(args, "--cluster") == f"http://{dns}:{port}"
+        parsed = build_parser().parse_args(args)
+        assert parsed.command == "master" and parsed.cluster == [f"http://{dns}:{port}"]
+    assert "--cluster" not in master_args(rendered["per-node"])
+
+
 # ----------------------------------------------------------------------------- NetworkPolicy
 
 
@@ -225,9 +246,11 @@ def test_daemons_reach_each_other_through_the_network_policy(rendered: dict[str,
         master_labels = find(objects, "Deployment", "-master")["spec"]["template"]["metadata"]["labels"]
         port = daemon(objects)["ports"][0]["containerPort"]
         assert admits(policy, NS, port, daemon_labels)
-        # Only the daemons, only their port: not another pod of the release's namespace, not another
-        # port, not a daemon-labelled pod in another namespace.
-        assert not admits(policy, NS, port, master_labels) and not admits(policy, NS, port + 1, daemon_labels)
+        # The daemons and the masters (they read the ring for cache-aware leases), only on their port:
+        # not another pod of the release's namespace, not another port, not a daemon-labelled pod in
+        # another namespace.
+        assert admits(policy, NS, port, master_labels) and not admits(policy, NS, port + 1, daemon_labels)
+        assert not admits(policy, NS, port, {"app": "other"})
         assert not admits(policy, "kube-system", port, daemon_labels)
         # The training namespaces' rule is untouched.
         assert admits(policy, "ml", port) and not admits(policy, NS, port)

@@ -199,7 +199,7 @@ def test_the_page_shows_a_running_jobs_trainers_and_follows_the_epoch(tmp_path: 
     master = _master(tmp_path).start()
     client = MasterClient(master.url, retry_deadline_s=10)
     try:
-        client.create_job(job_spec("resnet50", n=16, epochs=2, max_failures=1))
+        client.create_job(job_spec("resnet50", n=16, epochs=2, max_failures=1, locality_window=8))
         t1 = client.lease("resnet50", "trainer-1", "node-a", 3, epoch=0, stream="w0")["leases"]
         t2 = client.lease("resnet50", "trainer-2", "node-b", 2, epoch=0)["leases"]
         client.renew("resnet50", t1[0]["lease"], "trainer-1", 4)
@@ -213,6 +213,9 @@ def test_the_page_shows_a_running_jobs_trainers_and_follows_the_epoch(tmp_path: 
         wait_cell = "document.querySelector('[data-trainer=\"trainer-1\"] .trainer-wait').textContent"
         assert tab.evaluate(wait_cell) == "–"
         assert _epoch_done(tab, "resnet50", 0) == 0
+        # Cache-aware leases: no ring and no reads yet, so nothing is placed (not a made-up 0 %).
+        locality = tab.evaluate("document.querySelector('[data-job=\"resnet50\"] .job-locality').textContent")
+        assert locality == "local leases – (window 8, 0 nodes) · order moved 0.0 positions (ρ 1.000)", locality
 
         # The epoch advances: completions and a failed shard show within the page's refresh.
         for lease in t1:

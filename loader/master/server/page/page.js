@@ -74,6 +74,17 @@ function failedTable(title, failed) {
   return el("div", {}, el("h3", {}, title), el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
 }
 
+// Cache-aware leases (locality_window > 0): how many leases found their shard on the trainer's node,
+// and how far the handed-out order moved from the seeded one (the newest epoch).
+function localitySpan(loc) {
+  if (!loc) return [];
+  const newest = loc.epochs && loc.epochs.length ? loc.epochs[loc.epochs.length - 1] : null;
+  const moved = newest && typeof newest.mean_displacement === "number"
+    ? ` · order moved ${num(newest.mean_displacement)} positions (ρ ${newest.spearman === null ? "-" : newest.spearman.toFixed(3)})` : "";
+  return [el("span", { className: "job-locality" },
+    `local leases ${pct(loc.local_share)} (window ${loc.window}, ${loc.ring ? loc.ring.nodes : 0} nodes)${moved}`)];
+}
+
 function jobCard(job) {
   const wait = job.wait || {};
   const epochs = job.epochs === null || job.epochs === undefined ? "epochs unbounded" : `${job.epochs} epochs`;
@@ -92,6 +103,7 @@ function jobCard(job) {
       el("span", {}, `epoch ${job.epoch} · ${epochs}`),
       el("span", { className: "samples" }, `${num(job.samples_per_s)} samples/s`),
       el("span", { className: "job-wait" }, `waited for data ${pct(wait.fraction_60s)} of the last 60 s`),
+      ...localitySpan(job.locality),
       ...badges),
     el("h3", {}, "Epochs", el("span", { className: "legend muted" },
       ...["done", "failed", "leased", "todo"].flatMap((s) => [el("span", { className: s }), s === "todo" ? "to do" : s]))),
