@@ -324,6 +324,7 @@ def test_master_sqlite_default(rendered: dict[str, list[dict[str, Any]]]) -> Non
     deployment = find(objects, "Deployment", "-master")
     c = container(deployment)
     assert c["args"] == ["--log-level", "INFO", "master", "--listen", "tcp://0.0.0.0:8700", "--state", "sqlite:///var/lib/shardcache/master.db",
+                         "--cluster", "http://sc-shardcache-node.shardcache.svc.cluster.local:8600",
                          "--token-file", "/etc/shardcache/master-token/token"]
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     pvc = find(objects, "PersistentVolumeClaim", "-master")
