@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sidecar.daemon.auth.http import AUTH, batch_access, listing_access, optional_caller
 from sidecar.daemon.fills import retrying
 from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE, file_root
-from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_by, counter_value
+from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_by, counter_value, node_reads
 from sidecar.daemon.peers.http import cluster_stats
 from sidecar.daemon.prefetch import PrefetchItem, QueueFull
 from sidecar.daemon.priority import priority_value
@@ -103,6 +103,9 @@ def stats(app: web.Application) -> dict[str, Any]:
             source: counter_value(metrics.served_bytes, source=source) for source in SERVED_SOURCES
         },
         "origin_read_bytes": counter_value(metrics.origin_bytes),
+        # What this node's own clients read, by where the bytes came from: this node's cache, a
+        # peer, the origin (served_bytes says how they were sent; peers' reads are not in here).
+        "node_reads": node_reads(metrics),
         # The cluster cache (sidecar/daemon/peers/): bytes read from other daemons, and who is in the ring.
         "peer_read_bytes": counter_value(metrics.peer_bytes, direction="in"),
         "node": settings.node,

@@ -37,6 +37,7 @@ from cache import Entry, IntegrityError, NoSpace, Store, Writer, aligned_buffer
 from sidecar.daemon.checksums import OriginChecksum, VerifySettings, vouched
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
+from sidecar.daemon.peers.context import current_source
 from sidecar.daemon.priority import DEMAND, PriorityLimiter
 from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
 from wire.retry import Backoff, retry_async
@@ -568,7 +569,9 @@ class Fetcher:
                 async with self.limiter.slot(DEMAND):
                     async for chunk in self.origin.read(bucket, key, sent, end, etag=etag):
                         sent += len(chunk)
-                        self.metrics.origin_bytes.inc(len(chunk))
+                        # A ClusterOrigin may have routed this read to the object's owner.
+                        peer = current_source() == "peer"
+                        (self.metrics.peer_bytes_in if peer else self.metrics.origin_bytes).inc(len(chunk))
                         yield chunk
                 if sent < end:
                     raise OriginBadResponse(f"{bucket}/{key}: origin ended at {sent} of {end}")

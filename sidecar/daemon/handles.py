@@ -406,7 +406,7 @@ class NodeHandles:
             fd = await _open_entry(store, entry, force)
             if fd is not None:
                 metrics.cache_lookups.labels(result="hit").inc()
-                return _served(metrics, entry, fd, "hit")
+                return _served(metrics, entry, fd, "hit", "local")
 
         fill, created = app[FETCHER].start(bucket, key, DEMAND, tenant=tenant)
         state = "miss" if created else "coalesced"
@@ -429,7 +429,8 @@ class NodeHandles:
         fd = await _open_entry(store, entry, False) if entry is not None else None
         if entry is None or fd is None:
             raise NotCached(f"{bucket}/{key} is not in the cache after its fill: read it over HTTP")
-        return _served(metrics, entry, fd, state)
+        # As over HTTP: a join of a fill in progress reads this node's copy; a miss, the fill's source.
+        return _served(metrics, entry, fd, state, "local" if state == "coalesced" else info.source)
 
 
 async def _open_entry(store: Store, entry: Entry, force: bool) -> int | None:
@@ -448,8 +449,11 @@ async def _open_entry(store: Store, entry: Entry, force: bool) -> int | None:
     return fd
 
 
-def _served(metrics: Any, entry: Entry, fd: int, state: str) -> Reply:
+def _served(metrics: Any, entry: Entry, fd: int, state: str, came_from: str) -> Reply:
     metrics.served_bytes.labels(source="short_circuit").inc(entry.size)
+    # The node's figures (sidecar/daemon/metrics.py NODE_SOURCES): a descriptor is a whole read.
+    metrics.client_bytes.labels(source=came_from).inc(entry.size)
+    metrics.client_reads.labels(source=came_from).inc()
     return {"status": 200, "size": entry.size, "etag": entry.etag, "xxh3_128": entry.xxh3_128, "cache": state}, fd
 
 

@@ -10,13 +10,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["LOOKUP_RESULTS", "SERVED_SOURCES", "Metrics", "counter_value", "counter_by"]
+__all__ = ["LOOKUP_RESULTS", "NODE_SOURCES", "SERVED_SOURCES", "Metrics", "counter_value", "counter_by", "node_reads"]
 
 LOOKUP_RESULTS = ("hit", "miss", "coalesced")
 """The ``result`` labels of ``shardcache_cache_lookups``."""
 SERVED_SOURCES = ("hit", "miss", "coalesced", "passthrough", "short_circuit", "peer")
 """The ``source`` labels of ``shardcache_served_bytes`` (``peer``: bytes served to other daemons
 of the cluster, counted there and not under hit or miss)."""
+NODE_SOURCES = ("local", "peer", "origin")
+"""The ``source`` labels of ``shardcache_client_bytes`` and ``shardcache_client_reads``: where the
+bytes this daemon's own clients (never its peers) read came from. ``local``: this node's cache (a
+hit, by HTTP, path or descriptor, or a join of a fill already running here); ``peer``: another
+daemon of the cluster (a miss, or an uncached read, served by the owner); ``origin``: the object
+store (a miss this daemon filled from it, or an uncached read streamed from it)."""
 
 
 def counter_value(counter: Counter, **labels: str) -> float:
@@ -38,6 +44,20 @@ def counter_by(counter: Counter, label: str) -> dict[str, float]:
                 value = sample.labels.get(label, "")
                 totals[value] = totals.get(value, 0.0) + float(sample.value)
     return totals
+
+
+def node_reads(metrics: Metrics) -> dict[str, object]:
+    """The ``node_reads`` block of ``/_shardcache/stats``: this node's clients' bytes and reads
+    by :data:`NODE_SOURCES`, and byte-weighted shares of each (``None`` before the first byte)."""
+    by_bytes = {source: counter_value(metrics.client_bytes, source=source) for source in NODE_SOURCES}
+    reads = {source: counter_value(metrics.client_reads, source=source) for source in NODE_SOURCES}
+    total = sum(by_bytes.values())
+
+    def share(source: str) -> float | None:
+        return round(by_bytes[source] / total, 4) if total else None
+
+    return {"bytes": by_bytes, "reads": reads, "local_hit_ratio": share("local"),
+            "peer_ratio": share("peer"), "origin_ratio": share("origin")}
 
 
 class _StoreCollector(Collector):
@@ -120,6 +140,23 @@ class Metrics:
             self.cache_lookups.labels(result=result)
         for source in SERVED_SOURCES:
             self.served_bytes.labels(source=source)
+        # Per node (issue 18): what this node's own clients read, by where the bytes came from.
+        # served_bytes says how they were sent (hit, miss, sendfile, path, ...); these say whether
+        # they crossed the network to get here, and which network.
+        self.client_bytes = Counter(
+            "shardcache_client_bytes",
+            "Bytes this daemon's own clients (not its peers) read, by where they came from: local (this "
+            "node's cache), peer (another daemon of the cluster), origin (the object store)",
+            ["source"], registry=r,
+        )
+        self.client_reads = Counter(
+            "shardcache_client_reads",
+            "Object reads of this daemon's own clients (not its peers), by where their first byte came from",
+            ["source"], registry=r,
+        )
+        for source in NODE_SOURCES:
+            self.client_bytes.labels(source=source)
+            self.client_reads.labels(source=source)
         self.origin_latency = Histogram(
             "shardcache_origin_request_duration_seconds",
             "Time from sending an origin request to its response headers",

@@ -9,6 +9,12 @@ first byte, a miss waits for its fill to be sealed and compares; a disagreement 
 the copy is right. ``x-shardcache-recheck: 1`` (a short-circuit reader whose own read of the
 file did not match) makes the daemon re-hash its file before answering, as rarely as a
 disagreeing claim may.
+
+Every byte a client is sent counts twice: by how it was sent (``served_bytes``: hit, miss,
+coalesced, passthrough, short_circuit) and by where it came from (``client_bytes``, the node's
+figures, :data:`~sidecar.daemon.metrics.NODE_SOURCES`): a hit, or a join of a fill already running
+here, is ``local``; a miss is where its fill reads (the owner, ``peer``, or the ``origin``); a
+read streamed uncached is where its body came from (:func:`~sidecar.daemon.peers.context.track_source`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from sidecar.daemon.claims import caller_of
 from sidecar.daemon.fills import Fetcher, Fill, retrying
 from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, ORIGIN, STORE
 from sidecar.daemon.origins import ObjectInfo
-from sidecar.daemon.peers.context import ORIGIN_ONLY, PEER_CALLER, count_served
+from sidecar.daemon.peers.context import ORIGIN_ONLY, PEER_CALLER, count_read, count_served, track_source
 from sidecar.daemon.peers.http import peer_request
 from sidecar.daemon.peers.origin import ClusterOrigin
 from sidecar.daemon.priority import DEMAND
@@ -299,7 +305,7 @@ async def _get(
                 opened = await _open_hit(store, entry, force)
                 if opened is not None:
                     metrics.cache_lookups.labels(result="hit").inc()
-                    response = await _serve_entry(request, store, entry, opened, "hit", short_circuit)
+                    response = await _serve_entry(request, store, entry, opened, "hit", short_circuit, "local")
                     metrics.request_duration.labels(cache="hit").observe(time.perf_counter() - began)
                     return response
 
@@ -315,6 +321,8 @@ async def _get(
     state = "miss" if created else "coalesced"
     metrics.cache_lookups.labels(result=state).inc()
     info = await fill.wait_info()
+    # A join of a fill in progress here reads this node's copy; a miss, wherever its fill reads.
+    came_from = "local" if state == "coalesced" else info.source
     # The fill goes on whatever the condition says: the object is wanted, in this version.
     if (answer := _conditional(request, info, state)) is not None:
         return answer
@@ -330,13 +338,13 @@ async def _get(
         await fill.wait_sealed()
         if fill.placed is not None:
             # Checked, and under its published name already: no need to wait for the fsync.
-            return _short_circuit_answer(request, info, fill.placed, state)
+            return _short_circuit_answer(request, info, fill.placed, state, came_from)
         entry = await fill.wait_done()
         if entry is not None:
             with store.pinned(entry):
                 opened = await _open_hit(store, entry)
                 if opened is not None:
-                    return await _serve_entry(request, store, entry, opened, state, short_circuit)
+                    return await _serve_entry(request, store, entry, opened, state, short_circuit, came_from)
 
     rng = parse_range(request.headers.get("Range"), info.size)
     headers = _object_headers(info, state, request=request)
@@ -344,21 +352,23 @@ async def _get(
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
     if fill.cacheable:
-        await _send_fill(request, response, fetcher, fill, start, end, state)
+        await _send_fill(request, response, fetcher, fill, start, end, state, came_from)
         metrics.request_duration.labels(cache=state).observe(time.perf_counter() - began)
         return response
+    read_from = track_source()  # the route is chosen anew: the owner's copy, or the origin's
     body = fetcher.passthrough(bucket, key, start, end, info.etag or None)
     source = "passthrough"
     # Pull the first chunk before committing to a 200: an origin that fails at once still gets
     # its proper S3 error answer instead of a truncated body.
     first = await anext(body, b"")
     await response.prepare(request)
+    count_read(metrics, read_from.source)
     if first:
         await response.write(first)
-        count_served(metrics, source, len(first))
+        count_served(metrics, source, len(first), came_from=read_from.source)
     async for chunk in body:
         await response.write(chunk)
-        count_served(metrics, source, len(chunk))
+        count_served(metrics, source, len(chunk), came_from=read_from.source)
     await response.write_eof()
     metrics.request_duration.labels(cache=state).observe(time.perf_counter() - began)
     return response
@@ -380,18 +390,28 @@ async def _passthrough_get(request: web.Request, bucket: str, key: str) -> web.S
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
     await response.prepare(request)
+    read_from = track_source()
+    counted = False
     async for chunk in fetcher.passthrough(bucket, key, start, end, info.etag or None):
+        if not counted:  # the body is open now: its source is known
+            count_read(metrics, read_from.source)
+            counted = True
         await response.write(chunk)
-        count_served(metrics, "passthrough", len(chunk))
+        count_served(metrics, "passthrough", len(chunk), came_from=read_from.source)
+    if not counted:
+        count_read(metrics, read_from.source)
     await response.write_eof()
     return response
 
 
 async def _send_fill(
-    request: web.Request, response: web.StreamResponse, fetcher: Fetcher, fill: Fill, start: int, end: int, state: str
+    request: web.Request, response: web.StreamResponse, fetcher: Fetcher, fill: Fill, start: int, end: int, state: str,
+    came_from: str,
 ) -> None:
     """Send ``[start, end)`` of a fill in progress with sendfile from its temp file, as the bytes
-    land. If caching fails underneath (disk full), finish from the origin at the byte reached."""
+    land. If caching fails underneath (disk full), finish from the origin at the byte reached.
+    ``came_from``: where this client's bytes count as coming from (``local`` when it joined a
+    fill in progress, else the fill's source)."""
     metrics = request.app[METRICS]
     loop = asyncio.get_running_loop()
     sent = start
@@ -400,44 +420,53 @@ async def _send_fill(
             if not response.prepared:
                 # Prepared only once bytes exist: a fill failing at once still gets an S3 error.
                 await response.prepare(request)
+                count_read(metrics, came_from)
             transport = request.transport
             if transport is None:
                 raise ConnectionResetError("client went away")
             with os.fdopen(fd, "rb", closefd=False) as fobj:
                 await loop.sendfile(transport, fobj, offset, length)
             sent = offset + length
-            count_served(metrics, state, length)
+            count_served(metrics, state, length, came_from=came_from)
     except (CacheError, OSError) as exc:
         if isinstance(exc, (OriginError, IntegrityError, ConnectionError)) or not fill.info:
             raise
         log.warning("cache fill of %s/%s failed (%s); serving from the origin", fill.bucket, fill.key, exc)
+        read_from = track_source()  # the rest: from the owner or the origin, as routed now
         async for chunk in fetcher.passthrough(fill.bucket, fill.key, sent, end, fill.info.etag or None):
             if not response.prepared:
                 await response.prepare(request)
+                count_read(metrics, read_from.source)
             await response.write(chunk)
-            count_served(metrics, "passthrough", len(chunk))
+            count_served(metrics, "passthrough", len(chunk), came_from=read_from.source)
     if not response.prepared:  # an empty range
         await response.prepare(request)
+        count_read(metrics, came_from)
     await response.write_eof()
 
 
-def _short_circuit_answer(request: web.Request, obj: Entry | ObjectInfo, path: str, state: str) -> web.Response:
+def _short_circuit_answer(
+    request: web.Request, obj: Entry | ObjectInfo, path: str, state: str, came_from: str
+) -> web.Response:
     headers = _object_headers(obj, state, request=request)
     headers["x-shardcache-path"] = path
     headers["x-shardcache-size"] = str(obj.size)
-    request.app[METRICS].served_bytes.labels(source="short_circuit").inc(obj.size)
+    metrics = request.app[METRICS]
+    count_read(metrics, came_from)
+    count_served(metrics, "short_circuit", obj.size, came_from=came_from)
     return web.Response(status=200, headers=headers)
 
 
 async def _serve_entry(
-    request: web.Request, store: Store, entry: Entry, opened: tuple[int, os.stat_result], state: str, short_circuit: bool
+    request: web.Request, store: Store, entry: Entry, opened: tuple[int, os.stat_result], state: str, short_circuit: bool,
+    came_from: str,
 ) -> web.StreamResponse:
     fd, _ = opened
     metrics = request.app[METRICS]
     headers = _object_headers(entry, state, request=request)
     if short_circuit:
         os.close(fd)
-        return _short_circuit_answer(request, entry, str(store.data_path(entry)), state)
+        return _short_circuit_answer(request, entry, str(store.data_path(entry)), state, came_from)
     try:
         rng = parse_range(request.headers.get("Range"), entry.size)
     except BaseException:
@@ -447,5 +476,6 @@ async def _serve_entry(
     response = _SendfileResponse(fd, start, end - start, status=status, headers=headers)
     response.content_length = end - start
     await response.prepare(request)
-    count_served(metrics, state, end - start)
+    count_read(metrics, came_from)
+    count_served(metrics, state, end - start, came_from=came_from)
     return response

@@ -15,16 +15,13 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from loader.master.errors import MasterError
-from loader.master.server.state import Placement
+from loader.master.server.state import MasterState, Placement, Result
 from wire.peerview import parse_peers
-
-if TYPE_CHECKING:
-    from loader.master.server.service import MasterService
 
 __all__ = ["PlacementPoller", "placement_members"]
 
@@ -40,8 +37,17 @@ def placement_members(doc: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((m.id, m.node or "") for m in view.live))
 
 
+class Submitter(Protocol):
+    """What the poller needs of the master's service (service.MasterService)."""
+
+    role: str
+    state: MasterState | None
+
+    async def submit(self, event: Placement) -> Result: ...
+
+
 class PlacementPoller:
-    def __init__(self, service: MasterService, urls: tuple[str, ...], interval_s: float, timeout_s: float = 2.0) -> None:
+    def __init__(self, service: Submitter, urls: tuple[str, ...], interval_s: float, timeout_s: float = 2.0) -> None:
         self.service = service
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.interval_s = interval_s

@@ -20,7 +20,8 @@ from sidecar.cli.util import (
 )
 
 __all__ = [
-    "cluster_lines", "daemon_report", "master_report", "register", "run", "tenant_lines", "trainer_rows", "wait_warnings",
+    "MEMBER_TIMEOUT_S", "cluster_lines", "cluster_nodes", "daemon_report", "master_report", "node_rows", "register", "run",
+    "tenant_lines", "trainer_rows", "wait_warnings",
 ]
 
 EXAMPLES = """\
@@ -39,6 +40,12 @@ over --interval), warm-ups; for masters each job's epoch, shard progress, traine
 and each trainer's wait for data: the share of the last 60 s its training loop spent waiting for
 its next sample or batch (WAIT 60S), and the median and 99th percentile of single waits. A job whose
 trainers waited more than --warn-wait of the last 60 s gets a WARNING line.
+
+A daemon in a cluster (serve --peer/--peers-dns) adds a table of every member of its ring, each
+asked for its own figures: what that node's clients read from its own cache (LOCAL), from other
+members (PEER) and from the object store (ORIGIN) since it started, LOCAL HIT (the local share of
+those bytes) and what it served to other members (TO PEERS). A member the ring has down is "dead";
+one that does not answer within 5 s is "unreachable" (neither changes the exit status).
 exit status: 0 everything answered; 1 --job not found; 69 a daemon or master could not be reached.
 """
 
@@ -120,6 +127,89 @@ def daemon_report(url: str, label: str, interval: float) -> dict[str, Any]:
             report["error"] = str(exc)
             report["unreachable"] = not hasattr(exc, "status")
     return report
+
+
+MEMBER_TIMEOUT_S = 5.0
+"""How long one ring member may take to connect and answer its ``/stats`` (all asked at once)."""
+
+
+def _self_ids(report: dict[str, Any]) -> set[str]:
+    """The member ids an answering daemon goes by: its ring's ``self``, and its stats' own."""
+    ids: set[str] = set()
+    view, cluster = report.get("peers"), (report.get("stats") or {}).get("cluster")
+    if isinstance(view, dict) and view.get("self_id"):
+        ids.add(str(view["self_id"]))
+    if isinstance(cluster, dict) and cluster.get("self"):
+        ids.add(str(cluster["self"]))
+    return ids
+
+
+def _node_figures(stats: dict[str, Any]) -> dict[str, Any]:
+    """One member's row figures from its ``/stats`` (``None`` where a daemon older than the per-node
+    figures has none)."""
+    reads = stats.get("node_reads")
+    return {
+        "node_reads": reads if isinstance(reads, dict) else None,
+        "served_to_peers_bytes": _peer_out(stats),
+        "peer_read_bytes": _peer_in(stats),
+        "origin_read_bytes": float(stats.get("origin_read_bytes") or 0),
+    }
+
+
+def _member_stats(url: str, timeout: float) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """(stats, error, unreachable) of one ring member, asked once."""
+    from sidecar.cli.control import ControlClient, DaemonClientError
+
+    try:
+        with ControlClient(url, timeout=timeout) as client:
+            return client.stats(), None, False
+    except DaemonClientError as exc:
+        return None, str(exc), not hasattr(exc, "status")
+    except ValueError as exc:  # a member URL this client cannot address (another scheme)
+        return None, f"cannot ask {url}: {exc}", True
+
+
+def cluster_nodes(reports: list[dict[str, Any]], timeout: float = MEMBER_TIMEOUT_S) -> list[dict[str, Any]] | None:
+    """Every member of the rings the answering daemons see, with its own figures: one row per
+    member (by member id), the stats of daemons asked already reused, every other live member
+    asked once, all at once, each within ``timeout``. ``None`` when no daemon is in a cluster, so
+    a standalone daemon's output stays as it was."""
+    members: dict[str, dict[str, Any]] = {}
+    known: dict[str, dict[str, Any]] = {}  # member id -> the stats fetched already
+    for report in reports:
+        if report.get("error"):
+            continue
+        for ident in _self_ids(report):
+            known[ident] = report["stats"]
+        view = report.get("peers")
+        for m in view.get("members") or () if isinstance(view, dict) else ():
+            row = members.setdefault(str(m["id"]), {
+                "member": str(m["id"]), "url": str(m["url"]), "node": m.get("node"), "live": False,
+            })
+            # Views may differ for a few seconds after a member comes or goes: live if any says so.
+            row["live"] = bool(row["live"] or m.get("live"))
+            row["node"] = row["node"] or m.get("node")
+    if not members:
+        return None
+    asked = [row for ident, row in members.items() if row["live"] and ident not in known]
+    answers: dict[str, tuple[dict[str, Any] | None, str | None, bool]] = {}
+    if asked:
+        with ThreadPoolExecutor(max_workers=min(len(asked), 32)) as pool:
+            futures = {row["member"]: pool.submit(_member_stats, row["url"], timeout) for row in asked}
+            answers = {ident: future.result() for ident, future in futures.items()}
+    rows = []
+    for ident, row in members.items():
+        stats, error, unreachable = (known[ident], None, False) if ident in known else answers.get(ident, (None, None, False))
+        if stats is not None:
+            state = "live"
+            row.update(_node_figures(stats))
+            row["node"] = row["node"] or stats.get("node")
+        else:
+            state = "dead" if not row["live"] else ("unreachable" if unreachable else "error")
+            row.update(node_reads=None, served_to_peers_bytes=None, peer_read_bytes=None, origin_read_bytes=None)
+        row.update(state=state, error=error)
+        rows.append(row)
+    return sorted(rows, key=lambda r: (str(r["node"] or "~"), r["member"]))
 
 
 def master_report(urls: list[str], job: str | None) -> dict[str, Any]:
@@ -213,13 +303,19 @@ def run(args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(max_workers=min(max(len(daemons), 1), 32)) as pool:
         # In parallel: each daemon's throughput sample takes --interval.
         reports = list(pool.map(lambda d: daemon_report(d.url, d.label, interval), daemons))
+    nodes = cluster_nodes(reports)
     master = master_report(masters, args.job) if masters else None
     if master is not None:
         master["wait_warnings"] = wait_warnings(master["jobs"], warn_wait)
     if args.json:
-        print(json.dumps({"daemons": reports, "master": master}, indent=2))
+        doc: dict[str, Any] = {"daemons": reports, "master": master}
+        if nodes is not None:
+            doc["cluster_nodes"] = nodes
+        print(json.dumps(doc, indent=2))
     else:
         _print_daemons(reports)
+        if nodes is not None:
+            _print_nodes(nodes)
         if master is not None:
             _print_master(master, all_trainers=bool(args.job))
     if master is not None and master["missing_job"]:
@@ -289,6 +385,55 @@ def _print_daemons(reports: list[dict[str, Any]]) -> None:
     if warmups:
         print()
         _table([["WARM-UP", "DAEMON", "STATE", "FILES", "BYTES", "FAILED", "RATE"], *warmups])
+
+
+def node_rows(nodes: list[dict[str, Any]]) -> list[list[str]]:
+    """The rows of the per-node table (header first): each member's clients' bytes by where they
+    came from, its local share and what it served to other members."""
+    from sidecar.cli.progress import format_bytes
+
+    rows = [["NODE", "MEMBER", "LIVE", "LOCAL", "PEER", "ORIGIN", "LOCAL HIT", "TO PEERS"]]
+    for row in nodes:
+        state = {"live": "yes"}.get(row["state"], row["state"])
+        reads = row.get("node_reads") or {}
+        figures = reads.get("bytes")
+        if isinstance(figures, dict):
+            sources = [format_bytes(float(figures.get(s) or 0)) for s in ("local", "peer", "origin")]
+            share = _percent1(reads.get("local_hit_ratio"))
+        else:  # down, or a daemon older than the per-node figures
+            sources, share = ["-", "-", "-"], "-"
+        served = row.get("served_to_peers_bytes")
+        rows.append([
+            _printable(row.get("node") or "-"), _printable(row["member"]), state, *sources, share,
+            format_bytes(served) if isinstance(served, (int, float)) else "-",
+        ])
+    return rows
+
+
+def _percent1(fraction: Any) -> str:
+    return "-" if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) else f"{fraction * 100:.1f}%"
+
+
+def _print_nodes(nodes: list[dict[str, Any]]) -> None:
+    from sidecar.cli.progress import format_bytes
+
+    print()
+    _table(node_rows(nodes))
+    answered = [n for n in nodes if isinstance((n.get("node_reads") or {}).get("bytes"), dict)]
+    if len(answered) > 1:
+        totals = {s: sum(float(n["node_reads"]["bytes"].get(s) or 0) for n in answered) for s in ("local", "peer", "origin")}
+        total = sum(totals.values())
+        shares = ", ".join(
+            f"{source} {format_bytes(value)}" + (f" ({value / total * 100:.1f}%)" if total else "")
+            for source, value in totals.items()
+        )
+        # A fill an owner made for a peer is no client's origin read: the egress is its own figure.
+        egress = sum(float(n.get("origin_read_bytes") or 0) for n in answered)
+        print(f"cluster: clients of {len(answered)} nodes read {format_bytes(total)}: {shares}; "
+              f"these nodes read {format_bytes(egress)} from the origin in all")
+    for n in nodes:
+        if n.get("error"):
+            print(_printable(f"{n['member']}: {n['error']}"))  # the member's URL comes from a daemon
 
 
 def _count(value: Any) -> int | None:

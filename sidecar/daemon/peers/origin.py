@@ -11,7 +11,9 @@ A request that a peer sent (:data:`~sidecar.daemon.peers.context.ORIGIN_ONLY`) r
 origin only; :meth:`ClusterOrigin.call` carries the caller's context onto the worker thread,
 where the route is chosen. Bytes from a peer are checked like the origin's (its checksums travel
 with them, and its xxh3-128 on a hit); a fill that fails its check makes that object come from
-the origin for a while (:meth:`ClusterOrigin.refused`).
+the origin for a while (:meth:`ClusterOrigin.refused`). Where a body came from is noted for
+the request that opened it (:func:`~sidecar.daemon.peers.context.note_source`): a read streamed
+without caching counts its bytes as the peer's or the origin's by it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
 from sidecar.daemon.origins.httppool import HTTPPool, Response
 from sidecar.daemon.origins.s3 import S3Origin, S3Settings
 from sidecar.daemon.peers.config import ClusterSettings
-from sidecar.daemon.peers.context import ORIGIN_ONLY
+from sidecar.daemon.peers.context import ORIGIN_ONLY, note_source
 from sidecar.daemon.peers.membership import Membership
 from sidecar.daemon.peers.signing import PEER_HEADER, sign
 from sidecar.errors import AccessDenied, OriginBadResponse, OriginThrottled, OriginUnavailable
@@ -227,8 +229,11 @@ class ClusterOrigin(Origin):
                 self._tried(peer, f"{bucket}/{key} from {start}", exc)
                 continue
             self._note(f"{bucket}/{key}", peer.member)
+            note_source("peer")  # a read streamed uncached counts these bytes as the peer's
             return body
-        return self.real.open(bucket, key, start, end, etag)
+        body = self.real.open(bucket, key, start, end, etag)
+        note_source("origin")  # a retry may land here after a peer's body broke off
+        return body
 
     def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
         peers, borrowed = self._route(bucket, key)
@@ -243,8 +248,10 @@ class ClusterOrigin(Origin):
             finally:
                 self._borrow(name, -1)
             self._note(name, peer.member)
+            note_source("peer")
             return result
         info, body = self.real.open_first(bucket, key)
+        note_source("origin")
         return dataclasses.replace(info, borrowed=borrowed), body
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
