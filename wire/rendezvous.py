@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-__all__ = ["member_id", "owner", "ranked", "score"]
+__all__ = ["best", "member_id", "owner", "prefixed", "ranked", "score"]
 
 
 def member_id(url: str) -> str:
@@ -34,6 +34,20 @@ def member_id(url: str) -> str:
 def score(member: str, name: str) -> int:
     """``member``'s weight for ``name``: the owner has the greatest (ties: the greater member)."""
     return xxhash.xxh3_64_intdigest(f"{member}\0{name}".encode("utf-8", "surrogatepass"))
+
+
+def prefixed(members: Iterable[str]) -> list[tuple[bytes, str]]:
+    """Each member with its hashing prefix (``member + NUL`` encoded), for :func:`best`."""
+    return [(f"{member}\0".encode("utf-8", "surrogatepass"), member) for member in members]
+
+
+def best(members: Sequence[tuple[bytes, str]], name: str) -> tuple[int, str]:
+    """The owner of ``name`` among ``members`` (from :func:`prefixed`, not empty) with its score:
+    :func:`owner`'s choice, for a caller placing many names over many members (the lease master),
+    without re-encoding each member per name."""
+    data = name.encode("utf-8", "surrogatepass")
+    digest = xxhash.xxh3_64_intdigest
+    return max((digest(prefix + data), member) for prefix, member in members)
 
 
 def _score(member: str, name: str) -> tuple[int, str]:

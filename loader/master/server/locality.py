@@ -23,8 +23,13 @@ always takes the smallest local position of the window, whatever the index held.
 What it costs the master: per lease O(log W) amortised (the heaps, each position entering one or
 two of them once), plus the owner of each shard entering a window: O(members) hashes the first
 time, memoised per shard and updated by the members that joined since (O(1) per ring change
-per shard) or recomputed when its owner left. 16 bytes per shard for the owners, 2 for the last
-reader, both only in jobs with a window.
+per shard) or recomputed when its owner left. A lease brings at most :data:`STEP` new positions
+into the window, so no lease pays for placing a whole window (a new epoch's window opens over its
+first W/STEP leases); a master that loaded the state places its open windows before it serves
+(:meth:`MasterState.warm`). Measured at 1,000 members, 10,000 shards, W = 4096: 169 µs a lease on
+average in the first epoch (p99 2.2 ms), 37 µs once the owners are known (p99 0.16 ms).
+22 bytes per shard (owner, its score, the ring version, the last reader), only in jobs with a
+window.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from wire.rendezvous import score
+from wire.rendezvous import best, prefixed, score
 
 __all__ = [
     "KINDS",
+    "STEP",
     "MAX_MEMBERS",
     "MAX_NODES",
     "Ring",
@@ -57,13 +63,17 @@ MAX_MEMBERS = 10_000
 MAX_NODES = 65_535
 """Most distinct node names a job records as readers (2 bytes a shard); later ones are not."""
 _JOINS_SLACK = 1024
+STEP = 16
+"""Positions a lease may bring into its epoch's window (beyond the ones it takes): a new epoch's
+window opens over its first W/16 leases, so placing its shards (O(members) each the first time)
+costs at most 16 owner computations a lease instead of W at once."""
 
 
 class Ring:
     """The cluster's live members as the master last learned them: member id -> node name ("" for
     a member that names no node: it owns shards but is local to no trainer)."""
 
-    __slots__ = ("version", "node_of", "joined", "joins")
+    __slots__ = ("version", "node_of", "joined", "joins", "prefixes")
 
     def __init__(self) -> None:
         self.version = 0
@@ -72,6 +82,8 @@ class Ring:
         """member -> the ring version at which it (last) joined."""
         self.joins: list[tuple[int, str]] = []
         """(version, member) in joining order: the members added since a memoised owner."""
+        self.prefixes: list[tuple[bytes, str]] = []
+        """The live members as :func:`wire.rendezvous.best` takes them."""
 
     def update(self, members: Iterable[tuple[str, str]]) -> bool:
         """Take ``members`` as the ring; False when that is the ring already."""
@@ -86,6 +98,7 @@ class Ring:
         for member in [m for m in self.joined if m not in new]:
             del self.joined[member]
         self.node_of = new
+        self.prefixes = prefixed(sorted(new))
         if len(self.joins) > 4 * len(new) + _JOINS_SLACK:
             self.joins = sorted((v, m) for m, v in self.joined.items())
         return True
@@ -110,6 +123,7 @@ class Ring:
         # Owners are memoised from scratch after a restore, so every member counts as joined now.
         ring.joined = dict.fromkeys(ring.node_of, ring.version)
         ring.joins = [(ring.version, m) for m in sorted(ring.node_of)]
+        ring.prefixes = prefixed(sorted(ring.node_of))
         return ring
 
 
@@ -138,21 +152,20 @@ class Owners:
             return None
         ix = self.owner[shard]
         if ix >= 0:
-            best = self.members[ix]
+            held = self.members[ix]
             seen = self.version[shard]
             if seen == ring.version:
-                return best
-            if best in ring.node_of:
+                return held
+            if held in ring.node_of:
                 # Only members that joined since can beat an owner that is still there.
-                top, name = (self.score[shard], best), self.names(shard)
+                top, name = (self.score[shard], held), self.names(shard)
                 for member in ring.joined_since(seen):
                     cand = (score(member, name), member)
                     if cand > top:
                         top = cand
                 self._keep(shard, top, ring.version)
                 return top[1]
-        name = self.names(shard)
-        top = max((score(member, name), member) for member in ring.node_of)
+        top = best(ring.prefixes, self.names(shard))
         self._keep(shard, top, ring.version)
         return top[1]
 
@@ -215,13 +228,17 @@ class Window:
     """One epoch's window: the positions taken ahead of the cursor, an index of the window's
     positions by the nodes they are local to, and how far the handed-out order moved."""
 
-    __slots__ = ("ahead", "frontier", "heaps", "entries", "handed", "sum_d", "max_d", "sk", "sp", "skk", "spp", "skp")
+    __slots__ = ("ahead", "frontier", "indexed", "heaps", "entries", "handed", "sum_d", "max_d", "sk", "sp", "skk",
+                 "spp", "skp")
 
     def __init__(self, cursor: int) -> None:
         self.ahead: set[int] = set()
         """Positions at or past the cursor already handed out (state)."""
         self.frontier = cursor
-        """Positions below it have entered the index (derived)."""
+        """The window is ``[cursor, frontier)``: it grows by up to :data:`STEP` a lease, to W (state)."""
+        self.indexed = True
+        """Whether ``heaps`` index every position of the window (derived: False after a restore,
+        a ring change or a compaction; rebuilt on the next lease)."""
         self.heaps: dict[str, list[int]] = {}
         self.entries = 0
         # State: the k-th fresh hand-out of the epoch took plain position p; sums for the mean
@@ -231,11 +248,12 @@ class Window:
         self.max_d = 0
         self.sk = self.sp = self.skk = self.spp = self.skp = 0
 
-    def reset(self, cursor: int) -> None:
-        """Drop the index (a ring change, or too many stale entries): rebuilt on the next lease."""
+    def reset(self) -> None:
+        """Drop the index (a ring change, or too many stale entries): rebuilt on the next lease,
+        over the same window."""
         self.heaps = {}
         self.entries = 0
-        self.frontier = cursor
+        self.indexed = False
 
     def push(self, node: str, position: int) -> None:
         heapq.heappush(self.heaps.setdefault(node, []), position)
@@ -266,13 +284,15 @@ class Window:
         }
 
     def to_json(self) -> dict[str, Any]:
-        return {"ahead": sorted(self.ahead),
+        return {"ahead": sorted(self.ahead), "frontier": self.frontier,
                 "stats": [self.handed, self.sum_d, self.max_d, self.sk, self.sp, self.skk, self.spp, self.skp]}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], cursor: int) -> Window:
         win = cls(cursor)
         win.ahead = set(raw["ahead"])
+        win.frontier = int(raw.get("frontier", cursor))
+        win.indexed = False
         win.handed, win.sum_d, win.max_d, win.sk, win.sp, win.skk, win.spp, win.skp = raw["stats"]
         return win
 

@@ -219,6 +219,7 @@ class MasterService:
                 if not state.apply(event, now).mutated:
                     raise StateError(f"the state log does not replay at record {seq}: refusing to serve inconsistent state")
                 replayed += 1
+            state.warm()  # cache-aware jobs' windows placed here, not in the first leases' handlers
             return state, seq, snap_seq, replayed
 
         # On a thread: a large state takes seconds to read, and an etcd leader's election keeps

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loader.master.errors import BadRequest, JobConflict, JobInUse, LeaseLost, NoSuchJob, NotLeaseHolder
-from loader.master.server.locality import MAX_MEMBERS, JobLocality, Ring, Window
+from loader.master.server.locality import MAX_MEMBERS, STEP, JobLocality, Ring, Window
 from loader.master.server.spec import JobSpec, ShardSpec, check_ident, check_int, read_log_spec, spec_diff, validate_job_name
 from wire.dataset import parse_dataset_url
 from wire.errors import InvalidName
@@ -380,10 +380,15 @@ class EpochState:
         """The smallest position of the window ``[cursor, cursor + W)`` not handed out whose
         shard is local to ``node``; the cursor when there is none."""
         if win.entries > 4 * loc.window + 64:
-            win.reset(self.cursor)  # mostly stale entries (nodes that never ask): rebuild
+            win.reset()  # mostly stale entries (nodes that never ask): rebuild
         if win.frontier < self.cursor:
             win.frontier = self.cursor
-        limit = min(self.cursor + loc.window, self.n)
+        if not win.indexed:
+            for position in range(self.cursor, win.frontier):
+                if position not in win.ahead:
+                    self._index(win, position, loc, ring)
+            win.indexed = True
+        limit = min(self.cursor + loc.window, self.n, win.frontier + STEP)
         while win.frontier < limit:
             position = win.frontier
             win.frontier += 1
@@ -411,7 +416,7 @@ class EpochState:
         if win is None or self.cursor >= self.n:
             return
         position = self.order.index(shard)
-        if self.cursor <= position < win.frontier and position not in win.ahead:
+        if win.indexed and self.cursor <= position < win.frontier and position not in win.ahead:
             win.push(node, position)
 
     def failed_list(self, spec: JobSpec) -> list[dict[str, Any]]:
@@ -732,6 +737,27 @@ class MasterState:
                 result.record = event
         return result
 
+    def warm(self) -> int:
+        """Rebuild the window indexes of windowed jobs now (placing their shards: O(members) a
+        shard the first time), as the first lease of each epoch would: for a master that just
+        loaded the state, off the event loop, before it serves. Changes nothing logical; the
+        positions indexed."""
+        count = 0
+        for job in self.jobs.values():
+            loc = job.locality
+            if loc is None:
+                continue
+            for ep in job.open.values():
+                win = ep.window
+                if win is None or win.indexed or ep.cursor >= ep.n:
+                    continue
+                for position in range(ep.cursor, max(win.frontier, ep.cursor)):
+                    if position not in win.ahead:
+                        ep._index(win, position, loc, self.ring)
+                        count += 1
+                win.indexed = True
+        return count
+
     def job(self, name: str) -> JobState:
         job = self.jobs.get(name)
         if job is None:
@@ -788,7 +814,7 @@ class MasterState:
             if job.locality is not None:
                 for ep in job.open.values():
                     if ep.window is not None:
-                        ep.window.reset(ep.cursor)  # owners moved: the index is rebuilt on the next lease
+                        ep.window.reset()  # owners moved: the index is rebuilt on the next lease
         return Result({"version": self.ring.version, "members": len(self.ring.node_of), "changed": True}, mutated=True)
 
     @staticmethod
