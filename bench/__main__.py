@@ -15,7 +15,11 @@ trainer's data stall), ``python -m bench.master_bench`` (lease round trips per s
 ``python -m bench.master_memory`` (what a 1,000,000-shard job costs the master's memory) and
 ``python -m bench.auth_bench`` (what ``--auth sigv4`` costs warm reads), ``python -m bench.handles_bench``
 (short-circuit by handle vs path), ``python -m bench.cluster_bench`` (one cache per cluster on a netns test
-bed) and ``python -m bench.accelerator_bench`` (emulated accelerators kept >= 90% busy, MLPerf Storage's method).
+bed), ``python -m bench.locality_bench`` (cache-aware leases: per-node caches vs the cluster cache vs
+cache-aware leases, real trainers of one job on the netns bed), ``python -m bench.cluster_sim`` (a model of
+one cache per cluster at 1,000 nodes over the real lease master; also run at the end of ``python -m bench``,
+``--no-sim`` skips it) and ``python -m bench.accelerator_bench`` (emulated accelerators kept >= 90% busy,
+MLPerf Storage's method).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="where caches and logs go (default: a temp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temp work dir (logs)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where results are written")
+    parser.add_argument("--no-sim", action="store_true",
+                        help="skip the 1,000-node model of one cache per cluster (bench.cluster_sim)")
     args = parser.parse_args(argv)
     if args.readers:
         unknown = set(args.readers.split(",")) - set(RUN_NAMES)
@@ -118,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     paths = publish(result, cfg)
     print(paths["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    if not args.no_sim:
+        from bench.cluster_sim import main as cluster_sim_main
+
+        # The model of one cache per cluster (seconds): its JSON and plot next to the suite's.
+        name = "cluster_sim-smoke.json" if args.smoke else "cluster_sim.json"
+        cluster_sim_main(["--quick"] * args.smoke + ["--out", str(args.results_dir / name)])
     failed = [name for name, row in result["rows"].items() if "error" in row]
     if failed:
         print(f"readers that failed: {', '.join(failed)} (see the JSON for their errors)", file=sys.stderr)
