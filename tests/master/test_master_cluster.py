@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from loader import LoaderSettings, ShardLoader
-from tests.cli.support import make_shards, put_dataset
+from tests.cli.support import make_shards, put_dataset, run_cli
 from tests.daemon.test_peers import Cluster
 from tests.helpers import kill9, wait_until
 from tests.master.conftest import MasterProcess
@@ -89,6 +89,13 @@ def test_trainers_read_the_shards_their_node_owns(tmp_path: Path, s3_server: Any
         assert origin <= 1.05 * dataset_bytes, "each shard left the origin about once"
         # Without the window a third of a node's reads would be its own: ~2/3 of each epoch from peers.
         assert peer <= 0.4 * dataset_bytes * 2, f"peer bytes {peer} over two epochs of {dataset_bytes}"
+
+        # What an operator sees: the job's local share, how far the order moved, the ring.
+        shown = run_cli(["status", "--master", master.url, "--job", "aware"])
+        assert shown.returncode == 0, shown.stderr
+        line = next(x for x in shown.stdout.splitlines() if x.startswith("aware: local leases"))
+        assert f"{100 * locality['local_share']:.1f}%" in line and "window 12" in line, line
+        assert "Spearman" in line and "ring of 3 members on 3 nodes" in line, line
 
         metrics = urllib.request.urlopen(master.url + "/metrics", timeout=10).read().decode()
         assert 'shardcache_master_job_local_lease_ratio{job="aware"}' in metrics

@@ -20,7 +20,8 @@ from sidecar.cli.util import (
 )
 
 __all__ = [
-    "MEMBER_TIMEOUT_S", "cluster_lines", "cluster_nodes", "daemon_report", "master_report", "node_rows", "register", "run",
+    "MEMBER_TIMEOUT_S", "cluster_lines", "cluster_nodes", "daemon_report", "locality_line", "master_report", "node_rows",
+    "register", "run",
     "tenant_lines", "trainer_rows", "wait_warnings",
 ]
 
@@ -601,6 +602,30 @@ def wait_warnings(jobs: list[dict[str, Any]], threshold: float) -> list[str]:
     return lines
 
 
+def locality_line(job: dict[str, Any]) -> str | None:
+    """A job with cache-aware leases (``locality_window``): its share of local leases, how far its
+    order moved from the seeded one (the newest epoch), and the ring the master places by."""
+    loc = job.get("locality")
+    if not isinstance(loc, dict):
+        return None
+    leases = loc.get("leases") or {}
+    ring = loc.get("ring") or {}
+    newest = (loc.get("epochs") or [None])[-1]
+    text = (f"{_printable(job.get('name'))}: local leases {_percent1(loc.get('local_share'))} "
+            f"(owner {leases.get('owner', 0)}, cached {leases.get('cached', 0)}, other {leases.get('other', 0)}, "
+            f"unplaced {leases.get('unplaced', 0)}), window {loc.get('window')}")
+    if isinstance(newest, dict) and newest.get("mean_displacement") is not None:
+        text += (f", epoch {newest.get('epoch')} order moved {newest['mean_displacement']:.1f} positions on average "
+                 f"(max {newest.get('max_displacement')}, Spearman {newest.get('spearman')})")
+    text += f"; ring of {ring.get('members', 0)} members on {ring.get('nodes', 0)} nodes"
+    source = ring.get("source")
+    if isinstance(source, dict) and source.get("error"):
+        text += f" (ring source: {_printable(source['error'])[:200]})"
+    elif source is None and not ring.get("members"):
+        text += " (no --cluster on the master: only the 'cached' preference applies)"
+    return text
+
+
 def _print_master(master: dict[str, Any], *, all_trainers: bool = False) -> None:
     print()
     _table([["MASTER", "ROLE", "LEADER"]] + [
@@ -642,6 +667,10 @@ def _print_master(master: dict[str, Any], *, all_trainers: bool = False) -> None
             print(line)
     for line in master.get("wait_warnings") or []:
         print(line)
+    for job in master["jobs"]:
+        placed = locality_line(job)
+        if placed:
+            print(placed)
     for job in master["jobs"]:
         for shard in job.get("failed_shards") or []:
             print(f"FAILED shard {job['name']}/{shard.get('key')} (epoch {_epoch(job)}, "
