@@ -133,11 +133,11 @@ class Scenario:
             "epoch_s_nominal": round(self.epoch_s, 4), "epochs_per_hour": round(3600 / self.epoch_s, 2),
             "churn_per_hour": self.churn_per_hour, "replace_per_epoch_override": self.replace_per_epoch,
             "replacements_per_epoch_expected": round(self.replacements_per_s * self.epoch_s, 5),
-            # A replacement costs the cluster cache about 2/nodes of the dataset from the origin: the
-            # removed member's shards (their next owners lack them) and the ones the new, empty
-            # member takes over (it fills from the origin, not from the previous owner).
+            # A replacement costs the cluster cache about 1/nodes of the dataset from the origin: the
+            # removed member's shards (their next owners lack them, unless a copy was borrowed); the
+            # ones the new, empty member takes over come from the member ranked next (a hand-off).
             "cluster_churn_origin_over_dataset_per_epoch_expected": round(
-                2 * self.replacements_per_s * self.epoch_s / self.nodes, 6),
+                self.replacements_per_s * self.epoch_s / self.nodes, 6),
             "windows": list(self.windows), "seed": self.seed,
         }
 
@@ -216,6 +216,11 @@ class Ring:
             self.score.append(top)
             if member:
                 self.owned[member].add(shard)
+
+    def runner_up(self, shard: int) -> str:
+        """The member ranked after the owner for ``shard`` ("" when there is none)."""
+        others = [m for m in self.members if m != self.owner[shard]]
+        return best(prefixed(others), self._names[shard])[1] if others else ""
 
     def copy(self) -> Ring:
         other = Ring.__new__(Ring)
@@ -534,6 +539,15 @@ class Simulation:
             return
         owner = self.by_member[self.ring.owner[shard]]
         if owner is node:
+            # A hand-off (sidecar/daemon/peers/origin.py): the owner asks the member ranked next
+            # for it, from its cache only, before the origin (it held it before this owner joined).
+            if any(shard in other.cache for other in self.by_member.values() if other is not node):
+                second = self.by_member.get(self.ring.runner_up(shard))
+                if second is not None and second.cache.hit(shard):
+                    stats.peer_bytes += size
+                    stats.peer_hit += 1
+                    node.cache.put(shard, False)
+                    return
             stats.origin += 1
             stats.origin_bytes += size
             node.cache.put(shard, False)
@@ -817,7 +831,7 @@ def markdown(result: dict[str, Any]) -> str:
         "plain order, which counts none); displacement and spearman: how far the handed-out order moved from the "
         "seeded one (mean over epochs); origin per hour: epochs 2+ at the stated read rate (consumption-bound: "
         "per-node caches would need an origin that delivers it). Master cost: MasterState.apply of a granted "
-        "Lease on this machine; first: the job's first lease, which places the whole first window (W x members hashes).",
+        "Lease on this machine; first: the job's first lease (it places at most 16 positions of its window: O(members) hashes each).",
         "",
     ]
     cmp_ = result.get("compare") or {}

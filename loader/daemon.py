@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from loader.errors import AccessDenied, CorruptShard, LoaderError, ShardNotFound, SourceError
 from loader.settings import LoaderSettings, parse_endpoint
+from wire import jsontext
 from wire.httpclient import (
     AnswerTooLarge,
     ThreadConnections,
@@ -174,7 +175,7 @@ class DaemonClient:
             if status != 200:
                 raise _s3_error(status, data)
             try:
-                answer = json.loads(data)
+                answer = jsontext.loads(data)
             except ValueError:
                 answer = None
             if not isinstance(answer, dict):

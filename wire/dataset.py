@@ -17,11 +17,11 @@ into its own errors at its boundary.
 
 from __future__ import annotations
 
-import json
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from wire import jsontext
 from wire.errors import EmptyManifest, InvalidName, ManifestError
 from wire.names import is_xxh3_128
 
@@ -140,7 +140,7 @@ def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        doc = json.loads(data)
+        doc = jsontext.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
     if not isinstance(doc, dict):

@@ -45,6 +45,7 @@ import socket
 import time
 from typing import Any
 
+from wire import jsontext
 from wire.errors import WireError
 
 __all__ = [
@@ -115,7 +116,7 @@ def recv_message(
         if len(fds) > 1:
             raise HandleProtocolError(f"{len(fds)} descriptors with one message")
         try:
-            message = json.loads(data)
+            message = jsontext.loads(data)
         except ValueError as exc:
             raise HandleProtocolError(f"not a JSON message: {exc}") from exc
         if not isinstance(message, dict):

@@ -11,7 +11,6 @@ each app: it hands :func:`error_middleware` one function that maps an exception 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from wire import jsontext
 from wire.errors import BodyTooLarge, InvalidBody
 
 __all__ = [
@@ -93,11 +93,9 @@ def decode_json_object(raw: bytes, what: str = "a JSON object") -> dict[str, Any
     except UnicodeDecodeError as exc:
         raise InvalidBody(f"request body is not JSON: it is not UTF-8 ({exc})") from None
     try:
-        body = json.loads(text)
+        body = jsontext.loads(text)
     except ValueError as exc:
         raise InvalidBody(f"request body is not JSON: {str(exc)[:200]}") from None
-    except RecursionError:
-        raise InvalidBody("request body is not JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidBody(f"request body must be {what}")
     return body

@@ -87,6 +87,7 @@ from loader.master.errors import (
     Unauthorized,
     error_from_answer,
 )
+from wire import jsontext
 from wire.errors import InvalidName
 from wire.httpclient import ThreadConnections, UnixHTTPConnection, exchange
 from wire.names import Address, parse_connect
@@ -462,7 +463,7 @@ class MasterClient:
             max_body=_MAX_ANSWER,
         )
         try:
-            answer = json.loads(raw) if raw else {}
+            answer = jsontext.loads(raw) if raw else {}
         except ValueError:
             answer = raw.decode("utf-8", "replace")
         return status, answer

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Self
 
+from wire import jsontext
 from wire.httpclient import UnixHTTPConnection, exchange
 from wire.names import DAEMON_PORT, Address, parse_connect
 from wire.peerview import PeerView, RingMember, parse_peers  # re-exported: the CLI's callers import them here
@@ -162,7 +163,7 @@ class ControlClient:
         if status not in ok:
             raise _api_error(status, data)
         try:
-            return json.loads(data)
+            return jsontext.loads(data)
         except ValueError as exc:
             raise DaemonAPIError(status, "BadAnswer", f"the daemon answered {data[:120]!r}, not JSON") from exc
 
@@ -180,7 +181,7 @@ class ControlClient:
         if status != 200:
             raise _api_error(status, data)
         try:
-            doc = json.loads(data)
+            doc = jsontext.loads(data)
             if isinstance(doc, dict) and not doc.get("self"):
                 return None  # a daemon without peers: not part of any ring
             return parse_peers(doc)
@@ -195,7 +196,10 @@ class ControlClient:
         status, _, data = self.request("POST", "/_shardcache/warmups", body)
         if status not in (200, 201):
             raise _api_error(status, data)
-        return status == 201, json.loads(data)
+        try:
+            return status == 201, jsontext.loads(data)
+        except ValueError as exc:
+            raise DaemonAPIError(status, "BadAnswer", f"the daemon answered {data[:120]!r}, not JSON") from exc
 
     def warmup(self, ident: str) -> dict[str, Any]:
         return self.call("GET", "/_shardcache/warmups/" + urllib.parse.quote(ident, safe=""))
@@ -230,7 +234,7 @@ def _reason(exc: BaseException) -> str:
 
 def _api_error(status: int, data: bytes) -> DaemonAPIError:
     try:
-        doc = json.loads(data)
+        doc = jsontext.loads(data)
         return DaemonAPIError(status, str(doc.get("error", f"HTTP{status}")), str(doc.get("message", "")))
     except (ValueError, AttributeError):
         # Not our JSON (a proxy, or aiohttp's own 500 page): one line of it is enough.

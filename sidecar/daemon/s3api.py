@@ -36,6 +36,7 @@ from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.peers.context import ORIGIN_ONLY, PEER_CALLER, count_read, count_served, track_source
 from sidecar.daemon.peers.http import peer_request
 from sidecar.daemon.peers.origin import ClusterOrigin
+from sidecar.daemon.peers.signing import IF_CACHED_HEADER
 from sidecar.daemon.priority import DEMAND
 from sidecar.daemon.s3xml import error_response, parse_range
 from sidecar.errors import BadRequest, ChecksumMismatch, OriginError, PreconditionFailed
@@ -310,6 +311,10 @@ async def _get(
                     return response
 
     fetcher = request.app[FETCHER]
+    if PEER_CALLER.get() is not None and request.headers.get(IF_CACHED_HEADER) == "1":
+        # A hand-off asks for this daemon's copy only (peers/origin.py): without one here, the
+        # asking owner reads the origin itself rather than have this daemon fill it too.
+        return error_response(503, "NotCached", f"{bucket}/{key} is not cached on this member", request.path)
     if store is None:
         return await _passthrough_get(request, bucket, key)
     origin = request.app[ORIGIN]

@@ -245,6 +245,8 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("not UTF-8", b'{"op": "open", "bucket": "\xff\xfe"}\n'),
     ("two at once", b'{"op": "open"}\n{"op": "open"}\n'),
     ("a NUL", b"\x00\n"),
+    # Deeper than json's recursion limit: RecursionError, not ValueError (wire/jsontext.py).
+    ("nested too deeply", b"[" * 5000 + b"\n"),
 ]
 BAD_REQUESTS: list[dict[str, Any]] = [
     {}, {"op": "delete", "bucket": "b-x", "key": "k"}, {"op": 5}, {"op": "open"},

@@ -158,6 +158,52 @@ def test_three_daemons_read_each_object_from_the_origin_once(cluster: Cluster, s
     cluster.wait_live(set(cluster.ids), timeout=30)
 
 
+def test_a_new_owner_takes_over_from_the_member_ranked_next(tmp_path: Path, s3_server: Any, bucket: str) -> None:
+    """A member joining owns objects the member ranked after it holds: its first reads of them
+    come from that member's cache (a hand-off), not from the object store again; an object no one
+    holds costs the owner one refused request, and the member asked does not fill it."""
+    group = Cluster(tmp_path, s3_server.endpoint, 3)
+    first, late = group.daemons[:2], group.daemons[2]
+    names = [f"handoff/shard-{i:04d}.tar" for i in range(300)]
+    owned = [k for k in names if ranked(group.ids, f"{bucket}/{k}")[0] == group.ids[2]]
+    held, cold = owned[:4], owned[4:6]
+    data = {k: os.urandom(256 * 1024) for k in held + cold}
+    put_objects(s3_server.client(), bucket, data)
+    try:
+        for daemon in first:
+            daemon.proc = spawn(daemon.args, daemon.log, daemon.env)
+        for daemon in first:
+            wait_until(functools.partial(http_ok, daemon.url + "/readyz"), timeout=60, what="daemon readiness")
+        group.wait_live(set(group.ids[:2]), first)
+        for key in held:  # filled by their owner among the first two: the one ranked after the late one
+            status, body = _get(f"{first[0].url}/{bucket}/{key}")
+            assert status == 200 and body == data[key]
+        before = [d.stats()["origin_read_bytes"] for d in first]
+        late.proc = spawn(late.args, late.log, late.env)
+        wait_until(functools.partial(http_ok, late.url + "/readyz"), timeout=60, what="daemon readiness")
+        group.wait_live(set(group.ids))
+
+        for key in held:
+            status, body = _get(f"{late.url}/{bucket}/{key}")
+            assert status == 200 and body == data[key]
+        stats = late.stats()
+        size = sum(len(data[k]) for k in held)
+        assert stats["origin_read_bytes"] == 0, "the new owner read objects its predecessor held from the origin"
+        assert stats["peer_read_bytes"] == size and stats["cache"]["borrowed_items"] == 0  # its own now
+        assert [d.stats()["origin_read_bytes"] for d in first] == before
+
+        cold_size = sum(len(data[k]) for k in cold)
+        items = [d.stats()["cache"]["items"] for d in first]
+        for key in cold:
+            status, body = _get(f"{late.url}/{bucket}/{key}")
+            assert status == 200 and body == data[key]
+        assert late.stats()["origin_read_bytes"] == cold_size
+        assert [d.stats()["cache"]["items"] for d in first] == items  # asked from its cache only: no fill
+        assert [d.stats()["origin_read_bytes"] for d in first] == before
+    finally:
+        group.stop()
+
+
 def test_peer_header_needs_the_secret(start_daemon: Any, tmp_path: Path, s3_server: Any, bucket: str) -> None:
     s3_server.client().put_object(Bucket=bucket, Key="a.bin", Body=b"x" * 1000)
     settings = make_settings(tmp_path / "cache", "s3", s3_server.endpoint)

@@ -12,7 +12,6 @@ daemon says otherwise (an empty ring is taken only from a daemon that lists no l
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Protocol
@@ -21,6 +20,7 @@ import aiohttp
 
 from loader.master.errors import MasterError
 from loader.master.server.state import MasterState, Placement, Result
+from wire import jsontext
 from wire.peerview import parse_peers
 
 __all__ = ["PlacementPoller", "placement_members"]
@@ -100,4 +100,4 @@ class PlacementPoller:
             body = await response.content.read(_MAX_ANSWER + 1)
             if len(body) > _MAX_ANSWER:
                 raise ValueError("the answer is too large")
-        return placement_members(json.loads(body))
+        return placement_members(jsontext.loads(body))

@@ -31,6 +31,7 @@ from sidecar.daemon.auth.proofs import (
 )
 from sidecar.daemon.auth.sigv4 import Credentials, amz_date
 from sidecar.errors import NotAuthorized, OriginUnavailable
+from wire import jsontext
 from wire.errors import InvalidName
 from wire.names import parse_object_url, validate_bucket, validate_key
 
@@ -192,7 +193,7 @@ def _objects_of(body: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _with_proofs(data: bytes, creds: Credentials, target: Target, date: str) -> bytes:
     try:
-        body = json.loads(data)
+        body = jsontext.loads(data)
         objects = _objects_of(body) if isinstance(body, dict) else None
     except (ValueError, InvalidName, TypeError):
         objects = None

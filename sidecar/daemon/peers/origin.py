@@ -7,6 +7,12 @@ place in it, then to the real origin: a peer that is dead, slow (``peer_read_tim
 erroring costs one failed request, never an error the reader would not have had without peers.
 Listings, HeadBucket and GetBucketLocation always go to the real origin (they are not cached).
 
+A hand-off: an object this daemon owns but does not hold is first asked of the member ranked
+next for it, from its cache only (:data:`~sidecar.daemon.peers.signing.IF_CACHED_HEADER`), then read
+from the origin. When a member joins it takes over objects the one ranked after it holds, so they
+move over the peer links instead of leaving the object store again; when none holds it (a cold
+read, or its holder left), the cost is one refused request.
+
 A request that a peer sent (:data:`~sidecar.daemon.peers.context.ORIGIN_ONLY`) reads the real
 origin only; :meth:`ClusterOrigin.call` carries the caller's context onto the worker thread,
 where the route is chosen. Bytes from a peer are checked like the origin's (its checksums travel
@@ -33,7 +39,7 @@ from sidecar.daemon.origins.s3 import S3Origin, S3Settings
 from sidecar.daemon.peers.config import ClusterSettings
 from sidecar.daemon.peers.context import ORIGIN_ONLY, note_source
 from sidecar.daemon.peers.membership import Membership
-from sidecar.daemon.peers.signing import PEER_HEADER, sign
+from sidecar.daemon.peers.signing import IF_CACHED_HEADER, PEER_HEADER, sign
 from sidecar.errors import AccessDenied, OriginBadResponse, OriginThrottled, OriginUnavailable
 from wire.errors import InvalidName
 from wire.names import validate_xxh3_128
@@ -58,9 +64,12 @@ class PeerOrigin(S3Origin):
     """Another daemon's S3 API as an origin: S3Origin's requests and answers (errors, sizes,
     checksums), addressed to the peer with the peer header instead of presigned."""
 
-    def __init__(self, member: str, url: str, asker: str, secret: bytes | None, pool: HTTPPool, owner: Origin) -> None:
+    def __init__(self, member: str, url: str, asker: str, secret: bytes | None, pool: HTTPPool, owner: Origin,
+                 *, if_cached: bool = False) -> None:
         super().__init__(S3Settings())
         self.member = member
+        self.if_cached = if_cached
+        """A hand-off: the peer answers from its cache only, and the copy is this daemon's own."""
         self.url = url.rstrip("/")
         self._asker = asker
         self._secret = secret
@@ -80,6 +89,8 @@ class PeerOrigin(S3Origin):
         path = "/" + quote(params["Bucket"], safe="") + "/" + quote(params.get("Key", ""), safe="/~")
         sent = dict(headers or {})
         sent[PEER_HEADER] = sign(self._secret, self._asker, method, path)
+        if self.if_cached:
+            sent[IF_CACHED_HEADER] = "1"
         return self.url + path, sent
 
     def _request(self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
@@ -100,7 +111,7 @@ class PeerOrigin(S3Origin):
             xxh3 = validate_xxh3_128(digest, "x-shardcache-xxh3-128") if digest else None
         except InvalidName:
             xxh3 = None
-        return dataclasses.replace(info, source="peer", borrowed=True, xxh3_128=xxh3), body
+        return dataclasses.replace(info, source="peer", borrowed=not self.if_cached, xxh3_128=xxh3), body
 
 
 class ClusterOrigin(Origin):
@@ -114,7 +125,9 @@ class ClusterOrigin(Origin):
         self.namespace = real.namespace  # one cache entry id for an object on every member
         self.description = real.description
         self._pool: HTTPPool | None = None
-        self._peers: dict[str, PeerOrigin] = {}
+        self._peers: dict[tuple[str, bool], PeerOrigin] = {}
+        self.handoffs = 0
+        """Objects this daemon owns that it read from the member ranked next instead of the origin."""
         self._lock = threading.Lock()
         self._distrust: dict[str, float] = {}  # object name -> monotonic time its peer bytes may be tried again
         self._last_peer: dict[str, str] = {}  # object name -> member it was last read from (bounded)
@@ -149,13 +162,14 @@ class ClusterOrigin(Origin):
         live = self.membership.live
         order = ranked(live, name) if len(live) > 1 else [self.membership.self_id]
         borrowed = order[0] != self.membership.self_id
-        if ORIGIN_ONLY.get() or not borrowed:
+        if ORIGIN_ONLY.get():
             return [], borrowed
-        until = self._distrust.get(name)
-        if until is not None:
-            if time.monotonic() < until:
-                return [], borrowed
-            self._distrust.pop(name, None)
+        if not borrowed:
+            # The owner: the member ranked next may hold it (it owned it before this one joined).
+            handoff = self._peer(order[1], if_cached=True) if len(order) > 1 and not self._distrusted(name) else None
+            return ([handoff] if handoff is not None else []), borrowed
+        if self._distrusted(name):
+            return [], borrowed
         peers: list[PeerOrigin] = []
         for ident in order:
             if ident == self.membership.self_id:
@@ -165,15 +179,25 @@ class ClusterOrigin(Origin):
                 peers.append(peer)
         return peers, borrowed
 
-    def _peer(self, ident: str) -> PeerOrigin | None:
+    def _distrusted(self, name: str) -> bool:
+        until = self._distrust.get(name)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._distrust.pop(name, None)
+        return False
+
+    def _peer(self, ident: str, *, if_cached: bool = False) -> PeerOrigin | None:
         with self._lock:
-            peer = self._peers.get(ident)
+            peer = self._peers.get((ident, if_cached))
             if peer is None:
                 url = self.membership.url_of(ident)
                 if url is None or self._pool is None:
                     return None
-                peer = PeerOrigin(ident, url, self.membership.self_id, self.settings.secret, self._pool, self)
-                self._peers[ident] = peer
+                peer = PeerOrigin(ident, url, self.membership.self_id, self.settings.secret, self._pool, self,
+                                  if_cached=if_cached)
+                self._peers[(ident, if_cached)] = peer
             return peer
 
     def _tried(self, peer: PeerOrigin, what: str, exc: Exception) -> None:
@@ -214,6 +238,8 @@ class ClusterOrigin(Origin):
     async def head(self, bucket: str, key: str) -> ObjectInfo:
         peers, borrowed = self._route(bucket, key)
         for peer in peers:
+            if peer.if_cached:
+                continue  # a hand-off is for bytes; the owner asks the origin what the object is
             try:
                 return dataclasses.replace(await peer.head(bucket, key), source="peer", borrowed=True)
             except _FALL_THROUGH as exc:
@@ -249,6 +275,9 @@ class ClusterOrigin(Origin):
                 self._borrow(name, -1)
             self._note(name, peer.member)
             note_source("peer")
+            if peer.if_cached:
+                with self._lock:
+                    self.handoffs += 1
             return result
         info, body = self.real.open_first(bucket, key)
         note_source("origin")

@@ -12,9 +12,13 @@ import hashlib
 import hmac
 import time
 
-__all__ = ["PEER_HEADER", "PeerRefused", "sign", "verify"]
+__all__ = ["IF_CACHED_HEADER", "PEER_HEADER", "PeerRefused", "sign", "verify"]
 
 PEER_HEADER = "x-shardcache-peer"
+IF_CACHED_HEADER = "x-shardcache-peer-if-cached"
+"""On a peer's read, ``1``: answer from the cache only, never fill (``503 NotCached`` otherwise). The
+new owner of an object asks the member that owned it before (a hand-off); unsigned, since it only
+narrows what the answer may do."""
 
 
 class PeerRefused(Exception):

@@ -9,7 +9,6 @@ master runs with ``--token-file``. So these paths are served without the token
 
 from __future__ import annotations
 
-import functools
 from importlib import resources
 
 from aiohttp import web
@@ -38,15 +37,19 @@ _HEADERS = {
 }
 
 
-@functools.cache
 def _asset(name: str) -> bytes:
     return resources.files(__package__).joinpath(name).read_bytes()
+
+
+# Read at import (a missing file fails the master's start, not a request), never on the event
+# loop: build_app runs inside serve()'s loop, where a file read would block every request.
+_BODIES = {name: _asset(name) for name, _ in _ASSETS.values()}
 
 
 def add_page_routes(app: web.Application) -> None:
     """Add ``GET /`` (and HEAD) and the page's assets to ``app``."""
     for path, (name, content_type) in _ASSETS.items():
-        body = _asset(name)  # read at build time: a missing file fails the master's start, not a request
+        body = _BODIES[name]
 
         async def handler(request: web.Request, body: bytes = body, content_type: str = content_type) -> web.Response:
             return web.Response(body=body, content_type=content_type, charset="utf-8", headers=_HEADERS)
