@@ -68,7 +68,11 @@ class PlacementPoller:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 if self.service.role == "leader":
-                    await self.poll_once(session)
+                    try:
+                        await self.poll_once(session)
+                    except Exception as exc:  # a bug here must not end the polls: the next one may work
+                        self.error = f"poll failed: {type(exc).__name__}: {exc}"[:300]
+                        log.exception("polling the cluster's ring failed")
                 await asyncio.sleep(self.interval_s)
 
     async def poll_once(self, session: aiohttp.ClientSession) -> bool:
