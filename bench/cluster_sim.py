@@ -539,28 +539,30 @@ class Simulation:
             return
         owner = self.by_member[self.ring.owner[shard]]
         if owner is node:
-            # A hand-off (sidecar/daemon/peers/origin.py): the owner asks the member ranked next
-            # for it, from its cache only, before the origin (it held it before this owner joined).
-            if any(shard in other.cache for other in self.by_member.values() if other is not node):
-                second = self.by_member.get(self.ring.runner_up(shard))
-                if second is not None and second.cache.hit(shard):
-                    stats.peer_bytes += size
-                    stats.peer_hit += 1
-                    node.cache.put(shard, False)
-                    return
-            stats.origin += 1
-            stats.origin_bytes += size
-            node.cache.put(shard, False)
+            self._owner_fill(owner, shard, stats)
             return
         stats.peer_bytes += size
         if owner.cache.hit(shard):
             stats.peer_hit += 1
         else:
-            # The owner fills it from the origin once, for every member that asks.
-            stats.origin += 1
-            stats.origin_bytes += size
-            owner.cache.put(shard, False)
+            # The owner fills it once, for every member that asks.
+            self._owner_fill(owner, shard, stats)
         node.cache.put(shard, True)
+
+    def _owner_fill(self, owner: Node, shard: int, stats: EpochStats) -> None:
+        """The owner's miss: a hand-off (sidecar/daemon/peers/origin.py) from the member ranked
+        next when that one holds it (it owned it before this owner joined), else the origin."""
+        size = self.sc.shard_bytes
+        if any(shard in other.cache for other in self.by_member.values() if other is not owner):
+            second = self.by_member.get(self.ring.runner_up(shard)) if self.ring is not None else None
+            if second is not None and second.cache.hit(shard):
+                stats.peer_bytes += size
+                stats.peer_hit += 1
+                owner.cache.put(shard, False)
+                return
+        stats.origin += 1
+        stats.origin_bytes += size
+        owner.cache.put(shard, False)
 
     # -- the event loop --
 

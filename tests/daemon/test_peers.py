@@ -167,7 +167,11 @@ def test_a_new_owner_takes_over_from_the_member_ranked_next(tmp_path: Path, s3_s
     names = [f"handoff/shard-{i:04d}.tar" for i in range(300)]
     owned = [k for k in names if ranked(group.ids, f"{bucket}/{k}")[0] == group.ids[2]]
     held, cold = owned[:4], owned[4:6]
-    data = {k: os.urandom(256 * 1024) for k in held + cold}
+    # Owned by the late one, held by the first (ranked next), never read by the second: read
+    # through the second, the late owner's fill for a peer takes it over from the first too.
+    relayed = [k for k in owned[6:] if ranked(group.ids, f"{bucket}/{k}")[1] == group.ids[0]][:2]
+    assert len(held) == 4 and len(cold) == 2 and len(relayed) == 2
+    data = {k: os.urandom(256 * 1024) for k in held + cold + relayed}
     put_objects(s3_server.client(), bucket, data)
     try:
         for daemon in first:
@@ -175,7 +179,7 @@ def test_a_new_owner_takes_over_from_the_member_ranked_next(tmp_path: Path, s3_s
         for daemon in first:
             wait_until(functools.partial(http_ok, daemon.url + "/readyz"), timeout=60, what="daemon readiness")
         group.wait_live(set(group.ids[:2]), first)
-        for key in held:  # filled by their owner among the first two: the one ranked after the late one
+        for key in held + relayed:  # filled by their owner among the first two: the one ranked after the late one
             status, body = _get(f"{first[0].url}/{bucket}/{key}")
             assert status == 200 and body == data[key]
         before = [d.stats()["origin_read_bytes"] for d in first]
@@ -199,6 +203,12 @@ def test_a_new_owner_takes_over_from_the_member_ranked_next(tmp_path: Path, s3_s
             assert status == 200 and body == data[key]
         assert late.stats()["origin_read_bytes"] == cold_size
         assert [d.stats()["cache"]["items"] for d in first] == items  # asked from its cache only: no fill
+        assert [d.stats()["origin_read_bytes"] for d in first] == before
+
+        for key in relayed:
+            status, body = _get(f"{first[1].url}/{bucket}/{key}")
+            assert status == 200 and body == data[key]
+        assert late.stats()["origin_read_bytes"] == cold_size, "the owner's fill for a peer went to the origin"
         assert [d.stats()["origin_read_bytes"] for d in first] == before
     finally:
         group.stop()

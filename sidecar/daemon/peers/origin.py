@@ -162,13 +162,12 @@ class ClusterOrigin(Origin):
         live = self.membership.live
         order = ranked(live, name) if len(live) > 1 else [self.membership.self_id]
         borrowed = order[0] != self.membership.self_id
-        if ORIGIN_ONLY.get():
-            return [], borrowed
         if not borrowed:
             # The owner: the member ranked next may hold it (it owned it before this one joined).
+            # Asked from its cache only, so even a fill for a peer (ORIGIN_ONLY) may: it cannot loop.
             handoff = self._peer(order[1], if_cached=True) if len(order) > 1 and not self._distrusted(name) else None
             return ([handoff] if handoff is not None else []), borrowed
-        if self._distrusted(name):
+        if ORIGIN_ONLY.get() or self._distrusted(name):
             return [], borrowed
         peers: list[PeerOrigin] = []
         for ident in order:
