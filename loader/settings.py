@@ -68,6 +68,12 @@ class LoaderSettings:
     """Node name reported to the master with each lease request (which node caches what).
     Env ``SHARDCACHE_NODE``, else ``NODE_NAME`` (Kubernetes downward API), else the host name."""
 
+    locality_window: int = 0
+    """The ``locality_window`` of jobs a :class:`~loader.ShardLoader` creates or joins when it is
+    not given one (cache-aware leases; 0: the plain seeded shuffle). Env
+    ``SHARDCACHE_LOCALITY_WINDOW``: a platform can turn cache-aware leases on for every trainer of
+    a namespace without a code change (every trainer of a job must see the same value)."""
+
     short_circuit: bool = True
     """Read cached shards as local files instead of over HTTP: from a descriptor passed over
     :attr:`handles` where that is set, else from the cached file's path when it is readable here
@@ -143,6 +149,9 @@ class LoaderSettings:
             raise ConfigError(f"retry_backoff_s must be a non-negative number of seconds, not {self.retry_backoff_s}")
         if not 0 < self.renew_fraction < 1:
             raise ConfigError("renew_fraction must be between 0 and 1 (exclusive)")
+        window = self.locality_window
+        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= 65536:
+            raise ConfigError(f"locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle), not {window!r}")
         if self.endpoint is not None:
             endpoint = self.endpoint.strip().rstrip("/")
             if endpoint:
@@ -170,6 +179,14 @@ class LoaderSettings:
         values["node"] = (
             env.get("SHARDCACHE_NODE", "").strip() or env.get("NODE_NAME", "").strip() or socket.gethostname()
         )
+        raw_window = env.get("SHARDCACHE_LOCALITY_WINDOW", "").strip()
+        if raw_window:
+            try:
+                values["locality_window"] = int(raw_window)
+            except ValueError:
+                raise ConfigError(
+                    f"SHARDCACHE_LOCALITY_WINDOW={raw_window!r}: use a number of shards, e.g. 256 (0: the plain shuffle)"
+                ) from None
         flags = (
             ("SHARDCACHE_SHORT_CIRCUIT", "short_circuit"),
             ("SHARDCACHE_MAP_FILES", "map_files"),

@@ -85,8 +85,9 @@ class ShardLoader:
             unbounded).
         locality_window: dynamic mode: cache-aware leases. The master hands this trainer, from
             the next ``locality_window`` shards of the epoch's seeded order, the first one owned
-            by or cached on its node (``SHARDCACHE_NODE``), so most reads stay on the node; 0
-            (default) is the plain seeded shuffle. Part of the job spec, like ``seed``.
+            by or cached on its node (``SHARDCACHE_NODE``), so most reads stay on the node; 0 is
+            the plain seeded shuffle. Part of the job spec, like ``seed``. Default: the settings'
+            (env ``SHARDCACHE_LOCALITY_WINDOW``, else 0).
         trainer: this trainer's id for the master (default: host-pid-random).
         endpoint: cache daemon/sidecar URL; default ``SHARDCACHE_ENDPOINT``; ``""`` reads the
             origin directly even when the variable is set.
@@ -110,7 +111,7 @@ class ShardLoader:
         epochs: int | None = None,
         lease_ttl_s: float = 30.0,
         max_failures: int = 3,
-        locality_window: int = 0,
+        locality_window: int | None = None,
         trainer: str | None = None,
         endpoint: str | None = None,
         on_error: OnError = "raise",
@@ -146,8 +147,10 @@ class ShardLoader:
                 raise ConfigError("epochs must be >= 1 (or None for unbounded)")
             if lease_ttl_s <= 0 or max_failures < 1:
                 raise ConfigError("lease_ttl_s must be > 0 and max_failures >= 1")
-            if isinstance(locality_window, bool) or not isinstance(locality_window, int) or not 0 <= locality_window <= 65536:
-                raise ConfigError("locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle)")
+        if locality_window is None:
+            locality_window = self.settings.locality_window
+        elif isinstance(locality_window, bool) or not isinstance(locality_window, int) or not 0 <= locality_window <= 65536:
+            raise ConfigError("locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle)")
         else:
             world_size = 1 if world_size is None else int(world_size)
             rank = 0 if rank is None else int(rank)
@@ -562,9 +565,13 @@ class ShardLoader:
         try:
             status: dict[str, Any] = client.create_job(self._job_spec())
         except JobConflict as exc:
+            differs = exc.details.get("differs")
+            fields = f" (it differs in {', '.join(map(str, differs))})" if isinstance(differs, list) and differs else ""
             raise JobConflict(
-                f"job {self.job!r} exists on the master with a different spec ({exc.message}); start every "
-                "trainer of a job with the same dataset and arguments, or use a new job name"
+                f"job {self.job!r} exists on the master with a different spec{fields}: {exc.message}; start every "
+                "trainer of a job with the same dataset and arguments (and SHARDCACHE_LOCALITY_WINDOW), or use a "
+                "new job name",
+                **exc.details,
             ) from exc
         self._joined = True
         self._by_key = {s.key: s for s in self.shards}

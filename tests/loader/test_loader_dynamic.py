@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from loader import CorruptShard, LoaderSettings, ShardLoader
+from loader import ConfigError, CorruptShard, LoaderSettings, ShardLoader
 from loader.master.client import MasterClient
 from loader.master.errors import JobConflict
 from tests.helpers import free_port, wait_until
@@ -244,3 +244,26 @@ def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: P
     began = time.monotonic()
     renewer.stop(give_back=True)
     assert time.monotonic() - began < 5  # one unanswered call, not one per lease plus renewals
+
+
+def test_the_locality_window_comes_from_the_loader_or_the_environment(dataset: tuple[str, Written], master: str) -> None:
+    """Cache-aware leases (issue 18): ``locality_window`` joins the job spec, from the argument or
+    ``SHARDCACHE_LOCALITY_WINDOW``; every sample still once; a bad value says what to use."""
+    url, written = dataset
+    settings = LoaderSettings.from_env({"SHARDCACHE_LOCALITY_WINDOW": "8", "SHARDCACHE_NODE": "node-a"})
+    loader = ShardLoader(url, job="windowed", master=master, epochs=1, settings=settings)
+    assert delivered(list(loader)) == written.samples
+    st = status(master, "windowed")
+    assert st["spec"]["locality_window"] == 8 and st["locality"]["window"] == 8
+    assert st["locality"]["leases"]["unplaced"] == len(written.keys)  # no ring, no reads before: nothing known
+    # The argument wins; the same job with another window is a conflict naming the field.
+    with pytest.raises(JobConflict) as conflict:
+        list(ShardLoader(url, job="windowed", master=master, epochs=1, settings=settings, locality_window=4))
+    assert "locality_window" in conflict.value.details["differs"]
+    assert status(master, "windowed")["spec"]["locality_window"] == 8
+    plain = ShardLoader(url, job="plain", master=master, epochs=1)
+    assert delivered(list(plain)) == written.samples and status(master, "plain")["locality"] is None
+    with pytest.raises(ConfigError, match="SHARDCACHE_LOCALITY_WINDOW='lots'"):
+        LoaderSettings.from_env({"SHARDCACHE_LOCALITY_WINDOW": "lots"})
+    with pytest.raises(ConfigError, match="locality_window"):
+        ShardLoader(url, job="bad", master=master, locality_window=-1)
