@@ -147,10 +147,6 @@ class ShardLoader:
                 raise ConfigError("epochs must be >= 1 (or None for unbounded)")
             if lease_ttl_s <= 0 or max_failures < 1:
                 raise ConfigError("lease_ttl_s must be > 0 and max_failures >= 1")
-        if locality_window is None:
-            locality_window = self.settings.locality_window
-        elif isinstance(locality_window, bool) or not isinstance(locality_window, int) or not 0 <= locality_window <= 65536:
-            raise ConfigError("locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle)")
         else:
             world_size = 1 if world_size is None else int(world_size)
             rank = 0 if rank is None else int(rank)
@@ -158,6 +154,10 @@ class ShardLoader:
                 raise ConfigError(
                     f"rank must be in [0, world_size) and world_size >= 1, got rank={rank}, world_size={world_size}"
                 )
+        if locality_window is None:
+            locality_window = self.settings.locality_window
+        elif isinstance(locality_window, bool) or not isinstance(locality_window, int) or not 0 <= locality_window <= 65536:
+            raise ConfigError("locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle)")
         self.mode: Literal["static", "dynamic"] = "dynamic" if job is not None else "static"
         self.rank = rank
         self.world_size = world_size
