@@ -42,6 +42,7 @@ from typing import Any
 from bench.common import (
     RESULTS_DIR,
     fmt_size,
+    log_line,
     machine_facts,
     parse_size,
     spawn,
@@ -102,10 +103,6 @@ class AccelConfig:
     """Bound on one trial process."""
     note: str = ""
     """What else ran on the machine meanwhile (recorded with the figures)."""
-
-
-def _say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 # -- one trial (child process) -------------------------------------------------------------------
@@ -247,9 +244,9 @@ class Bench:
                 res = self.trial(name, n, extra)
             trials[n] = res
             if "error" in res:
-                _say(f"  {name} N={n}: FAILED: {res['error']}")
+                log_line(f"  {name} N={n}: FAILED: {res['error']}")
                 return False
-            _say(f"  {name} N={n}: min AU {res['min_au']:.1%} (min {res['min_steps']} steps), "
+            log_line(f"  {name} N={n}: min AU {res['min_au']:.1%} (min {res['min_steps']} steps), "
                  f"{res['samples_per_s']:.0f} samples/s, {res['mb_per_s']:.0f} MB/s -> {'pass' if res['passed'] else 'fail'}")
             return bool(res["passed"])
 
@@ -371,13 +368,13 @@ def run(cfg: AccelConfig, out: Path) -> dict[str, Any]:
                 yield {}
 
             for name in cfg.readers:
-                _say(f"{LABELS[name]}:")
+                log_line(f"{LABELS[name]}:")
                 how = READERS[name].get("daemon")
                 try:
                     rows[name] = bench.search(name, cold_daemon if how == "cold" else warm_daemon if how == "warm" else plain)
                 except Exception as exc:  # one reader's failure must not lose the others
                     rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
-                    _say(f"  {name}: FAILED: {rows[name]['error']}")
+                    log_line(f"  {name}: FAILED: {rows[name]['error']}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     facts["loadavg_end"] = __import__("os").getloadavg()
@@ -412,8 +409,8 @@ def run(cfg: AccelConfig, out: Path) -> dict[str, Any]:
     try:
         plot(result, out.with_suffix(".png"))
     except Exception as exc:  # a missing matplotlib must not lose the measurements
-        _say(f"plot not drawn: {exc}")
-    _say(f"wrote {out} ({result['elapsed_s']:.0f}s; dataset {fmt_size(dataset.bytes)})")
+        log_line(f"plot not drawn: {exc}")
+    log_line(f"wrote {out} ({result['elapsed_s']:.0f}s; dataset {fmt_size(dataset.bytes)})")
     return result
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, RESULTS_DIR, machine_facts, write_results
+from bench.locality_bench import MODES as BED_MODES
 from loader.master.server.spec import JobSpec
 from loader.master.server.state import Complete, CreateJob, Lease, MasterState, Placement, Release
 from wire.rendezvous import best, prefixed, score
@@ -403,7 +404,6 @@ def member_of(i: int) -> str:
 
 @dataclass(slots=True)
 class Node:
-    index: int
     name: str
     member: str
     cache: NodeCache
@@ -473,7 +473,7 @@ class Simulation:
     # -- setup and churn --
 
     def _new_node(self, i: int, capacity: int) -> Node:
-        node = Node(i, f"node-{i:04d}", member_of(i), NodeCache(capacity))
+        node = Node(f"node-{i:04d}", member_of(i), NodeCache(capacity))
         self.nodes.append(node)
         self.by_member[node.member] = node
         for k in range(self.sc.trainers_per_node):
@@ -710,10 +710,6 @@ def run_scenario(scenario: Scenario, policies: Sequence[Policy], log: bool = Tru
 
 # -- the model against the bed ---------------------------------------------------------------------
 
-_BED_MODES = {"per_node": ("per_node", False), "cluster": ("cluster", True), "cluster_aware": ("cluster_aware", True),
-              "per_node_aware": ("per_node_aware", False)}
-
-
 def compare(path: Path = DEFAULT_LOCALITY, seeds: int = COMPARE_SEEDS) -> dict[str, Any]:
     """The 4-node model next to the bed's measured figures (``bench/results/locality.json``, per
     mode and epoch ``origin_over_dataset`` and ``peer_over_dataset``): both, and their absolute
@@ -723,24 +719,23 @@ def compare(path: Path = DEFAULT_LOCALITY, seeds: int = COMPARE_SEEDS) -> dict[s
     measured = json.loads(path.read_text())
     setup = measured.get("setup") or {}
     modes = measured.get("modes") or {}
-    window = int(setup.get("locality_window") or setup.get("window") or 16)
+    window = int(setup.get("window") or 16)
     base = bed_scenario(
         epochs=int(setup.get("epochs") or 3), window=window,
         trainers_per_node=int(setup.get("trainers_per_node") or 2),
         shards=int(setup.get("shards") or 96),
-        shard_bytes=int(setup.get("shard_bytes") or (int(setup["dataset_bytes"]) // int(setup["shards"])
-                                                     if setup.get("dataset_bytes") and setup.get("shards") else 2 * MIB)),
+        shard_bytes=(int(setup["dataset_bytes"]) // int(setup["shards"])
+                     if setup.get("dataset_bytes") and setup.get("shards") else 2 * MIB),
         cache_bytes=int(setup.get("cache_bytes") or 96 * MIB), nodes=int(setup.get("nodes") or 4),
     )
     out: dict[str, Any] = {"source": _shown(path), "model_seeds": seeds, "window": window, "setup": base.setup(), "modes": {}}
     worst = 0.0
     for mode, row in modes.items():
-        kind = _BED_MODES.get(mode)
-        if kind is None or not row.get("epochs"):
+        bed = BED_MODES.get(mode)  # the bed's own modes: one definition for both
+        if bed is None or not row.get("epochs"):
             continue
-        name, peers = kind
-        w = int(row.get("locality_window") if row.get("locality_window") is not None else (window if name.endswith("aware") else 0))
-        policy = Policy(name, peers, w, name)
+        w = int(row.get("locality_window") if row.get("locality_window") is not None else (window if bed.aware else 0))
+        policy = Policy(bed.name, bed.peers, w, bed.name)
         runs = [simulate(dataclasses.replace(base, seed=s), policy)["epochs"] for s in range(seeds)]
         epochs: list[dict[str, Any]] = []
         for m in row["epochs"]:

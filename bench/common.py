@@ -65,10 +65,16 @@ __all__ = [
     "TEST_CREDENTIALS",
     "SendfileServer",
     "cpu_seconds",
+    "log_line",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
+
+
+def log_line(text: str) -> None:
+    """A progress line on stdout, stamped with the wall-clock time (what every long benchmark prints)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 # moto accepts any credentials; fixed ones keep a developer's real AWS account out of every run.
 # moto takes any key; s3rver knows only its built-in S3RVER/S3RVER pair.

@@ -68,13 +68,14 @@ from typing import Any
 
 import xxhash
 
-from bench.clusterbed import Cluster, ClusterUnavailable, Daemon, check_available, http_json, read_results
+from bench.clusterbed import DAEMON_PORT, Cluster, ClusterUnavailable, Daemon, check_available, http_json, read_results
 from bench.common import (
     REPO,
     RESULTS_DIR,
     fmt_size,
     free_port,
     in_workdir,
+    log_line,
     machine_facts,
     make_samples,
     pack_shards,
@@ -101,17 +102,20 @@ class Mode:
     """Daemons ``--peer`` each other (one cache per cluster)."""
     aware: bool
     """The job's ``locality_window`` is set (cache-aware leases)."""
-    ring: bool
-    """The master polls a daemon's ``/_shardcache/peers`` (``shardcache master --cluster``)."""
     label: str
+
+    @property
+    def ring(self) -> bool:
+        """The master polls a daemon's ``/_shardcache/peers`` (``shardcache master --cluster``):
+        cache-aware leases over a cluster cache."""
+        return self.peers and self.aware
 
 
 MODES: dict[str, Mode] = {
-    "per_node": Mode("per_node", peers=False, aware=False, ring=False, label="per-node caches"),
-    "cluster": Mode("cluster", peers=True, aware=False, ring=False, label="cluster cache"),
-    "cluster_aware": Mode("cluster_aware", peers=True, aware=True, ring=True, label="cluster cache + cache-aware leases"),
-    "per_node_aware": Mode("per_node_aware", peers=False, aware=True, ring=False,
-                           label="per-node caches + cache-aware leases"),
+    "per_node": Mode("per_node", peers=False, aware=False, label="per-node caches"),
+    "cluster": Mode("cluster", peers=True, aware=False, label="cluster cache"),
+    "cluster_aware": Mode("cluster_aware", peers=True, aware=True, label="cluster cache + cache-aware leases"),
+    "per_node_aware": Mode("per_node_aware", peers=False, aware=True, label="per-node caches + cache-aware leases"),
 }
 DEFAULT_MODES = tuple(MODES)
 
@@ -121,10 +125,6 @@ TARGETS = {
     "aware_peer_over_cluster_peer": 0.5,
     "warm_stall_fraction": 0.02,
 }
-
-
-def _say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 def _sample_digest(jpg: bytes, cls: bytes) -> str:
@@ -218,7 +218,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
     end_wait = ended - last_step_end  # after the last step: the epoch's end (others' last shards)
     stall = float(stats["seconds"])
     return {
-        "start": started, "end": ended, "wall_s": round(wall, 4), "steps": steps, "samples": len(keys),
+        "end": ended, "wall_s": round(wall, 4), "steps": steps, "samples": len(keys),
         "payload_bytes": nbytes, "stall_s": round(stall, 4), "end_wait_s": round(end_wait, 4),
         "first_batch_s": round(first_batch_s, 4) if first_batch_s is not None else None,
         "longest_wait_s": round(longest, 4), "p99_wait_s": stats["p99_s"],
@@ -416,7 +416,7 @@ class Trainers:
                 name = f"{host.role}-t{j}"
                 out = workdir / f"{mode.name}-{name}.jsonl"
                 spec = {"url": f"s3://{BUCKET}/{PREFIX}", "job": self.job, "master": master.url,
-                        "endpoint": f"http://{host.address}:8600", "epochs": args.epochs, "seed": JOB_SEED,
+                        "endpoint": f"http://{host.address}:{DAEMON_PORT}", "epochs": args.epochs, "seed": JOB_SEED,
                         "trainer": name, "locality_window": args.window if mode.aware else 0, "batch": args.batch,
                         "compute_ms": args.compute_ms, "queue_batches": args.queue_batches,
                         "epoch_timeout": args.epoch_timeout, "digests": str(dataset_path), "go": str(self.go),
@@ -539,13 +539,13 @@ def run_mode(cluster: Cluster, mode: Mode, dataset: Dataset, dataset_path: Path,
                 "per_node": {role: {**d, "hit_rate": _hit_rate(d)} for role, d in delta.items()},
                 "stall": stall, "check": check,
                 "locality": _locality(locality_before, locality, epoch),
-                "trainers": {name: {k: v for k, v in r.items() if k not in ("keys", "bad_keys", "start", "end")}
+                "trainers": {name: {k: v for k, v in r.items() if k not in ("keys", "bad_keys", "end")}
                              for name, r in rows.items()},
             }
             locality_before = locality
             epochs.append(ep)
             loc = ep["locality"] or {}
-            _say(f"{mode.name:14s} epoch {epoch + 1}: origin {fmt_size(origin)} ({ep['origin_over_dataset']:.2f}x the "
+            log_line(f"{mode.name:14s} epoch {epoch + 1}: origin {fmt_size(origin)} ({ep['origin_over_dataset']:.2f}x the "
                  f"dataset), peers {fmt_size(peer)} ({ep['peer_over_dataset']:.2f}x), {seconds:.1f} s, hit rate "
                  f"{ep['hit_rate']}, stall {stall['fraction']:.1%} ({stall['fraction_after_first_batch']:.1%} "
                  f"after the first batch), local leases {loc.get('local_share')}")
@@ -637,10 +637,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             mode = MODES[name]
             reason = unsupported(mode)
             if reason is not None:
-                _say(f"{name}: skipped: {reason}")
+                log_line(f"{name}: skipped: {reason}")
                 modes[name] = {"label": mode.label, "skipped": reason}
                 continue
-            _say(f"{name}: {mode.label} ...")
+            log_line(f"{name}: {mode.label} ...")
             modes[name] = run_mode(cluster, mode, dataset, dataset_path, workdir, args)
     results["modes"] = modes
     results["targets"] = _targets({k: v for k, v in modes.items() if "skipped" not in v})
@@ -810,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 plot(results, out.with_suffix(".png"))
             except Exception as exc:  # a missing matplotlib must not lose the measurements
-                _say(f"plot not drawn: {exc}")
+                log_line(f"plot not drawn: {exc}")
             print(f"results: {out}", file=sys.stderr)
         return results
 

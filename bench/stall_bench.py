@@ -40,6 +40,7 @@ from bench.common import (
     fmt_size,
     free_port,
     http_ok,
+    log_line,
     machine_facts,
     make_samples,
     pack_shards,
@@ -90,10 +91,6 @@ class StallConfig:
     """Loader reads cached files directly (the node cache dir mounted in the pod)."""
     timeout_s: float = 600.0
     """Bound on one trainer run."""
-
-
-def _say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 # -- trainer (child process) ------------------------------------------------------------------
@@ -349,23 +346,23 @@ def run(cfg: StallConfig, out: Path) -> dict[str, Any]:
             dataset = build_dataset(cfg, moto, workdir)
             demand = cfg.rate * dataset.bytes_per_sample
             origin_bps = cfg.origin_factor * demand
-            _say(f"dataset: {dataset.shards} shards of {fmt_size(cfg.shard_bytes)}, {dataset.samples} samples, "
+            log_line(f"dataset: {dataset.shards} shards of {fmt_size(cfg.shard_bytes)}, {dataset.samples} samples, "
                  f"{fmt_size(dataset.bytes)} ({time.monotonic() - started:.0f}s); trainer {cfg.rate:.0f} samples/s = "
                  f"{demand / 1e6:.1f} MB/s, origin capped at {origin_bps / 1e6:.1f} MB/s total + {cfg.delay_ms:.0f} ms")
             with LatencyProxy(moto.endpoint, cfg.delay_ms, None, workdir / "proxy.log",
                               total_mbps=origin_bps / 1e6) as proxy:
                 for mode in cfg.modes:
-                    _say(f"{mode}: cold epoch then warm epoch ...")
+                    log_line(f"{mode}: cold epoch then warm epoch ...")
                     res = run_mode(cfg, mode, workdir, dataset, proxy)
                     results[mode] = res
                     if "error" in res:
-                        _say(f"{mode}: FAILED: {res['error']}\n{res['log_tail']}")
+                        log_line(f"{mode}: FAILED: {res['error']}\n{res['log_tail']}")
                         continue
                     for ep in res["epochs"]:
                         target = COLD_TARGET if ep["kind"] == "cold" else WARM_TARGET
                         ep["target"] = target
                         ep["target_met"] = bool(ep["stall_fraction"] is not None and ep["stall_fraction"] < target)
-                        _say(f"  {mode} {ep['kind']}: {ep['wall_s']:.1f}s, stall {ep['stall_s']:.2f}s "
+                        log_line(f"  {mode} {ep['kind']}: {ep['wall_s']:.1f}s, stall {ep['stall_s']:.2f}s "
                              f"({ep['stall_fraction']:.1%}), first batch {ep['first_batch_s']}s, "
                              f"hit rate {ep['daemon'].get('hit_rate')}")
     finally:
@@ -385,7 +382,7 @@ def run(cfg: StallConfig, out: Path) -> dict[str, Any]:
         "machine": facts,
     }
     write_results(out, data)
-    _say(f"wrote {out}")
+    log_line(f"wrote {out}")
     return data
 
 

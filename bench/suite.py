@@ -51,6 +51,7 @@ from bench.common import (
     fmt_size,
     free_port,
     http_ok,
+    log_line,
     machine_facts,
     make_samples,
     pack_shards,
@@ -148,10 +149,6 @@ class Dataset:
         return sum(self.samples_per_key)
 
 
-def _say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
-
-
 # -- set-up -----------------------------------------------------------------------------------
 
 
@@ -168,12 +165,12 @@ def build_dataset(cfg: SuiteConfig, store: S3Server, workdir: Path) -> Dataset:
         counts.append(count)
         sizes.append(len(data))
     dataset = Dataset(keys, counts, sizes, local)
-    _say(f"dataset: {len(keys)} shards, {fmt_size(dataset.bytes)}, {dataset.samples} samples")
+    log_line(f"dataset: {len(keys)} shards, {fmt_size(dataset.bytes)}, {dataset.samples} samples")
     mds_dir = workdir / "mds-out"
     dataset.mds = convert_to_mds(make_samples(cfg.size, cfg.seed), mds_dir)
     dataset.mds["uploaded_bytes"] = upload_dir(client, BUCKET, MDS_PREFIX, mds_dir)
     shutil.rmtree(mds_dir, ignore_errors=True)
-    _say(f"MDS copy: {dataset.mds['files']} files, {fmt_size(dataset.mds['bytes'])}")
+    log_line(f"MDS copy: {dataset.mds['files']} files, {fmt_size(dataset.mds['bytes'])}")
     # The manifest (sizes, xxh3-128, sample counts) lets ShardLoader verify what it reads.
     log = workdir / "index.log"
     proc = spawn([sys.executable, "-m", "sidecar.cli", "index", f"s3://{BUCKET}/{PREFIX}", "--s3-endpoint",
@@ -251,14 +248,14 @@ class Runner:
     def record(self, name: str, result: dict[str, Any], kind: str = "throughput") -> None:
         self.runs.setdefault(name, {})[kind] = result
         if "error" in result:
-            _say(f"  {name} ({kind}): FAILED: {result['error']}")
+            log_line(f"  {name} ({kind}): FAILED: {result['error']}")
             return
         parts = []
         for ep in result["epochs"]:
             mb_s = self.dataset.bytes * (ep["samples"] / self.dataset.samples) / ep["wall_s"] / MB if ep["wall_s"] else 0
             parts.append(f"e{ep['epoch']}: {ep['samples']} samples {ep['wall_s']:.2f}s {mb_s:.0f} MB/s"
                          + (f" stall {ep['stall_fraction']:.1%}" if ep.get("stall_fraction") is not None else ""))
-        _say(f"  {name} ({kind}): " + "; ".join(parts))
+        log_line(f"  {name} ({kind}): " + "; ".join(parts))
 
     # Each kind of run -------------------------------------------------------------------------
 
@@ -482,7 +479,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="shardcache-suite-"))
     workdir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts(PACKAGES)
-    _say(f"work dir {workdir}; {facts['cpu_count']} CPUs, {fmt_size(facts['mem_total_bytes'] or 0)} RAM")
+    log_line(f"work dir {workdir}; {facts['cpu_count']} CPUs, {fmt_size(facts['mem_total_bytes'] or 0)} RAM")
     far_facts: dict[str, Any] | None = None
     try:
         # Stopped in reverse: the proxy, then the store, then the far host it ran on.
@@ -493,7 +490,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
                 far = stack.enter_context(FarHost(cfg.far_host_mbps, flow_mbps=cfg.far_host_flow_mbps))
                 far_facts = far.facts()
                 store.listen_on(far.address, far.exec_prefix)
-                _say(f"far host {far.name}: {far.address}, {cfg.far_host_mbps:g} Mbit/s tbf (burst {far.burst}, "
+                log_line(f"far host {far.name}: {far.address}, {cfg.far_host_mbps:g} Mbit/s tbf (burst {far.burst}, "
                      f"latency {far.latency}) on both ends")
             stack.enter_context(store)
             # The upload, the MDS copy and the index go to the store's own address; setting up is
@@ -505,18 +502,18 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
                 proxy = stack.enter_context(LatencyProxy(store.endpoint, cfg.delay_ms, cfg.stream_mbps,
                                                          workdir / "proxy.log"))
                 endpoint = proxy.endpoint
-            _say(f"readers and daemons reach the store at {endpoint}")
+            log_line(f"readers and daemons reach the store at {endpoint}")
             runner = Runner(cfg, workdir, dataset, endpoint)
-            _say("raw local read (the limit)")
+            log_line("raw local read (the limit)")
             runner.raw()
             for name in PEERS:
-                _say(f"peer: {name}")
+                log_line(f"peer: {name}")
                 runner.peer(name)
             for name, how in SHARDCACHE_RUNS.items():
-                _say(f"shardcache: {name}")
+                log_line(f"shardcache: {name}")
                 runner.shardcache(name, how, stall=(name == HEADLINE))
             for eviction in ("lru", "hold"):
-                _say(f"half-size cache, --eviction {eviction}")
+                log_line(f"half-size cache, --eviction {eviction}")
                 runner.hit_rate(eviction)
             from bench.common import _status_kib  # noqa: PLC2701 - same package, the kernel's own peak
 
@@ -597,7 +594,7 @@ def publish(result: dict[str, Any], cfg: SuiteConfig) -> dict[str, Path]:
         plot(result, png)
         paths["png"] = png
     except Exception as exc:  # a missing matplotlib must not lose the measurements
-        _say(f"chart not drawn: {exc}")
+        log_line(f"chart not drawn: {exc}")
     md = cfg.results_dir / f"{tag}.md"
     md.write_text(_far_host_markdown(markdown_table(result, png.name if "png" in paths else None), result))
     paths["md"] = md

@@ -16,7 +16,7 @@ from wire.errors import InvalidName
 from wire.names import Address, parse_connect
 from wire.retry import Backoff
 
-__all__ = ["LoaderSettings", "parse_endpoint"]
+__all__ = ["LoaderSettings", "check_locality_window", "parse_endpoint"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _RETRY_BACKOFF_MAX_S = 5.0
@@ -51,6 +51,12 @@ def _check_handles(handles: str) -> str | None:
         )
     return f"unix://{address.path}"
 
+
+def check_locality_window(window: Any) -> int:
+    """A loader's ``locality_window`` (the master checks the spec again, with the same bounds)."""
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= 65536:
+        raise ConfigError(f"locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle), not {window!r}")
+    return window
 
 @dataclass(frozen=True)
 class LoaderSettings:
@@ -149,9 +155,7 @@ class LoaderSettings:
             raise ConfigError(f"retry_backoff_s must be a non-negative number of seconds, not {self.retry_backoff_s}")
         if not 0 < self.renew_fraction < 1:
             raise ConfigError("renew_fraction must be between 0 and 1 (exclusive)")
-        window = self.locality_window
-        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= 65536:
-            raise ConfigError(f"locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle), not {window!r}")
+        check_locality_window(self.locality_window)
         if self.endpoint is not None:
             endpoint = self.endpoint.strip().rstrip("/")
             if endpoint:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
-from loader.settings import LoaderSettings
+from loader.settings import LoaderSettings, check_locality_window
 from loader.sources import Source, make_source, resolve_shards
 from loader.stall import WaitMeter, WaitReporter
 from loader.static import rank_shards, worker_shards
@@ -156,8 +156,7 @@ class ShardLoader:
                 )
         if locality_window is None:
             locality_window = self.settings.locality_window
-        elif isinstance(locality_window, bool) or not isinstance(locality_window, int) or not 0 <= locality_window <= 65536:
-            raise ConfigError("locality_window must be an integer in [0, 65536] (0: the plain seeded shuffle)")
+        check_locality_window(locality_window)
         self.mode: Literal["static", "dynamic"] = "dynamic" if job is not None else "static"
         self.rank = rank
         self.world_size = world_size

@@ -46,6 +46,7 @@ from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError
 from sidecar.daemon.auth.http import AUTH
 from sidecar.daemon.forward import UPSTREAM
 from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, STORE
+from sidecar.daemon.peers.context import count_read, count_served, miss_source
 from sidecar.daemon.priority import DEMAND
 from sidecar.daemon.s3api import UNCACHED_NAMES, disputed, mismatch
 from sidecar.daemon.settings import ServeSettings
@@ -429,8 +430,7 @@ class NodeHandles:
         fd = await _open_entry(store, entry, False) if entry is not None else None
         if entry is None or fd is None:
             raise NotCached(f"{bucket}/{key} is not in the cache after its fill: read it over HTTP")
-        # As over HTTP: a join of a fill in progress reads this node's copy; a miss, the fill's source.
-        return _served(metrics, entry, fd, state, "local" if state == "coalesced" else info.source)
+        return _served(metrics, entry, fd, state, miss_source(state, info.source))
 
 
 async def _open_entry(store: Store, entry: Entry, force: bool) -> int | None:
@@ -450,10 +450,9 @@ async def _open_entry(store: Store, entry: Entry, force: bool) -> int | None:
 
 
 def _served(metrics: Any, entry: Entry, fd: int, state: str, came_from: str) -> Reply:
-    metrics.served_bytes.labels(source="short_circuit").inc(entry.size)
-    # The node's figures (sidecar/daemon/metrics.py NODE_SOURCES): a descriptor is a whole read.
-    metrics.client_bytes.labels(source=came_from).inc(entry.size)
-    metrics.client_reads.labels(source=came_from).inc()
+    # A descriptor is a whole read (a client's: peers never ask for one).
+    count_served(metrics, "short_circuit", entry.size, came_from=came_from)
+    count_read(metrics, came_from)
     return {"status": 200, "size": entry.size, "etag": entry.etag, "xxh3_128": entry.xxh3_128, "cache": state}, fd
 
 

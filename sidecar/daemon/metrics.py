@@ -49,8 +49,9 @@ def counter_by(counter: Counter, label: str) -> dict[str, float]:
 def node_reads(metrics: Metrics) -> dict[str, object]:
     """The ``node_reads`` block of ``/_shardcache/stats``: this node's clients' bytes and reads
     by :data:`NODE_SOURCES`, and byte-weighted shares of each (``None`` before the first byte)."""
-    by_bytes = {source: counter_value(metrics.client_bytes, source=source) for source in NODE_SOURCES}
-    reads = {source: counter_value(metrics.client_reads, source=source) for source in NODE_SOURCES}
+    counted, counted_reads = counter_by(metrics.client_bytes, "source"), counter_by(metrics.client_reads, "source")
+    by_bytes = {source: counted.get(source, 0.0) for source in NODE_SOURCES}
+    reads = {source: counted_reads.get(source, 0.0) for source in NODE_SOURCES}
     total = sum(by_bytes.values())
 
     def share(source: str) -> float | None:
@@ -138,8 +139,8 @@ class Metrics:
         # Every series from the start, at 0: a scrape (and /stats) sees each outcome before its first.
         for result in LOOKUP_RESULTS:
             self.cache_lookups.labels(result=result)
-        for source in SERVED_SOURCES:
-            self.served_bytes.labels(source=source)
+        # The children, made once: counting a chunk takes no labels() lookup (a lock and a tuple).
+        self.served = {source: self.served_bytes.labels(source=source) for source in SERVED_SOURCES}
         # Per node (issue 18): what this node's own clients read, by where the bytes came from.
         # served_bytes says how they were sent (hit, miss, sendfile, path, ...); these say whether
         # they crossed the network to get here, and which network.
@@ -154,9 +155,8 @@ class Metrics:
             "Object reads of this daemon's own clients (not its peers), by where their first byte came from",
             ["source"], registry=r,
         )
-        for source in NODE_SOURCES:
-            self.client_bytes.labels(source=source)
-            self.client_reads.labels(source=source)
+        self.client = {source: self.client_bytes.labels(source=source) for source in NODE_SOURCES}
+        self.client_read = {source: self.client_reads.labels(source=source) for source in NODE_SOURCES}
         self.origin_latency = Histogram(
             "shardcache_origin_request_duration_seconds",
             "Time from sending an origin request to its response headers",

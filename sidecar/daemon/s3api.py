@@ -33,7 +33,7 @@ from sidecar.daemon.claims import caller_of
 from sidecar.daemon.fills import Fetcher, Fill, retrying
 from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, ORIGIN, STORE
 from sidecar.daemon.origins import ObjectInfo
-from sidecar.daemon.peers.context import ORIGIN_ONLY, PEER_CALLER, count_read, count_served, track_source
+from sidecar.daemon.peers.context import ORIGIN_ONLY, PEER_CALLER, count_read, count_served, miss_source, track_source
 from sidecar.daemon.peers.http import peer_request
 from sidecar.daemon.peers.origin import ClusterOrigin
 from sidecar.daemon.peers.signing import IF_CACHED_HEADER
@@ -326,8 +326,7 @@ async def _get(
     state = "miss" if created else "coalesced"
     metrics.cache_lookups.labels(result=state).inc()
     info = await fill.wait_info()
-    # A join of a fill in progress here reads this node's copy; a miss, wherever its fill reads.
-    came_from = "local" if state == "coalesced" else info.source
+    came_from = miss_source(state, info.source)
     # The fill goes on whatever the condition says: the object is wanted, in this version.
     if (answer := _conditional(request, info, state)) is not None:
         return answer

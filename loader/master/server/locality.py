@@ -103,6 +103,11 @@ class Ring:
             self.joins = sorted((v, m) for m, v in self.joined.items())
         return True
 
+    @property
+    def nodes(self) -> int:
+        """Distinct node names among the members."""
+        return len({node for node in self.node_of.values() if node})
+
     def joined_since(self, version: int) -> Iterable[str]:
         """Live members that joined after ``version``."""
         i = len(self.joins)

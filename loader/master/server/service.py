@@ -488,7 +488,7 @@ class MasterService:
         return {
             "version": ring.version,
             "members": [{"id": m, "node": n or None} for m, n in sorted(ring.node_of.items())],
-            "nodes": len({n for n in ring.node_of.values() if n}),
+            "nodes": ring.nodes,
             "source": self.placement.status() if self.placement is not None else None,
         }
 

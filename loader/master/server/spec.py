@@ -615,27 +615,20 @@ class JobSpec:
             name, dataset, raw, builder.build(), default_ttl_s=default_ttl_s, default_max_failures=default_max_failures
         )
 
+    def _tail(self) -> dict[str, Any]:
+        """The fields after the shard list, in their logged order (``locality_window`` only when set)."""
+        tail: dict[str, Any] = {"epochs": self.epochs, "seed": self.seed, "shuffle": self.shuffle,
+                                "lease_ttl_s": self.lease_ttl_s, "max_failures": self.max_failures}
+        if self.locality_window:
+            tail["locality_window"] = self.locality_window
+        return tail
+
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dataset": self.dataset,
-            "shards": [s.to_json() for s in self.shards],
-            "epochs": self.epochs,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "lease_ttl_s": self.lease_ttl_s,
-            "max_failures": self.max_failures,
-            **({"locality_window": self.locality_window} if self.locality_window else {}),
-        }
+        return {"name": self.name, "dataset": self.dataset, "shards": [s.to_json() for s in self.shards], **self._tail()}
 
     def _text_parts(self) -> tuple[str, str]:
         head = '{"name":' + json.dumps(self.name) + ',"dataset":' + json.dumps(self.dataset) + ',"shards":'
-        rest = json.dumps(
-            {"epochs": self.epochs, "seed": self.seed, "shuffle": self.shuffle, "lease_ttl_s": self.lease_ttl_s,
-             "max_failures": self.max_failures,
-             **({"locality_window": self.locality_window} if self.locality_window else {})},
-            separators=(",", ":"),
-        )
+        rest = json.dumps(self._tail(), separators=(",", ":"))
         return head, "," + rest[1:]
 
     def encode(self) -> None:

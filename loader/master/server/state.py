@@ -384,10 +384,7 @@ class EpochState:
         if win.frontier < self.cursor:
             win.frontier = self.cursor
         if not win.indexed:
-            for position in range(self.cursor, win.frontier):
-                if position not in win.ahead:
-                    self._index(win, position, loc, ring)
-            win.indexed = True
+            self.rebuild_index(win, loc, ring)
         limit = min(self.cursor + loc.window, self.n, win.frontier + STEP)
         while win.frontier < limit:
             position = win.frontier
@@ -401,6 +398,14 @@ class EpochState:
             heapq.heappop(heap)
             win.entries -= 1
         return self.cursor
+
+    def rebuild_index(self, win: Window, loc: JobLocality, ring: Ring) -> None:
+        """Index every position of the window not handed out (after a restore, a ring change or
+        a compaction): the same index the live master kept, so the same choices."""
+        for position in range(self.cursor, win.frontier):
+            if position not in win.ahead:
+                self._index(win, position, loc, ring)
+        win.indexed = True
 
     def _index(self, win: Window, position: int, loc: JobLocality, ring: Ring) -> None:
         owner, reader = loc.nodes_of(self.order[position], ring)
@@ -737,26 +742,16 @@ class MasterState:
                 result.record = event
         return result
 
-    def warm(self) -> int:
+    def warm(self) -> None:
         """Rebuild the window indexes of windowed jobs now (placing their shards: O(members) a
         shard the first time), as the first lease of each epoch would: for a master that just
-        loaded the state, off the event loop, before it serves. Changes nothing logical; the
-        positions indexed."""
-        count = 0
+        loaded the state, off the event loop, before it serves. Changes nothing logical."""
         for job in self.jobs.values():
-            loc = job.locality
-            if loc is None:
+            if job.locality is None:
                 continue
             for ep in job.open.values():
-                win = ep.window
-                if win is None or win.indexed or ep.cursor >= ep.n:
-                    continue
-                for position in range(ep.cursor, max(win.frontier, ep.cursor)):
-                    if position not in win.ahead:
-                        ep._index(win, position, loc, self.ring)
-                        count += 1
-                win.indexed = True
-        return count
+                if ep.window is not None and not ep.window.indexed and ep.cursor < ep.n:
+                    ep.rebuild_index(ep.window, job.locality, self.ring)
 
     def job(self, name: str) -> JobState:
         job = self.jobs.get(name)
@@ -807,15 +802,14 @@ class MasterState:
                     or not item[0]):
                 raise BadRequest("a placement member is a pair of (member id, node name) strings")
         # -- mutation --
-        if not self.ring.update(members):
-            return Result({"version": self.ring.version, "members": len(self.ring.node_of), "changed": False},
-                          mutated=False)
-        for job in self.jobs.values():
-            if job.locality is not None:
+        changed = self.ring.update(members)
+        if changed:
+            for job in self.jobs.values():
                 for ep in job.open.values():
                     if ep.window is not None:
                         ep.window.reset()  # owners moved: the index is rebuilt on the next lease
-        return Result({"version": self.ring.version, "members": len(self.ring.node_of), "changed": True}, mutated=True)
+        answer = {"version": self.ring.version, "members": len(self.ring.node_of), "changed": changed}
+        return Result(answer, mutated=changed)
 
     @staticmethod
     def _pool(job: JobState, epoch: int | None) -> EpochState | None:
@@ -1069,8 +1063,7 @@ class MasterState:
         epochs = [ep.window.report(ep.epoch) for ep in job.open.values() if ep.window is not None]
         epochs += [r["order"] for r in job.recent if "order" in r]
         report = job.locality.report(sorted(epochs, key=lambda e: e["epoch"]))
-        report["ring"] = {"version": self.ring.version, "members": len(self.ring.node_of),
-                          "nodes": len({n for n in self.ring.node_of.values() if n})}
+        report["ring"] = {"version": self.ring.version, "members": len(self.ring.node_of), "nodes": self.ring.nodes}
         return report
 
     def to_json(self) -> dict[str, Any]:

@@ -400,7 +400,7 @@ def node_rows(nodes: list[dict[str, Any]]) -> list[list[str]]:
         figures = reads.get("bytes")
         if isinstance(figures, dict):
             sources = [format_bytes(float(figures.get(s) or 0)) for s in ("local", "peer", "origin")]
-            share = _percent1(reads.get("local_hit_ratio"))
+            share = _percent(reads.get("local_hit_ratio"), 1)
         else:  # down, or a daemon older than the per-node figures
             sources, share = ["-", "-", "-"], "-"
         served = row.get("served_to_peers_bytes")
@@ -409,10 +409,6 @@ def node_rows(nodes: list[dict[str, Any]]) -> list[list[str]]:
             format_bytes(served) if isinstance(served, (int, float)) else "-",
         ])
     return rows
-
-
-def _percent1(fraction: Any) -> str:
-    return "-" if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) else f"{fraction * 100:.1f}%"
 
 
 def _print_nodes(nodes: list[dict[str, Any]]) -> None:
@@ -531,8 +527,8 @@ def _epoch(job: dict[str, Any]) -> str:
     return f"{epoch + 1}-{newest + 1}/{total}" if newest > epoch else f"{epoch + 1}/{total}"
 
 
-def _percent(fraction: Any) -> str:
-    return "-" if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) else f"{fraction * 100:.0f}%"
+def _percent(fraction: Any, digits: int = 0) -> str:
+    return "-" if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) else f"{fraction * 100:.{digits}f}%"
 
 
 def _seconds(value: Any) -> str:
@@ -611,7 +607,7 @@ def locality_line(job: dict[str, Any]) -> str | None:
     leases = loc.get("leases") or {}
     ring = loc.get("ring") or {}
     newest = (loc.get("epochs") or [None])[-1]
-    text = (f"{_printable(job.get('name'))}: local leases {_percent1(loc.get('local_share'))} "
+    text = (f"{_printable(job.get('name'))}: local leases {_percent(loc.get('local_share'), 1)} "
             f"(owner {leases.get('owner', 0)}, cached {leases.get('cached', 0)}, other {leases.get('other', 0)}, "
             f"unplaced {leases.get('unplaced', 0)}), window {loc.get('window')}")
     if isinstance(newest, dict) and newest.get("mean_displacement") is not None:

@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from sidecar.daemon.metrics import Metrics
 
 __all__ = ["ORIGIN_ONLY", "PEER_CALLER", "READ_SOURCE", "ReadSource", "count_read", "count_served", "current_source",
-           "note_source", "track_source"]
+           "miss_source", "note_source", "track_source"]
 
 ORIGIN_ONLY: ContextVar[bool] = ContextVar("shardcache_origin_only", default=False)
 """Reads started here go to the real origin, never to a peer."""
@@ -69,14 +69,20 @@ def count_served(metrics: Metrics, source: str, count: int, *, came_from: str) -
     (``local``, ``peer``, ``origin``) for a client, under ``peer`` only for a peer."""
     if PEER_CALLER.get() is not None:
         metrics.peer_bytes_out.inc(count)
-        metrics.served_bytes.labels(source="peer").inc(count)
+        metrics.served["peer"].inc(count)
         return
-    metrics.served_bytes.labels(source=source).inc(count)
-    metrics.client_bytes.labels(source=came_from).inc(count)
+    metrics.served[source].inc(count)
+    metrics.client[came_from].inc(count)
+
+
+def miss_source(state: str, fill_source: str) -> str:
+    """Where a miss's bytes come from for this node's figures: a join of a fill in progress here
+    (``coalesced``) reads this node's copy; a miss, wherever its fill reads (peer or origin)."""
+    return "local" if state == "coalesced" else fill_source
 
 
 def count_read(metrics: Metrics, came_from: str) -> None:
     """Count one read of a client's (nothing for a peer's: the asking node counts it), once per
     answer with a body, under where its first byte came from."""
     if PEER_CALLER.get() is None:
-        metrics.client_reads.labels(source=came_from).inc()
+        metrics.client_read[came_from].inc()

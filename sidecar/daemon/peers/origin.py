@@ -126,8 +126,6 @@ class ClusterOrigin(Origin):
         self.description = real.description
         self._pool: HTTPPool | None = None
         self._peers: dict[tuple[str, bool], PeerOrigin] = {}
-        self.handoffs = 0
-        """Objects this daemon owns that it read from the member ranked next instead of the origin."""
         self._lock = threading.Lock()
         self._distrust: dict[str, float] = {}  # object name -> monotonic time its peer bytes may be tried again
         self._last_peer: dict[str, str] = {}  # object name -> member it was last read from (bounded)
@@ -156,8 +154,9 @@ class ClusterOrigin(Origin):
 
     # -- routing --------------------------------------------------------------------------------
 
-    def _route(self, bucket: str, key: str) -> tuple[list[PeerOrigin], bool]:
-        """The peers to try for ``bucket/key``, best first, and whether another member owns it."""
+    def _route(self, bucket: str, key: str, handoff: bool = True) -> tuple[list[PeerOrigin], bool]:
+        """The peers to try for ``bucket/key``, best first, and whether another member owns it;
+        for the owner, the hand-off (unless not ``handoff``: a HEAD asks the origin what it is)."""
         name = f"{bucket}/{key}"
         live = self.membership.live
         order = ranked(live, name) if len(live) > 1 else [self.membership.self_id]
@@ -165,8 +164,8 @@ class ClusterOrigin(Origin):
         if not borrowed:
             # The owner: the member ranked next may hold it (it owned it before this one joined).
             # Asked from its cache only, so even a fill for a peer (ORIGIN_ONLY) may: it cannot loop.
-            handoff = self._peer(order[1], if_cached=True) if len(order) > 1 and not self._distrusted(name) else None
-            return ([handoff] if handoff is not None else []), borrowed
+            peer = self._peer(order[1], if_cached=True) if handoff and len(order) > 1 and not self._distrusted(name) else None
+            return ([peer] if peer is not None else []), borrowed
         if ORIGIN_ONLY.get() or self._distrusted(name):
             return [], borrowed
         peers: list[PeerOrigin] = []
@@ -235,10 +234,8 @@ class ClusterOrigin(Origin):
     # -- the Origin interface -------------------------------------------------------------------
 
     async def head(self, bucket: str, key: str) -> ObjectInfo:
-        peers, borrowed = self._route(bucket, key)
+        peers, borrowed = self._route(bucket, key, handoff=False)
         for peer in peers:
-            if peer.if_cached:
-                continue  # a hand-off is for bytes; the owner asks the origin what the object is
             try:
                 return dataclasses.replace(await peer.head(bucket, key), source="peer", borrowed=True)
             except _FALL_THROUGH as exc:
@@ -274,9 +271,6 @@ class ClusterOrigin(Origin):
                 self._borrow(name, -1)
             self._note(name, peer.member)
             note_source("peer")
-            if peer.if_cached:
-                with self._lock:
-                    self.handoffs += 1
             return result
         info, body = self.real.open_first(bucket, key)
         note_source("origin")
