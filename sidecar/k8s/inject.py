@@ -70,6 +70,7 @@ __all__ = [
     "NODE_FIELD_PATH",
     "MASTER_TOKEN_ENV",
     "MASTER_TOKEN_KEY",
+    "CHART_MASTER_TOKEN_SECRET",
     "AWS_CREDENTIAL_ENV",
     "AWS_TOKEN_DIRS",
     "DEFAULT_IMAGE",
@@ -85,6 +86,7 @@ __all__ = [
     "InjectionError",
     "Outcome",
     "inject",
+    "guard_ephemeral_containers",
     "is_supported",
     "json_patch",
     "load_documents",
@@ -139,6 +141,9 @@ ENDPOINT_ENV = "SHARDCACHE_ENDPOINT"
 # namespace gets its copy). The key name is the one the chart's Secret uses.
 MASTER_TOKEN_ENV = "SHARDCACHE_MASTER_TOKEN"
 MASTER_TOKEN_KEY = "token"
+# The master token Secret of `helm install shardcache charts/shardcache -n shardcache`: the offline
+# command's default, so that its output is what the chart's webhook makes (README, Kubernetes).
+CHART_MASTER_TOKEN_SECRET = "shardcache-master-token"
 # The app containers' address of the sidecar's file handle socket (read by the loader).
 HANDLES_ENV = "SHARDCACHE_HANDLES"
 # The pod's node, from the downward API: the loader's locality and the master's lease preference
@@ -320,10 +325,18 @@ class InjectConfig:
     ``docker.io/library/shardcache:1`` are different entries), or a prefix ending in ``/*`` (any
     image under that path), ``:*`` (any tag of that repository) or ``@*`` (any digest of it).
     Empty: only ``image``."""
-    master_token_secret: str | None = None
+    master_token_secret: str | None = CHART_MASTER_TOKEN_SECRET
     """Name of a Secret in the pod's own namespace whose key ``token`` the app containers get as
     ``SHARDCACHE_MASTER_TOKEN`` (an optional reference: without that Secret the variable is not
-    set and the pod starts as before). None: no such variable."""
+    set and the pod starts as before). None: no such variable. The default is the chart's Secret
+    for a release named shardcache, so that ``shardcache inject`` with no flags gives what the
+    chart's webhook gives."""
+    hostpath_forbidden: bool = False
+    """The pod's namespace enforces Pod Security ``baseline`` or ``restricted``, which refuse every
+    hostPath volume: pods are injected in restricted mode whatever the pod or the configuration
+    asks (a pod asking for hostpath gets a warning that says why), and a pod that already carries
+    a hostpath-mode sidecar is refused with the fix, rather than by Pod Security with none. The
+    webhook sets it on the chart's entry for such namespaces (``/mutate/pod-security``)."""
 
     def __post_init__(self) -> None:
         # Fail at startup (CLI flags, webhook flags) rather than on the first pod.
@@ -418,6 +431,20 @@ def inject(obj: Any, config: InjectConfig, *, require_label: bool = True) -> tup
     if meta is not None:
         _mapping(meta, "metadata")
 
+    made_by = _controller(meta if isinstance(meta, Mapping) else {})
+    if made_by is not None and kind != "Pod":
+        # A controller made this object from its own template, and may compare the two: the
+        # deployment controller looks for a ReplicaSet whose template equals the Deployment's,
+        # and a ReplicaSet injected behind its back is a "hash collision" that makes it create
+        # another, for ever (seen on a real cluster: 153 ReplicaSets in 40 s). The owner's
+        # template is the one to inject; otherwise the pods are, when they are created.
+        return obj, Outcome(kind, name, "skipped", f"made by its controller {made_by}: inject that, or let its pods be injected")
+    if made_by is not None and _has_sidecar(obj):
+        # Made by a controller from a template that was injected: the pod is what its template
+        # says, under whatever configuration injected it; injecting it again (under a changed
+        # configuration) would make it differ from its template and its siblings.
+        return obj, Outcome(kind, name, "skipped", f"made by its controller {made_by} from an injected template")
+
     result = copy.deepcopy(dict(obj))
     owner_labels = _string_map(result.get("metadata") or {}, "labels", "metadata")
     changed = 0
@@ -444,6 +471,48 @@ def inject(obj: Any, config: InjectConfig, *, require_label: bool = True) -> tup
     if len(skipped) == seen:
         return obj, Outcome(kind, name, "skipped", skipped[0])
     return obj, Outcome(kind, name, "unchanged", "already injected")
+
+
+def _controller(meta: Mapping[str, Any]) -> str | None:
+    """``"Kind name"`` of the object's managing controller (the ownerReference with
+    ``controller: true``), None if it has none."""
+    refs = meta.get("ownerReferences")
+    if not isinstance(refs, list):
+        return None
+    for ref in refs:
+        if isinstance(ref, Mapping) and ref.get("controller") is True:
+            return f"{_printable_name(ref.get('kind'))} {_printable_name(ref.get('name'))}"
+    return None
+
+
+def _printable_name(value: Any) -> str:
+    return value if isinstance(value, str) and value.isprintable() and len(value) <= 253 else _shown(value)
+
+
+def _has_sidecar(pod: Mapping[str, Any]) -> bool:
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        return False
+    lists = [spec.get(key) for key in ("initContainers", "containers")]
+    return any(isinstance(c, Mapping) and c.get("name") == SIDECAR_NAME for items in lists if isinstance(items, list) for c in items)
+
+
+def guard_ephemeral_containers(pod: Any) -> tuple[Any, Outcome]:
+    """The rule of :func:`_read_only_ours` for ephemeral containers (``kubectl debug`` adds them
+    to a running pod through ``pods/ephemeralcontainers``): their mounts of the sidecar's volumes
+    become read-only. Returns ``(pod or a changed copy, outcome)``; ``pod`` is never modified."""
+    if not isinstance(pod, Mapping):
+        raise InjectionError(f"expected a Pod (a mapping), got {type(pod).__name__}")
+    meta = pod.get("metadata")
+    name = _display_name(meta if isinstance(meta, Mapping) else {})
+    result = copy.deepcopy(dict(pod))
+    spec = _mapping(result.get("spec"), "spec")
+    containers = _named_list(spec, "ephemeralContainers", "spec")
+    warnings: list[str] = []
+    _read_only_ours([(f"spec.ephemeralContainers[{i}]", c) for i, c in enumerate(containers)], warnings)
+    if not warnings:
+        return pod, Outcome("Pod", name, "unchanged", "no ephemeral container mounts the sidecar's volumes writable")
+    return result, Outcome("Pod", name, "injected", templates=1, warnings=tuple(warnings))
 
 
 def is_supported(api_version: str, kind: str) -> bool:
@@ -518,6 +587,14 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str, w
         if raw not in MODES:
             raise bad(ANN_MODE, f"expected {' or '.join(MODES)}")
         mode = changes["mode"] = raw
+    if config.hostpath_forbidden and mode != "restricted":
+        if ANN_MODE in annotations:
+            warnings.append(
+                f"{where}annotation {ANN_MODE} {_shown(annotations[ANN_MODE])} ignored: this namespace enforces Pod "
+                "Security baseline or restricted, which refuse the hostPath that hostpath mode needs, so the sidecar "
+                f"runs in restricted mode; remove the annotation, or inject where {ANN_MODE}: hostpath is allowed"
+            )
+        mode = changes["mode"] = "restricted"
     if ANN_SHORT_CIRCUIT in annotations:
         raw = annotations[ANN_SHORT_CIRCUIT].strip().lower()
         if raw not in {"true", "false"}:
@@ -607,6 +684,17 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
     # app containers get handles: never a socket address that nothing serves, and never the pod
     # socket for a sidecar injected in restricted mode, whatever this pass's configuration says.
     handles = _handles_url() in _string_list(sidecar_container.get("args"))
+    if effective.hostpath_forbidden and any(
+        m.get("name") == VOLUME_SOCKET for m in _named_list(sidecar_container, "volumeMounts", f"{where}container {SIDECAR_NAME}")
+    ):
+        raise InjectionError(
+            f"{where}the {SIDECAR_NAME!r} sidecar was injected in hostpath mode (it mounts the node's socket directory), "
+            "which this namespace's Pod Security level (baseline or restricted) refuses: remove the sidecar and let the "
+            f"webhook inject it, or inject with `shardcache inject --mode restricted` (or the annotation {ANN_MODE}: restricted)"
+        )
+    others = [(f"{where}spec.containers[{i}]", c) for i, c in enumerate(containers) if c.get("name") != SIDECAR_NAME]
+    others += [(f"{where}spec.initContainers[{i}]", c) for i, c in enumerate(init_containers) if c.get("name") != SIDECAR_NAME]
+    _read_only_ours(others, warnings)
 
     # App containers: every regular container, and the init containers that start after a native
     # sidecar (they can use the cache too). Init containers before it run without the sidecar.
@@ -654,6 +742,29 @@ def _check_conflicts(containers: list[dict[str, Any]], volumes: list[dict[str, A
                 raise InjectionError(
                     f"{where}container {_shown(container.get('name'))} uses port {config.port}, the sidecar's port: "
                     f"set the annotation {ANN_PORT} to a free port"
+                )
+
+
+def _read_only_ours(containers: list[tuple[str, dict[str, Any]]], warnings: list[str]) -> None:
+    """Every mount of one of our volumes by a container other than the sidecar becomes read-only.
+
+    The sidecar's volumes are ours to write: ``shardcache-socket`` is the node's socket directory
+    (a writable mount could replace the socket every pod on the node connects through), the pod
+    socket holds the sidecar's handles socket, the pod cache its entries. A container that names
+    one of them gets it because injection adds the volume for the sidecar, so whatever it declares
+    (no readOnly, ``readOnly: false``, a volume it never declared), injection must not make it
+    writable. Forced, not refused: under ``failurePolicy: Ignore`` a refused object is admitted
+    unchanged, writable mount included, and on a later pass the volume is already in the pod.
+    """
+    for label, container in containers:
+        for mount in _named_list(container, "volumeMounts", label):
+            name = mount.get("name")
+            if name in OUR_VOLUMES and mount.get("readOnly") is not True:
+                mount["readOnly"] = True
+                warnings.append(
+                    f"{label} ({_shown(container.get('name'))}) mounts the volume {name} writable: made read-only (it is "
+                    f"the {SIDECAR_NAME} sidecar's{', the node daemon socket directory' if name == VOLUME_SOCKET else ''}; "
+                    "reading needs no write access)"
                 )
 
 

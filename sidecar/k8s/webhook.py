@@ -7,7 +7,9 @@ the object and answers with the JSONPatch between the two. Nothing here has side
 configuration declares ``sideEffects: None`` and dry-run requests are answered the same way.
 
 The path says the namespace's injection mode: ``/mutate/hostpath`` and ``/mutate/restricted``
-(``/mutate``: ``--mode``). An AdmissionReview carries the namespace's name but not its labels,
+(``/mutate``: ``--mode``), and ``/mutate/pod-security`` for namespaces that enforce Pod Security
+``baseline`` or ``restricted``, where hostPath volumes are refused: restricted mode whatever the
+pod or the namespace's ``shardcache.io/mode`` asks, with a warning that says why. An AdmissionReview carries the namespace's name but not its labels,
 and this webhook calls no API, so the chart registers one webhook entry per mode, each with a
 ``namespaceSelector`` on the label ``shardcache.io/mode`` and its own path: that works on every
 cluster, managed ones included (no API server flag, no RBAC). A pod's ``shardcache.io/mode``
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import json
 import logging
@@ -45,7 +48,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from sidecar.errors import SidecarError
-from sidecar.k8s.inject import MODES, InjectConfig, InjectionError, Mode, inject, json_patch
+from sidecar.k8s.inject import MODES, InjectConfig, InjectionError, Mode, Outcome, guard_ephemeral_containers, inject, json_patch
 from wire.errors import BodyTooLarge, InvalidBody
 from wire.web import ConnectionGuard, ConnectionLimits, GuardedSite, decode_json_object, error_middleware, read_body
 
@@ -110,9 +113,11 @@ class Verdict:
     result: str = "invalid"
 
 
-def review(raw: bytes, settings: WebhookSettings, mode: Mode | None = None) -> Verdict:
+def review(raw: bytes, settings: WebhookSettings, mode: Mode | None = None, *, pod_security: bool = False) -> Verdict:
     """Answer one AdmissionReview request body, injecting in ``mode`` (None: the configuration's)
-    unless the pod's annotation says otherwise. Pure: no I/O, never raises."""
+    unless the pod's annotation says otherwise; ``pod_security``: the namespace enforces Pod
+    Security baseline or restricted, so restricted mode whatever is asked
+    (:attr:`~sidecar.k8s.inject.InjectConfig.hostpath_forbidden`). Pure: no I/O, never raises."""
     try:
         payload = decode_json_object(raw, what="an AdmissionReview object")
     except InvalidBody as exc:
@@ -133,8 +138,12 @@ def review(raw: bytes, settings: WebhookSettings, mode: Mode | None = None) -> V
 
     if operation not in ("CREATE", "UPDATE") or obj is None:
         return _allow(uid, kind, "ignored")
-    if operation == "UPDATE" and kind == "Pod":
-        # A pod's containers and volumes are immutable once created; injection happens at CREATE.
+    if operation == "UPDATE" and kind == "Pod" and request.get("subResource") == "ephemeralcontainers" and isinstance(obj, dict):
+        return _answer(uid, kind, request, obj, guard_ephemeral_containers, settings.failure_policy)
+    if operation == "UPDATE" and (kind == "Pod" or (kind == "Job" and kind_info.get("group") == "batch")):
+        # Immutable once created: a pod's containers and volumes, a Job's pod template. A patch
+        # would make the API server refuse the update itself (Kueue unsuspending a Job, a label
+        # edit); injection happens at CREATE.
         return _allow(uid, kind, "ignored")
     if isinstance(obj, dict):
         # AdmissionReview objects carry their TypeMeta, but fill it from request.kind if absent.
@@ -142,15 +151,24 @@ def review(raw: bytes, settings: WebhookSettings, mode: Mode | None = None) -> V
         version = str(kind_info.get("version") or "")
         obj = {"apiVersion": f"{group}/{version}" if group else version, "kind": kind, **obj}
     config = settings.inject if mode is None or mode == settings.inject.mode else replace(settings.inject, mode=mode)
+    if pod_security:
+        config = replace(config, hostpath_forbidden=True)
+    return _answer(uid, kind, request, obj, lambda o: inject(o, config, require_label=True), settings.failure_policy)
+
+
+def _answer(uid: str, kind: str, request: dict[str, Any], obj: Any, change: Callable[[Any], tuple[Any, Outcome]],
+            policy: FailurePolicy) -> Verdict:
+    """Run ``change`` (a pure injection) on ``obj`` and answer with the patch, its warnings, or
+    the failure policy's answer to an error."""
     try:
-        new, outcome = inject(obj, config, require_label=True)
+        new, outcome = change(obj)
     except InjectionError as exc:
-        return _refuse_or_warn(uid, kind, _describe(request), str(exc), settings.failure_policy)
+        return _refuse_or_warn(uid, kind, _describe(request), str(exc), policy)
     except RecursionError:
-        return _refuse_or_warn(uid, kind, _describe(request), "object is nested too deeply", settings.failure_policy)
+        return _refuse_or_warn(uid, kind, _describe(request), "object is nested too deeply", policy)
     except Exception as exc:  # a bug must not take admission down with it: answer, log, go on
         log.exception("internal error injecting %s", _describe(request))
-        return _refuse_or_warn(uid, kind, _describe(request), f"internal error: {exc!r}", settings.failure_policy)
+        return _refuse_or_warn(uid, kind, _describe(request), f"internal error: {exc!r}", policy)
     if outcome.result != "injected":
         return _allow(uid, kind, outcome.result)
     patch = json_patch(obj, new)
@@ -322,6 +340,7 @@ class WebhookMetrics:
         )
 
 
+POD_SECURITY_PATH = "/mutate/pod-security"
 SETTINGS_KEY = web.AppKey("settings", WebhookSettings)
 METRICS_KEY = web.AppKey("metrics", WebhookMetrics)
 TLS_KEY = web.AppKey("tls", TLSReloader)
@@ -331,6 +350,7 @@ async def _mutate(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS_KEY]
     raw_mode = request.match_info.get("mode")
     mode: Mode | None = next((m for m in MODES if m == raw_mode), None)
+    pod_security = request.path == POD_SECURITY_PATH
     metrics = request.app[METRICS_KEY]
     started = time.perf_counter()
     if request.content_type != "application/json":
@@ -338,7 +358,7 @@ async def _mutate(request: web.Request) -> web.Response:
     body = await read_body(request, settings.max_request_bytes)
     # JSON decoding, injection and encoding of a multi-megabyte object take milliseconds of CPU:
     # keep the loop free for health checks and other reviews.
-    verdict = await asyncio.to_thread(review, body, settings, mode)
+    verdict = await asyncio.to_thread(functools.partial(review, body, settings, mode, pod_security=pod_security))
     data = await asyncio.to_thread(json.dumps, verdict.body)
     metrics.admissions.labels(verdict.kind, verdict.result).inc()
     metrics.duration.observe(time.perf_counter() - started)
@@ -401,6 +421,9 @@ def build_app(settings: WebhookSettings, tls: TLSReloader | None = None) -> web.
     app.router.add_post("/mutate", _mutate)
     # One path per mode (the chart's webhook entries, one per namespaceSelector); another word is a 404.
     app.router.add_post(f"/mutate/{{mode:{'|'.join(MODES)}}}", _mutate)
+    # Namespaces that enforce Pod Security baseline or restricted (the chart's entry selects them
+    # by their pod-security.kubernetes.io/enforce label): restricted mode, whatever is asked.
+    app.router.add_post(POD_SECURITY_PATH, _mutate)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _healthz)
     app.router.add_get("/metrics", _metrics)

@@ -694,6 +694,8 @@ def container_env(container: dict[str, Any], secrets: dict[str, dict[str, str]])
             assert "$(" not in entry["value"], "no dependent variables in these pods"
             env[entry["name"]] = entry["value"]
         elif ref := entry.get("valueFrom", {}).get("secretKeyRef"):
+            if ref["name"] not in secrets and ref.get("optional"):
+                continue  # the kubelet leaves the variable unset (the master token of a namespace without it)
             env[entry["name"]] = secrets[ref["name"]][ref["key"]]
     return env
 

@@ -124,6 +124,15 @@ def test_lint_is_clean(renderer: Renderer, option: str) -> None:
     assert report["errors"] == [] and report["messages"] == [], report
 
 
+def without_newer_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object as the chart renders it for a cluster older than 1.30: webhook matchConditions
+    are rendered only from 1.30 (semverCompare on .Capabilities.KubeVersion)."""
+    obj = copy.deepcopy(obj)
+    for hook in obj.get("webhooks", []) if obj["kind"] == "MutatingWebhookConfiguration" else []:
+        hook.pop("matchConditions", None)
+    return obj
+
+
 @pytest.mark.parametrize("option", OPTIONS)
 def test_objects_are_valid_and_labelled(rendered: dict[str, list[dict[str, Any]]], option: str) -> None:
     objects = rendered[option]
@@ -139,7 +148,7 @@ def test_objects_are_valid_and_labelled(rendered: dict[str, list[dict[str, Any]]
         assert len(obj["metadata"]["name"]) <= 63
         if obj["kind"] in BUILTIN_KINDS:
             for version in ("1.25", "1.30"):
-                validate_k8s(obj, version)
+                validate_k8s(without_newer_fields(obj) if version == "1.25" else obj, version)
         if obj["kind"] not in ("MutatingWebhookConfiguration", "PriorityClass"):
             assert obj["metadata"]["namespace"] == NS
     for workload, template in pod_specs(objects):
@@ -395,17 +404,24 @@ def _webhook_parts(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[
 
 def test_webhook_configuration_defaults(rendered: dict[str, list[dict[str, Any]]]) -> None:
     mwc, svc, deployment = _webhook_parts(rendered["defaults"])
-    # One entry per injection mode, told apart by the namespace label (tests/k8s/test_k8s_restricted.py).
-    hostpath, restricted = mwc["webhooks"]
-    assert (hostpath["name"], restricted["name"]) == ("pods.inject.shardcache.io", "restricted-pods.inject.shardcache.io")
-    for hook in (hostpath, restricted):
+    # One entry per injection mode, told apart by the namespace label (tests/k8s/test_k8s_restricted.py),
+    # and one for namespaces that enforce Pod Security baseline or restricted.
+    hostpath, restricted, pod_security = mwc["webhooks"]
+    assert (hostpath["name"], restricted["name"], pod_security["name"]) == (
+        "pods.inject.shardcache.io", "restricted-pods.inject.shardcache.io", "pod-security-pods.inject.shardcache.io")
+    assert pod_security["clientConfig"]["service"]["path"] == "/mutate/pod-security"
+    for hook in (hostpath, restricted, pod_security):
         assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
         assert hook["failurePolicy"] == "Ignore" and hook["timeoutSeconds"] == 5
         assert hook["reinvocationPolicy"] == "IfNeeded"
         assert hook["objectSelector"] == {"matchLabels": {INJECT_LABEL: "true"}}
         excluded = hook["namespaceSelector"]["matchExpressions"][0]
         assert excluded["operator"] == "NotIn" and set(excluded["values"]) == {"kube-system", NS}
-        assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]
+        assert hook["rules"] == [
+            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"},
+            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods/ephemeralcontainers"], "scope": "Namespaced"},
+        ]
+        assert "matchConditions" not in hook
     args = container(deployment)["args"]
     assert arg_after(args, "--failure-policy") == "ignore"
     # nativeSidecar auto on a 1.29+ cluster; short-circuit reads by handle (no node cache mount).
@@ -534,16 +550,24 @@ def test_native_sidecar_switch_and_policies(rendered: dict[str, list[dict[str, A
     assert arg_after(container(deployment)["args"], "--failure-policy") == "fail"
     mwc, _, _ = _webhook_parts(rendered["namespaces"])
     assert mwc["webhooks"][0]["namespaceSelector"] == {"matchLabels": {"shardcache.io/enabled": "true"},
-                                                       "matchExpressions": [{"key": "shardcache.io/mode", "operator": "NotIn", "values": ["restricted"]}]}
+                                                       "matchExpressions": [{"key": "shardcache.io/mode", "operator": "NotIn", "values": ["restricted"]},
+                                                                            {"key": "pod-security.kubernetes.io/enforce", "operator": "NotIn",
+                                                                             "values": ["baseline", "restricted"]}]}
     assert not [o for o in rendered["single-webhook"] if o["kind"] == "PodDisruptionBudget"]
 
 
 def test_workload_injection_webhook(rendered: dict[str, list[dict[str, Any]]]) -> None:
     mwc, _, _ = _webhook_parts(rendered["workloads"])
-    pods, _restricted_pods, workloads, restricted_workloads = mwc["webhooks"]
+    pods, _restricted_pods, _pod_security_pods, workloads, restricted_workloads, pod_security_workloads = mwc["webhooks"]
     assert pods["name"] == "pods.inject.shardcache.io" and workloads["name"] == "workloads.inject.shardcache.io"
     assert restricted_workloads["name"] == "restricted-workloads.inject.shardcache.io"
     assert restricted_workloads["rules"] == workloads["rules"] and restricted_workloads["clientConfig"]["service"]["path"] == "/mutate/restricted"
+    assert pod_security_workloads["rules"] == workloads["rules"] and pod_security_workloads["clientConfig"]["service"]["path"] == "/mutate/pod-security"
+    # The storm's guard on the API server's side: nothing a controller made is sent (a Deployment's
+    # ReplicaSets); the webhook skips them too (tests/k8s/test_k8s_controllers.py).
+    for hook in (workloads, restricted_workloads, pod_security_workloads):
+        (condition,) = hook["matchConditions"]
+        assert "ownerReferences" in condition["expression"] and "controller" in condition["expression"]
     resources = {r for rule in workloads["rules"] for r in rule["resources"]}
     assert {"deployments", "statefulsets", "daemonsets", "jobs", "cronjobs", "pytorchjobs", "tfjobs"} <= resources
     assert workloads["objectSelector"] == pods["objectSelector"]

@@ -135,7 +135,8 @@ spec:
     assert train["resources"] == eval_["resources"] == {"requests": {"cpu": "100m", "memory": "1Gi"}}
     # Each container got its own variables once, though both env lists were one anchor.
     for container in (train, eval_):
-        assert [e["name"] for e in container["env"]] == ["A", "B", "SHARDCACHE_ENDPOINT", "SHARDCACHE_HANDLES", "SHARDCACHE_NODE"]
+        assert [e["name"] for e in container["env"]] == [
+            "A", "B", "SHARDCACHE_ENDPOINT", "SHARDCACHE_MASTER_TOKEN", "SHARDCACHE_HANDLES", "SHARDCACHE_NODE"]
 
 
 def test_deep_but_reasonable_nesting_still_works() -> None:

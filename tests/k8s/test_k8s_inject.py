@@ -42,6 +42,9 @@ from tests.k8s.support import (
 CONFIG = InjectConfig(image="registry.example.com/shardcache:1.2.3")
 # What every injected container gets (tests/k8s/test_k8s_cluster.py).
 NODE_ENTRY = {"name": "SHARDCACHE_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+# The master token Secret of the chart's default release, the configuration's default.
+MASTER_ENTRY = {"name": "SHARDCACHE_MASTER_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": "shardcache-master-token", "key": "token", "optional": True}}}
 FALLBACK = InjectConfig(image="registry.example.com/shardcache:1.2.3", native_sidecar=False)
 WORKLOADS = [d for d in load_fixture_docs() if d["kind"] in TEMPLATE_PATHS]
 PASSTHROUGH = [d for d in load_fixture_docs() if d["kind"] not in TEMPLATE_PATHS]
@@ -294,7 +297,7 @@ def test_existing_env_and_pod_socket_path_are_kept() -> None:
     assert outcome.result == "injected"
     # The path is the user's: no mount of ours over it, and no handles address the container
     # could not reach.
-    assert train["env"] == [{"name": ENDPOINT_ENV, "value": "http://elsewhere:9000"}, NODE_ENTRY]
+    assert train["env"] == [{"name": ENDPOINT_ENV, "value": "http://elsewhere:9000"}, MASTER_ENTRY, NODE_ENTRY]
     assert train["volumeMounts"] == [{"name": "mine", "mountPath": "/run/shardcache-pod"}]
     # A value the user set wins; the mount is still added.
     assert [e for e in evaluate["env"] if e["name"] == HANDLES_ENV] == [{"name": HANDLES_ENV, "value": "unix:///elsewhere/h.sock"}]

@@ -423,7 +423,14 @@ def test_the_charts_webhook_injects_restricted_pods_at_the_service(renderer: Ren
         # (namespace labels -> the webhook entry that injects it, or None)
         ({}, [(namespace("ml"), "pods"), (namespace("ml", **{"shardcache.io/mode": "hostpath"}), "pods"),
               (namespace("vision", **{"shardcache.io/mode": "restricted"}), "restricted-pods"),
-              (namespace("kube-system", **{"shardcache.io/mode": "restricted"}), None), (namespace(NS), None)]),
+              (namespace("kube-system", **{"shardcache.io/mode": "restricted"}), None), (namespace(NS), None),
+              # Pod Security baseline and restricted refuse every hostPath: the pod-security entry
+              # (restricted mode, whatever is asked); privileged does not.
+              (namespace("secure", **{"pod-security.kubernetes.io/enforce": "restricted"}), "pod-security-pods"),
+              (namespace("secure", **{"pod-security.kubernetes.io/enforce": "baseline", "shardcache.io/mode": "hostpath"}),
+               "pod-security-pods"),
+              (namespace("open", **{"pod-security.kubernetes.io/enforce": "privileged"}), "pods"),
+              (namespace("warned", **{"pod-security.kubernetes.io/warn": "restricted"}), "pods")]),
         ({"webhook": {"sidecar": {"mode": "restricted"}}},
          [(namespace("ml"), "pods"), (namespace("ml", **{"shardcache.io/mode": "restricted"}), "pods"),
           (namespace("legacy", **{"shardcache.io/mode": "hostpath"}), "hostpath-pods")]),
@@ -439,7 +446,8 @@ def test_the_mode_follows_the_namespace_label(renderer: Renderer, values: dict[s
     default = values.get("webhook", {}).get("sidecar", {}).get("mode", "hostpath")
     other = "restricted" if default == "hostpath" else "hostpath"
     hooks = {h["name"].removesuffix(".inject.shardcache.io"): h for h in mwc["webhooks"]}
-    assert set(hooks) == {"pods", f"{other}-pods"}
+    assert set(hooks) == {"pods", f"{other}-pods", "pod-security-pods"}
+    assert hooks["pod-security-pods"]["clientConfig"]["service"]["path"] == "/mutate/pod-security"
     # The plain entry (and path) is the webhook's own --mode; the other one has its mode in the path.
     assert hooks["pods"]["clientConfig"]["service"]["path"] == "/mutate"
     assert hooks[f"{other}-pods"]["clientConfig"]["service"]["path"] == f"/mutate/{other}"

@@ -178,7 +178,8 @@ def test_master_token_comes_from_an_optional_secret_in_the_pods_namespace() -> N
     validate_k8s(out, "1.30")
     check_pod_semantics(spec)
     assert inject(out, config)[0] == out
-    assert all(e["name"] != MASTER_TOKEN_ENV for e in inject(obj, InjectConfig(image=DEFAULT))[0]["spec"]["containers"][0]["env"])
+    untokened = InjectConfig(image=DEFAULT, master_token_secret=None)
+    assert all(e["name"] != MASTER_TOKEN_ENV for e in inject(obj, untokened)[0]["spec"]["containers"][0]["env"])
 
 
 @pytest.mark.parametrize("name", ["Master_Token", "-token", "token-", "a" * 254, "to ken"])
@@ -409,7 +410,8 @@ def test_network_policies_by_default(charts: dict[str, list[dict[str, Any]]], re
         # (each webhook entry adds its shardcache.io/mode expression to that selector).
         for hook in mwc["webhooks"]:
             expressions = hook["namespaceSelector"]["matchExpressions"]
-            assert [e for e in expressions if e["key"] != "shardcache.io/mode"] == training["namespaceSelector"]["matchExpressions"]
+            assert [e for e in expressions if e["key"] not in ("shardcache.io/mode", "pod-security.kubernetes.io/enforce")] == (
+                training["namespaceSelector"]["matchExpressions"])
         assert metrics == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
         port = container["ports"][0]["containerPort"]
         assert admits(policy, "ml", port) and admits(policy, "monitoring", port)
@@ -482,7 +484,9 @@ def test_existing_token_secret_and_auth_off(charts: dict[str, list[dict[str, Any
     master = find(open_chart, "Deployment", "-master")["spec"]["template"]["spec"]
     assert "--token-file" not in master["containers"][0]["args"] and "token" not in {v["name"] for v in master["volumes"]}
     hook_args = find(open_chart, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--master-token-secret" not in hook_args and "--allow-sidecar-image" not in hook_args
+    # Passed empty: the flag's default is the token Secret of a release named shardcache.
+    assert hook_args[hook_args.index("--master-token-secret") + 1] == "" and "--allow-sidecar-image" not in hook_args
+    assert settings_from_args(build_parser().parse_args(hook_args)).inject.master_token_secret is None
 
 
 def test_secret_annotations_for_reflector(renderer: Renderer) -> None:

@@ -164,7 +164,9 @@ def test_huge_pod_is_injected(webhook: WebhookProcess) -> None:
     assert status == 200, body
     assert time.monotonic() - started < 10  # well inside the API server's webhook timeout
     patched = apply_patch(pod, body["response"])
-    assert patched["spec"]["containers"][0]["env"][-3:] == [{"name": ENDPOINT_ENV, "value": "http://127.0.0.1:8600"},
+    assert patched["spec"]["containers"][0]["env"][-4:] == [{"name": ENDPOINT_ENV, "value": "http://127.0.0.1:8600"},
+                                                            {"name": "SHARDCACHE_MASTER_TOKEN", "valueFrom": {"secretKeyRef": {
+                                                                "name": "shardcache-master-token", "key": "token", "optional": True}}},
                                                             {"name": "SHARDCACHE_HANDLES", "value": "unix:///run/shardcache-pod/handles.sock"},
                                                             {"name": "SHARDCACHE_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     # A small patch (env appended, not the whole list replaced).

@@ -100,14 +100,24 @@ reads (node.auth.mode sigv4) and an ephemeral cache allow them too. */}}
 Namespaces injected in one mode: (dict "ctx" $ "mode" "restricted"). The injected namespaces, and
 of those the ones whose label shardcache.io/mode names this mode (or, for webhook.sidecar.mode, not
 the other one): one webhook entry per mode, since an AdmissionReview carries no namespace labels.
+Namespaces that enforce Pod Security baseline or restricted (label pod-security.kubernetes.io/enforce)
+refuse every hostPath: they are the "pod-security" entry's alone, injected in restricted mode
+whatever they or their pods ask (the webhook's /mutate/pod-security path).
 */}}
 {{- define "shardcache.modeNamespaceSelector" -}}
 {{- $selector := include "shardcache.injectedNamespaceSelector" .ctx | fromYaml }}
+{{- $levels := list "baseline" "restricted" }}
+{{- $expressions := list }}
+{{- if eq .mode "pod-security" }}
+{{- $expressions = list (dict "key" "pod-security.kubernetes.io/enforce" "operator" "In" "values" $levels) }}
+{{- else }}
 {{- $expression := dict "key" "shardcache.io/mode" "operator" "In" "values" (list .mode) }}
 {{- if eq .mode .ctx.Values.webhook.sidecar.mode }}
 {{- $expression = dict "key" "shardcache.io/mode" "operator" "NotIn" "values" (list (include "shardcache.otherMode" .ctx)) }}
 {{- end }}
-{{- $_ := set $selector "matchExpressions" (append ($selector.matchExpressions | default list) $expression) }}
+{{- $expressions = list $expression (dict "key" "pod-security.kubernetes.io/enforce" "operator" "NotIn" "values" $levels) }}
+{{- end }}
+{{- $_ := set $selector "matchExpressions" (concat ($selector.matchExpressions | default list) $expressions) }}
 {{- toYaml $selector }}
 {{- end }}
 

@@ -112,9 +112,10 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
              help="an image the shardcache.io/sidecar-image annotation may choose besides --sidecar-image: an exact "
              "reference, or a prefix ending in /* (any image under it), :* (any tag) or @* (any digest); repeatable. "
              "Other annotated images are ignored with a warning (the sidecar mounts the node's socket directory)")
-    add_flag(parser, "--master-token-secret", default="", metavar="NAME",
+    add_flag(parser, "--master-token-secret", default=defaults["master_token_secret"].default, metavar="NAME",
              help="Secret in the pod's namespace whose key 'token' the app containers get as SHARDCACHE_MASTER_TOKEN "
-             "(an optional reference: pods start without it); '' for none")
+             "(an optional reference: pods start without it); '' for none. The default is the chart's, for a "
+             "release named shardcache")
 
 
 def injection_config(args: argparse.Namespace) -> Any:
