@@ -21,7 +21,7 @@ os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
 os.environ.pop("AWS_PROFILE", None)
 os.environ.pop("AWS_ENDPOINT_URL", None)
 # The test command's own switches (scripts/test.sh) stay; the product's settings do not leak in.
-_TEST_SWITCHES = {"SHARDCACHE_BENCH_PEERS"}
+_TEST_SWITCHES = {"SHARDCACHE_BENCH_PEERS", "SHARDCACHE_TEST_KUBE_APISERVER", "SHARDCACHE_TEST_KUBE_CONTROLLER_MANAGER"}
 for _name in [n for n in os.environ if n.startswith("SHARDCACHE_") and n not in _TEST_SWITCHES]:
     os.environ.pop(_name)
 

@@ -687,10 +687,10 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
     if effective.hostpath_forbidden and any(
         m.get("name") == VOLUME_SOCKET for m in _named_list(sidecar_container, "volumeMounts", f"{where}container {SIDECAR_NAME}")
     ):
+        # The fix first: the webhook's warning is cut at 256 characters.
         raise InjectionError(
-            f"{where}the {SIDECAR_NAME!r} sidecar was injected in hostpath mode (it mounts the node's socket directory), "
-            "which this namespace's Pod Security level (baseline or restricted) refuses: remove the sidecar and let the "
-            f"webhook inject it, or inject with `shardcache inject --mode restricted` (or the annotation {ANN_MODE}: restricted)"
+            f"{where}inject with `shardcache inject --mode restricted` (or let the webhook inject): the sidecar is in "
+            "hostpath mode, whose hostPath this namespace's Pod Security (baseline or restricted) refuses"
         )
     others = [(f"{where}spec.containers[{i}]", c) for i, c in enumerate(containers) if c.get("name") != SIDECAR_NAME]
     others += [(f"{where}spec.initContainers[{i}]", c) for i, c in enumerate(init_containers) if c.get("name") != SIDECAR_NAME]

@@ -313,6 +313,21 @@ def start_webhook(tmp: Path, tls: TLSFiles, *extra: str, server_hostname: str = 
     return server
 
 
+def chart_webhook_args(objects: list[dict[str, Any]]) -> list[str]:
+    """The ``shardcache webhook`` flags of a rendered chart's webhook Deployment, less its address
+    and certificate (a test gives its own)."""
+    args = find(objects, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = args[args.index("webhook") + 1:]
+    kept: list[str] = []
+    pairs = iter(args)
+    for arg in pairs:
+        if arg in ("--listen", "--tls-cert", "--tls-key"):
+            next(pairs)
+            continue
+        kept.append(arg)
+    return kept
+
+
 def admission_review(obj: dict[str, Any], *, operation: str = "CREATE", uid: str = "uid-1") -> dict[str, Any]:
     group, _, version = obj["apiVersion"].rpartition("/")
     meta = obj.get("metadata", {})

@@ -34,7 +34,7 @@ from tests.k8s.support import (
     WebhookProcess,
     admission_review,
     apply_patch,
-    find,
+    chart_webhook_args,
     start_webhook,
 )
 
@@ -231,7 +231,7 @@ def test_a_namespace_that_enforces_pod_security_gets_restricted_mode() -> None:
 
 def test_a_hostpath_sidecar_in_a_pod_security_namespace_names_the_fix() -> None:
     injected, _ = inject(pod(), CONFIG)  # e.g. `shardcache inject` output applied to the wrong namespace
-    with pytest.raises(InjectionError, match=r"Pod Security.*--mode restricted"):
+    with pytest.raises(InjectionError, match=r"--mode restricted.*Pod Security"):
         inject(injected, InjectConfig(image=CONFIG.image, hostpath_forbidden=True))
 
 
@@ -242,20 +242,7 @@ def test_a_hostpath_sidecar_in_a_pod_security_namespace_names_the_fix() -> None:
 def chart_webhook(tmp_path_factory: pytest.TempPathFactory, tls: TLSFiles, renderer: Renderer) -> Iterator[tuple[WebhookProcess, list[str]]]:
     """The webhook with exactly the args the chart's defaults give it (`helm install shardcache
     charts/shardcache -n shardcache`), but its address and certificate."""
-    objects = renderer.objects(name="shardcache", namespace="shardcache")
-    args = find(objects, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
-    args = args[args.index("webhook") + 1:]
-    kept: list[str] = []
-    skip = False
-    for index, arg in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if arg in ("--listen", "--tls-cert", "--tls-key"):
-            skip = True
-            continue
-        kept.append(arg)
-        del index
+    kept = chart_webhook_args(renderer.objects(name="shardcache", namespace="shardcache"))
     server = start_webhook(tmp_path_factory.mktemp("chart-webhook"), tls, *kept)
     try:
         yield server, kept

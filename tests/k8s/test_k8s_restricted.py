@@ -350,21 +350,23 @@ def test_pod_security_levels_of_each_mode() -> None:
 # ----------------------------------------------------------------------------- the chart
 
 
-def render_files(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+def render_files(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = (),
+                 name: str = "sc") -> dict[str, str]:
     """The chart rendered by Helm's engine, with the API versions a cluster's discovery would
     report (what ``helm template --api-versions`` passes): the SDK's ``Chart.render`` does not
     expose that option, so its native call is made with Chart.render's options plus that one."""
     from helm_python import _native
 
-    opts = {"name": "sc", "namespace": NS, "is_install": True, "api_versions": list(api_versions)}
+    opts = {"name": name, "namespace": NS, "is_install": True, "api_versions": list(api_versions)}
     files: dict[str, str] = json.loads(_native.call_string("helm_render", renderer.chart._raw(), json.dumps(values or {}), json.dumps(opts)))
     return files
 
 
-def render(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def render(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = (),
+           name: str = "sc") -> list[dict[str, Any]]:
     import yaml
 
-    files = render_files(renderer, values, api_versions=api_versions)
+    files = render_files(renderer, values, api_versions=api_versions, name=name)
     return [d for path, text in sorted(files.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
