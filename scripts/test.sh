@@ -46,6 +46,17 @@ if ! command -v chromium >/dev/null; then
     fi
 fi
 
+# promtool (Debian's prometheus package): tests/k8s/test_k8s_alerts.py checks and unit-tests the
+# chart's alerting rules with it. Without its recommended node exporter: the tests need promtool only.
+if ! command -v promtool >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+        echo "scripts/test.sh: promtool missing; install it (sudo apt-get install prometheus)" >&2
+    fi
+fi
+
 # torch pinned to the CPU build (an unpinned torch pulls several GB of CUDA wheels); the bench
 # extra brings the peers the benchmark suite's smoke test runs (s3fs, webdataset,
 # mosaicml-streaming, s3torchconnector); constraints.txt keeps their versions resolvable.

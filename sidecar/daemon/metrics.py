@@ -185,6 +185,13 @@ class Metrics:
         )
         for state in ("live", "dead"):
             self.cluster_members.labels(state=state)
+        # A security signal for the platform team's alert: peer requests not signed with a secret.
+        self.peer_links_open = Gauge(
+            "shardcache_cluster_peer_links_open",
+            "1 when this daemon is a cluster member whose peer links are open (no --peer-secret-file: peer "
+            "requests are not authenticated), else 0",
+            registry=r,
+        )
         for source in ("origin", "peer"):
             self.fills.labels(outcome="cached", source=source)
         self.fill_checks = Counter(

@@ -65,6 +65,8 @@ class Membership:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._checking: dict[str, asyncio.Task[None]] = {}
+        if metrics is not None:
+            metrics.peer_links_open.set(1 if settings.links == "open" else 0)
         self._update()
 
     async def start(self) -> None:
