@@ -9,10 +9,11 @@ configuration declares ``sideEffects: None`` and dry-run requests are answered t
 The path says the namespace's injection mode: ``/mutate/hostpath`` and ``/mutate/restricted``
 (``/mutate``: ``--mode``), and ``/mutate/pod-security`` for namespaces that enforce Pod Security
 ``baseline`` or ``restricted``, where hostPath volumes are refused: restricted mode whatever the
-pod or the namespace's ``shardcache.io/mode`` asks, with a warning that says why. An AdmissionReview carries the namespace's name but not its labels,
-and this webhook calls no API, so the chart registers one webhook entry per mode, each with a
-``namespaceSelector`` on the label ``shardcache.io/mode`` and its own path: that works on every
-cluster, managed ones included (no API server flag, no RBAC). A pod's ``shardcache.io/mode``
+pod or the namespace's ``shardcache.io/mode`` asks, with a warning that says why. An
+AdmissionReview carries the namespace's name but not its labels, and this webhook calls no API,
+so the chart registers one webhook entry per mode, each with a ``namespaceSelector`` on the label
+``shardcache.io/mode`` and its own path: that works on every cluster, managed ones included (no
+API server flag, no RBAC). A pod's ``shardcache.io/mode``
 annotation still wins over its namespace's.
 
 When an object cannot be injected (malformed, conflicting, a bad annotation) the answer follows
@@ -138,7 +139,7 @@ def review(raw: bytes, settings: WebhookSettings, mode: Mode | None = None, *, p
 
     if operation not in ("CREATE", "UPDATE") or obj is None:
         return _allow(uid, kind, "ignored")
-    if operation == "UPDATE" and kind == "Pod" and request.get("subResource") == "ephemeralcontainers" and isinstance(obj, dict):
+    if operation == "UPDATE" and kind == "Pod" and request.get("subResource") == "ephemeralcontainers":
         return _answer(uid, kind, request, obj, guard_ephemeral_containers, settings.failure_policy)
     if operation == "UPDATE" and (kind == "Pod" or (kind == "Job" and kind_info.get("group") == "batch")):
         # Immutable once created: a pod's containers and volumes, a Job's pod template. A patch

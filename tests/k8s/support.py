@@ -20,9 +20,12 @@ from typing import Any
 import pytest
 import yaml
 
+from sidecar.k8s.inject import INJECT_LABEL
 from tests.helpers import PYTHON, REPO, free_port, spawn, stop, wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# What a cluster with the ValidatingAdmissionPolicy API reports (the chart renders its policy only then).
+VAP_API = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
 CHART = REPO / "charts" / "shardcache"
 
 # Kinds of pod-holding objects and where their pod templates are, written out independently of
@@ -141,12 +144,23 @@ class Renderer:
         self.helm = helm_python
         self.chart = helm_python.Chart.load(str(CHART))
 
-    def files(self, values: dict[str, Any] | None = None, *, namespace: str = "shardcache", name: str = "sc") -> dict[str, str]:
-        return self.chart.render(values=values or {}, name=name, namespace=namespace, is_install=True)
+    def files(self, values: dict[str, Any] | None = None, *, namespace: str = "shardcache", name: str = "sc",
+              api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+        """Rendered files by path; ``api_versions``: what a cluster's discovery would report (what
+        ``helm template --api-versions`` passes). The SDK's ``Chart.render`` does not expose that
+        option, so its native call is made with Chart.render's options plus that one."""
+        if not api_versions:
+            return self.chart.render(values=values or {}, name=name, namespace=namespace, is_install=True)
+        from helm_python import _native
 
-    def objects(self, values: dict[str, Any] | None = None, *, namespace: str = "shardcache", name: str = "sc") -> list[dict[str, Any]]:
+        opts = {"name": name, "namespace": namespace, "is_install": True, "api_versions": list(api_versions)}
+        files: dict[str, str] = json.loads(_native.call_string("helm_render", self.chart._raw(), json.dumps(values or {}), json.dumps(opts)))
+        return files
+
+    def objects(self, values: dict[str, Any] | None = None, *, namespace: str = "shardcache", name: str = "sc",
+                api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for path, text in sorted(self.files(values, namespace=namespace, name=name).items()):
+        for path, text in sorted(self.files(values, namespace=namespace, name=name, api_versions=api_versions).items()):
             if path.endswith(".yaml"):
                 out.extend(d for d in yaml.safe_load_all(text) if d)
         return out
@@ -311,6 +325,21 @@ def start_webhook(tmp: Path, tls: TLSFiles, *extra: str, server_hostname: str = 
         stop(proc)
         raise AssertionError(f"webhook did not come up:\n{server.log_text()}") from None
     return server
+
+
+def opted_in_deployment(name: str, namespace: str, *, label_on: str, replicas: int = 1) -> dict[str, Any]:
+    """A Deployment opted in with the inject label on its pod template (as the README shows) or
+    on its own metadata (``label_on``: ``"template"`` or ``"deployment"``)."""
+    template_labels = {"app": name}
+    own: dict[str, str] = {}
+    (template_labels if label_on == "template" else own)[INJECT_LABEL] = "true"
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": own},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
+                 "template": {"metadata": {"labels": template_labels},
+                              "spec": {"containers": [{"name": "train", "image": "trainer:1"}]}}},
+    }
 
 
 def chart_webhook_args(objects: list[dict[str, Any]]) -> list[str]:

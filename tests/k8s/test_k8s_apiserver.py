@@ -22,9 +22,17 @@ import pytest
 from sidecar.k8s.inject import INJECT_LABEL, SIDECAR_NAME, VOLUME_SOCKET, InjectConfig, inject
 from tests.helpers import stop
 from tests.k8s.controlplane import ApiError, ControlPlane, control_plane, eventually
-from tests.k8s.support import Renderer, TLSFiles, WebhookProcess, chart_webhook_args, find, start_webhook
+from tests.k8s.support import (
+    VAP_API,
+    Renderer,
+    TLSFiles,
+    WebhookProcess,
+    chart_webhook_args,
+    find,
+    opted_in_deployment,
+    start_webhook,
+)
 from tests.k8s.test_k8s_chart import OPTIONS
-from tests.k8s.test_k8s_restricted import VAP_API, render
 
 RELEASE = NS = "shardcache"
 # The training namespaces: the default mode, a namespace that chose restricted, and one that
@@ -49,11 +57,29 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
 
 
 @pytest.fixture(scope="module")
-def cluster(plane: ControlPlane, renderer: Renderer, tls: TLSFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPlane, WebhookProcess]]:
-    """The chart's webhook (workload injection on) registered by URL, its admission policy
-    created, and the training namespaces."""
-    values = {"webhook": {"injectWorkloads": True}}
-    objects = render(renderer, values, api_versions=(VAP_API,), name=RELEASE)
+def chart(renderer: Renderer) -> list[dict[str, Any]]:
+    """The chart as the tests install it: release shardcache, workload injection on, on a cluster
+    with the admission policy API."""
+    return renderer.objects({"webhook": {"injectWorkloads": True}}, namespace=NS, name=RELEASE, api_versions=(VAP_API,))
+
+
+@pytest.fixture(scope="module")
+def hook_config(chart: list[dict[str, Any]]) -> InjectConfig:
+    """The injection configuration the chart gives its webhook."""
+    from sidecar.cli import build_parser
+    from sidecar.cli.commands.webhook import settings_from_args
+
+    args = ["webhook", "--tls-cert", "x", "--tls-key", "y", *chart_webhook_args(chart)]
+    config: InjectConfig = settings_from_args(build_parser().parse_args(args)).inject
+    return config
+
+
+@pytest.fixture(scope="module")
+def cluster(plane: ControlPlane, chart: list[dict[str, Any]], tls: TLSFiles,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPlane, WebhookProcess]]:
+    """The chart's webhook registered by URL, its admission policy created, and the training
+    namespaces."""
+    objects = chart
     webhook = start_webhook(tmp_path_factory.mktemp("apiserver-webhook"), tls, *chart_webhook_args(objects))
     kube = plane.kube
     try:
@@ -67,11 +93,22 @@ def cluster(plane: ControlPlane, renderer: Renderer, tls: TLSFiles, tmp_path_fac
         kube.create(configuration)
         kube.create(find(objects, "ValidatingAdmissionPolicy"))
         kube.create(find(objects, "ValidatingAdmissionPolicyBinding"))
-        # Admission configuration is picked up by the API server within a second or two.
+        # Admission configuration reaches the API server's admission chain through informers,
+        # within seconds, the webhook and the policy each on its own: wait for both.
         eventually(lambda: _injected(kube.create(probe_pod("probe"), dry_run=True).body), timeout=30)
+        stray = probe_pod("probe-stray", volumes=[{"name": "cache", "hostPath": {"path": "/var/cache/shardcache"}}])
+        eventually(lambda: _refused(lambda: kube.create(stray, dry_run=True)), timeout=30)
         yield plane, webhook
     finally:
         stop(webhook.proc)
+
+
+def _refused(call: Any) -> bool:
+    try:
+        call()
+    except ApiError:
+        return True
+    return False
 
 
 def _injected(pod: dict[str, Any]) -> bool:
@@ -106,15 +143,6 @@ def contains(actual: Any, expected: Any, where: str = "") -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
-def webhook_config(renderer: Renderer) -> InjectConfig:
-    from sidecar.cli import build_parser
-    from sidecar.cli.commands.webhook import settings_from_args
-
-    objects = render(renderer, {"webhook": {"injectWorkloads": True}}, api_versions=(VAP_API,), name=RELEASE)
-    args = ["webhook", "--tls-cert", "x", "--tls-key", "y", *chart_webhook_args(objects)]
-    return settings_from_args(build_parser().parse_args(args)).inject
-
-
 # ----------------------------------------------------------------------------- the chart's objects
 
 
@@ -125,7 +153,7 @@ def test_every_chart_object_is_accepted(plane: ControlPlane, renderer: Renderer,
     server does not have (ServiceMonitor, cert-manager's Certificate) are left out and named."""
     kube = plane.kube
     kube.namespace(NS)
-    objects = render(renderer, copy.deepcopy(OPTIONS[option]), api_versions=(VAP_API,), name="sc")
+    objects = renderer.objects(copy.deepcopy(OPTIONS[option]), namespace=NS, api_versions=(VAP_API,))
     accepted, unserved = [], []
     for obj in objects:
         try:
@@ -143,11 +171,11 @@ def test_every_chart_object_is_accepted(plane: ControlPlane, renderer: Renderer,
 # ----------------------------------------------------------------------------- injected pods
 
 
-def test_a_hostpath_pod_is_stored_injected(cluster: tuple[ControlPlane, WebhookProcess], renderer: Renderer) -> None:
+def test_a_hostpath_pod_is_stored_injected(cluster: tuple[ControlPlane, WebhookProcess], hook_config: InjectConfig) -> None:
     plane, _ = cluster
     pod = probe_pod("hostpath-1")
     stored = plane.kube.create(pod).body
-    expected, _ = inject(pod, webhook_config(renderer))
+    expected, _ = inject(pod, hook_config)
     contains(stored["spec"]["initContainers"], expected["spec"]["initContainers"], "initContainers")
     # The ServiceAccount plugin mounted its token into the app container before the webhook ran.
     (train,) = stored["spec"]["containers"]
@@ -161,11 +189,11 @@ def test_a_hostpath_pod_is_stored_injected(cluster: tuple[ControlPlane, WebhookP
     assert stored["metadata"]["annotations"]["shardcache.io/injected"] == "native-sidecar"
 
 
-def test_a_restricted_pod_is_stored_injected(cluster: tuple[ControlPlane, WebhookProcess], renderer: Renderer) -> None:
+def test_a_restricted_pod_is_stored_injected(cluster: tuple[ControlPlane, WebhookProcess], hook_config: InjectConfig) -> None:
     plane, _ = cluster
     pod = probe_pod("restricted-1", RESTRICTED_NS, restricted=True)
     stored = plane.kube.create(pod).body
-    expected, _ = inject(pod, dataclasses.replace(webhook_config(renderer), mode="restricted"))
+    expected, _ = inject(pod, dataclasses.replace(hook_config, mode="restricted"))
     contains(stored["spec"]["initContainers"], expected["spec"]["initContainers"], "initContainers")
     assert not any("hostPath" in v for v in stored["spec"]["volumes"])
     args = stored["spec"]["initContainers"][0]["args"]
@@ -237,18 +265,6 @@ def test_the_policy_type_checks_and_refuses_what_it_should(cluster: tuple[Contro
 # ----------------------------------------------------------------------------- controllers
 
 
-def deployment(name: str, *, label_on: str) -> dict[str, Any]:
-    template_labels = {"app": name}
-    own: dict[str, str] = {}
-    (template_labels if label_on == "template" else own)[INJECT_LABEL] = "true"
-    return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": name, "namespace": HOSTPATH_NS, "labels": own},
-        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": name}},
-                 "template": {"metadata": {"labels": template_labels}, "spec": {"containers": [{"name": "train", "image": "trainer:1"}]}}},
-    }
-
-
 @pytest.mark.parametrize("label_on", ["template", "deployment"])
 def test_a_deployment_settles_at_one_replicaset(cluster: tuple[ControlPlane, WebhookProcess], label_on: str) -> None:
     """The storm: with workload injection on, a Deployment opted in on its template (as the
@@ -259,7 +275,7 @@ def test_a_deployment_settles_at_one_replicaset(cluster: tuple[ControlPlane, Web
         pytest.skip("no controller manager: set SHARDCACHE_TEST_KUBE_CONTROLLER_MANAGER to a kube-controller-manager binary")
     kube = plane.kube
     name = f"train-{label_on}"
-    stored = kube.create(deployment(name, label_on=label_on)).body
+    stored = kube.create(opted_in_deployment(name, HOSTPATH_NS, label_on=label_on, replicas=2)).body
     # Labelled on itself, the Deployment is what is injected; on its template, its pods are.
     assert _injected(stored["spec"]["template"]) == (label_on == "deployment")
 

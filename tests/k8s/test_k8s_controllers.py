@@ -35,6 +35,7 @@ from tests.k8s.support import (
     admission_review,
     apply_patch,
     chart_webhook_args,
+    opted_in_deployment,
     start_webhook,
 )
 
@@ -42,23 +43,7 @@ CONFIG = InjectConfig(image="registry.example.com/shardcache:1.2.3")
 
 
 def deployment(*, label_on: str = "template") -> dict[str, Any]:
-    """A Deployment opted in as the README shows: the label on its pod template (or its own)."""
-    template_labels = {"app": "train"}
-    own_labels: dict[str, str] = {}
-    (template_labels if label_on == "template" else own_labels)[INJECT_LABEL] = "true"
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "train", "namespace": "ml", "uid": "d-uid", "labels": own_labels},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": "train"}},
-            "template": {
-                "metadata": {"labels": template_labels},
-                "spec": {"containers": [{"name": "train", "image": "trainer:1"}]},
-            },
-        },
-    }
+    return opted_in_deployment("train", "ml", label_on=label_on)
 
 
 def owner(kind: str, name: str, api_version: str = "apps/v1") -> dict[str, Any]:

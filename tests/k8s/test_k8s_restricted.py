@@ -38,6 +38,7 @@ from sidecar.k8s.inject import (
 from tests.k8s.support import (
     CHART,
     TEMPLATE_PATHS,
+    VAP_API,
     Renderer,
     WebhookProcess,
     admission_review,
@@ -61,7 +62,6 @@ RESTRICTED = InjectConfig(image=IMAGE, mode="restricted", restricted_upstream=UP
 RESTRICTED_FALLBACK = InjectConfig(image=IMAGE, mode="restricted", restricted_upstream=UPSTREAM, native_sidecar=False)
 HANDLES = "unix:///run/shardcache-pod/handles.sock"
 WORKLOADS = [d for d in load_fixture_docs() if d["kind"] in TEMPLATE_PATHS]
-VAP_API = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
 
 
 def pod(annotations: dict[str, str] | None = None, labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
@@ -350,24 +350,12 @@ def test_pod_security_levels_of_each_mode() -> None:
 # ----------------------------------------------------------------------------- the chart
 
 
-def render_files(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = (),
-                 name: str = "sc") -> dict[str, str]:
-    """The chart rendered by Helm's engine, with the API versions a cluster's discovery would
-    report (what ``helm template --api-versions`` passes): the SDK's ``Chart.render`` does not
-    expose that option, so its native call is made with Chart.render's options plus that one."""
-    from helm_python import _native
-
-    opts = {"name": name, "namespace": NS, "is_install": True, "api_versions": list(api_versions)}
-    files: dict[str, str] = json.loads(_native.call_string("helm_render", renderer.chart._raw(), json.dumps(values or {}), json.dumps(opts)))
-    return files
+def render_files(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+    return renderer.files(values, namespace=NS, api_versions=api_versions)
 
 
-def render(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = (),
-           name: str = "sc") -> list[dict[str, Any]]:
-    import yaml
-
-    files = render_files(renderer, values, api_versions=api_versions, name=name)
-    return [d for path, text in sorted(files.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+def render(renderer: Renderer, values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    return renderer.objects(values, namespace=NS, api_versions=api_versions)
 
 
 def namespace(name: str, **labels: str) -> dict[str, str]:
