@@ -28,8 +28,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from loader.checkpoint import Clock, DynamicState
 from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
+from loader.master.protocol import shards_sha256
 from loader.settings import LoaderSettings, check_locality_window
 from loader.sources import Source, make_source, resolve_shards
 from loader.stall import WaitMeter, WaitReporter
@@ -67,6 +69,8 @@ class _Runtime:
         self.trainer: str | None = None
         # Prefetch hints held back until the shard being read has opened (see _hint).
         self.pending_hints: list[Shard] = []
+        # Dynamic mode, a bare loop: the renewer of the iteration in progress (state_dict's positions).
+        self.renewer: Any = None
         # The loop's wait for data in this process (kept across close(): see ShardLoader.close).
         self.meter: WaitMeter | None = None
 
@@ -181,6 +185,8 @@ class ShardLoader:
         self._pos = _Position(0 if epoch is None else int(epoch))
         self._in_progress = False
         self._resume: _Position | None = None
+        # Static mode under loader.torch.DataLoader: where each of its num_workers workers resumes.
+        self._worker_resume: tuple[int, dict[int, _Position]] | None = None
         self._generation = 0
         # dynamic progress
         self._next_epoch: int | None = epoch
@@ -188,6 +194,10 @@ class ShardLoader:
         self._finished = False
         self._joined = False
         self._by_key: dict[str, Shard] = {}
+        # What this trainer's loop received (checkpoint marks, loader/checkpoint.py); explicit
+        # epochs restart it each epoch.
+        self._clock = Clock(laps=not self.continuous)
+        self._digest: str | None = None
         self._rt = _Runtime()
 
     # -- pickling (DataLoader workers) and per-process resources ------------------------------
@@ -326,6 +336,7 @@ class ShardLoader:
             self._pos = _Position(int(epoch))
             self._in_progress = False
             self._resume = None
+            self._worker_resume = None
         else:
             self._next_epoch = int(epoch)
 
@@ -337,15 +348,26 @@ class ShardLoader:
         clone = ShardLoader.__new__(ShardLoader)
         clone.__setstate__(self.__getstate__())
         clone._pos = dataclasses.replace(self._pos)
+        clone._worker_resume = None
+        if self._worker_resume is not None and self._worker_resume[0] == num_workers:
+            resume = self._worker_resume[1].get(worker)
+            clone._resume = dataclasses.replace(resume) if resume is not None else None
         clone._worker = (worker, num_workers)
         clone._stream = f"w{worker}"
         return clone
 
     def state_dict(self) -> dict[str, Any]:
-        """Static mode: where to resume (epoch, shard, sample) for a checkpoint. In dynamic mode
-        the master keeps the progress, so there is nothing to save."""
+        """A checkpoint of this loader, a small picklable dict.
+
+        Static mode: where to resume (epoch, shard, sample). Dynamic mode: a mark on the master,
+        the job as every trainer's loop had received it now (this trainer's exact positions are
+        sent with it); loading it, on any trainer of any world size, makes the master hand out
+        exactly what had not been received (``load_state_dict``). Call it where the model is
+        checkpointed, every rank at the same step (``torch.distributed.checkpoint``), or on one
+        rank only (then the others' samples since their last renew are trained again)."""
         if self.mode != "static":
-            raise ConfigError("state_dict() is for static mode; in dynamic mode the master holds the job's progress")
+            renewer = self._runtime().renewer
+            return self.checkpoint(renewer.positions() if renewer is not None else [])
         pos = self._resume or self._pos
         return {
             "version": _STATE_VERSION,
@@ -362,11 +384,15 @@ class ShardLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration continues at the saved sample."""
+        """Resume from :meth:`state_dict`, before iterating: static mode continues at the saved
+        sample; dynamic mode rewinds the job to the saved mark (idempotent: loading it on every
+        rank, or twice, is one rewind while nobody read in between), so that the master hands
+        out, from then on, exactly what the loops had not received at that checkpoint. Leases
+        held then are revoked (their trainers drop those shards and lease again). A state of
+        another job, dataset, seed or shard list is refused, saying what differs."""
         if self.mode != "static":
-            raise ConfigError(
-                "load_state_dict() is for static mode; in dynamic mode the master holds the job's progress"
-            )
+            self._rewind(state)
+            return
         if isinstance(state, dict) and state.get("version") == 1:
             raise ConfigError(
                 f"this checkpoint is a version 1 ShardLoader state (epoch {state.get('epoch')!r}), from a "
@@ -394,6 +420,53 @@ class ShardLoader:
         if pos.epoch < 0 or pos.shard < 0 or pos.offset < 0:
             raise ConfigError("malformed ShardLoader state: negative position")
         self._resume = pos
+
+    # -- dynamic-mode checkpoints (loader/checkpoint.py) -----------------------------------
+
+    def _identity(self, mark: int = 0, clock: int = 0, created: float = 0.0) -> DynamicState:
+        if self._digest is None:
+            self._digest = shards_sha256([s.spec() for s in self.shards])
+        assert self.job is not None
+        return DynamicState(
+            job=self.job, dataset=self.url, seed=self.seed, shuffle=self.shuffle, shards=len(self.shards),
+            shards_sha256=self._digest, mark=mark, clock=clock, job_created=created,
+        )
+
+    def checkpoint(self, positions: list[tuple[str, int]]) -> dict[str, Any]:
+        """Dynamic mode's ``state_dict()``: report ``positions`` (each lease this trainer's loop
+        received samples of, at the sample reached) at this trainer's clock, and name the mark."""
+        if not self._joined:
+            self._join()
+        assert self.job is not None
+        clock = self._clock.value
+        answer = self._client().mark(self.job, self.trainer, clock, positions)
+        if answer.lost:
+            log.warning("checkpoint at clock %d: %d lease(s) had expired and were re-issued; their samples since the "
+                        "last renew will be read again", clock, len(answer.lost))
+        log.info("checkpoint of job %s: mark %d at clock %d (%d trainer(s) reported)", self.job, answer.mark, clock,
+                 answer.trainers)
+        return self._identity(answer.mark, clock, answer.job_created).to_dict()
+
+    def _rewind(self, raw: Any) -> None:
+        from loader.master.errors import NoSuchJob
+
+        state = DynamicState.from_dict(raw)
+        state.check(self._identity(state.mark, state.clock, state.job_created))
+        assert self.job is not None
+        try:
+            answer = self._client().rewind(self.job, self.trainer, state.mark, state.clock, state.job_created or None)
+        except NoSuchJob as exc:
+            raise ConfigError(
+                f"job {self.job!r} is not on the master any more (deleted, or the master's state was lost): its "
+                f"checkpoint mark {state.mark} is gone with it; start fresh without loading this state"
+            ) from exc
+        self._clock.restore(state.clock)
+        self._finished = answer.finished
+        self._next_epoch = answer.epoch if not self.continuous else None
+        self._current_epoch = None
+        self._generation += 1  # an iteration in progress (same process) stops: its leases were revoked
+        log.info("job %s resumed from checkpoint mark %d (clock %d): %d shard(s) to read again, %d lease(s) revoked, "
+                 "epoch %d", self.job, answer.mark, answer.clock, answer.undone, answer.revoked, answer.epoch)
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -504,6 +577,23 @@ class ShardLoader:
         indices = rank_shards(len(shards), self.rank, self.world_size, self.seed, epoch, self.shuffle)
         indices = worker_shards(indices, *self._worker)
         return [shards[i] for i in indices]
+
+    def position(self) -> tuple[int, int, int]:
+        """Static mode: (epoch, shard of the plan, sample) of the next sample to hand out."""
+        pos = self._resume or self._pos
+        return pos.epoch, pos.shard, pos.offset
+
+    def plan_length(self, epoch: int, worker: int, num_workers: int) -> int:
+        """Static mode: how many shards worker ``worker`` of ``num_workers`` reads in ``epoch``."""
+        clone = self.for_worker(worker, num_workers)
+        return len(clone._plan(epoch))
+
+    def resume_workers(self, num_workers: int, positions: dict[int, tuple[int, int, int]]) -> None:
+        """Static mode: the next iteration's ``num_workers`` DataLoader workers resume each at its
+        (epoch, shard, sample)."""
+        self._worker_resume = (num_workers, {w: _Position(*p) for w, p in positions.items()})
+        if num_workers == 0 and 0 in positions:
+            self._resume = _Position(*positions[0])
 
     def _iter_static(self, generation: int) -> Iterator[dict[str, Any]]:
         if self._resume is not None:
@@ -617,6 +707,7 @@ class ShardLoader:
             deferred=self._ledger is not None,
         )
         clean = False
+        self._runtime().renewer = renewer
         try:
             for held in stream:
                 self._current_epoch = held.epoch
@@ -628,6 +719,7 @@ class ShardLoader:
             # Not a clean end (the trainer stopped iterating, or an error): what it holds goes
             # back to the master now, at the sample reached, instead of after the lease TTL.
             renewer.stop(give_back=not clean)
+            self._runtime().renewer = None
         if stream.finished:
             self._finished = True
         if epoch is not None:
@@ -647,6 +739,8 @@ class ShardLoader:
         client = self._client()
         shard = self._shard_for(held)
         ledger = self._ledger
+        # The loop's clock, when this process's loop iterates this loader itself (not a DataLoader's).
+        loop_clock = self._clock if ledger is None and self._metered and self._stream is None else None
         try:
             samples: Iterator[Any] = self._samples(shard, held.start)
             if ledger is not None:
@@ -659,7 +753,10 @@ class ShardLoader:
                 if held.lost or self._generation != generation:
                     log.info("stopped reading %s at sample %d: lease lost", held.key, held.position)
                     return
-                held.position += 1
+                if loop_clock is not None:
+                    held.reach(held.position + 1, loop_clock.tick(held.epoch))
+                else:
+                    held.position += 1
                 last = isinstance(item, _Last)
                 sample: dict[str, Any] = item.sample if last else item
                 if ledger is not None:
@@ -687,7 +784,7 @@ class ShardLoader:
         held.done = True
         renewer.discard(held)
         try:
-            client.complete(self.job, held.lease, self.trainer)
+            client.complete(self.job, held.lease, self.trainer, held.report()[1])
         except LeaseLost as exc:
             log.warning("completion of %s (epoch %d) refused: %s", held.key, held.epoch, exc)
             return

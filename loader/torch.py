@@ -94,40 +94,54 @@ class ShardDataset(torch.utils.data.IterableDataset):
                 yield self.transform(sample)
 
     def state_dict(self) -> dict[str, Any]:
-        """Static mode, ``num_workers=0`` only (worker positions live in the worker processes)."""
+        """The loader's state (``ShardLoader.state_dict``): in static mode where this process
+        reads (``num_workers=0``), in dynamic mode the job's mark. Under a DataLoader use
+        ``loader.torch.DataLoader.state_dict()``, which knows what the training loop received."""
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
 
 
+Position = tuple[int, int, int, int]
+"""Static mode: (worker, epoch, shard of its plan, sample) its reader reached with a batch."""
+
+
 class _Marked:
-    """A batch with what it took from each lease, on its way from a worker to the trainer."""
+    """A batch with what it took from each lease (dynamic mode) or where its worker's reader
+    reached (static mode), on its way from a worker to the trainer."""
 
-    __slots__ = ("batch", "progress", "count")
+    __slots__ = ("batch", "progress", "count", "position")
 
-    def __init__(self, batch: Any, progress: Progress, count: int) -> None:
+    def __init__(self, batch: Any, progress: Progress, count: int, position: Position | None = None) -> None:
         self.batch = batch
         self.progress = progress
         self.count = count
+        self.position = position
 
     def pin_memory(self) -> _Marked:  # the DataLoader's pin-memory thread calls this
-        return _Marked(_pin_memory(self.batch), self.progress, self.count)
+        return _Marked(_pin_memory(self.batch), self.progress, self.count, self.position)
 
 
 class _MarkingCollate:
-    """The user's collate function, then the lease positions reached by this batch's samples
-    (collation runs right after the batch's last sample was taken, in the process that read it)."""
+    """The user's collate function, then the lease positions reached by this batch's samples, or
+    (static mode) the position its reader reached (collation runs right after the batch's last
+    sample was taken, in the process that read it)."""
 
-    def __init__(self, collate: Callable[[Any], Any], dataset: ShardDataset, batched: bool) -> None:
+    def __init__(self, collate: Callable[[Any], Any], dataset: ShardDataset, batched: bool, static: bool = False) -> None:
         self.collate = collate
         self.dataset = dataset
         self.batched = batched
+        self.static = static
 
     def __call__(self, samples: Any) -> _Marked:
         batch = self.collate(samples)
-        ledger = self.dataset.loader._ledger
         count = len(samples) if self.batched else 1
+        if self.static:
+            info = torch.utils.data.get_worker_info()
+            worker = 0 if info is None else info.id
+            return _Marked(batch, {}, count, (worker, *self.dataset._loader_for_this_worker().position()))
+        ledger = self.dataset.loader._ledger
         return _Marked(batch, ledger.drain() if ledger is not None else {}, count)
 
 
@@ -138,13 +152,14 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         deferred = isinstance(dataset, ShardDataset) and dataset.loader.mode == "dynamic"
+        static = isinstance(dataset, ShardDataset) and dataset.loader.mode == "static"
         self._drop_partial: int | None = None
+        if (deferred or static) and kwargs.get("in_order") is False:
+            raise ConfigError(
+                "in_order=False delivers batches out of order, so the position a checkpoint (or, in dynamic mode, a "
+                "lease) records could count a batch the training loop has not received yet: leave in_order at True"
+            )
         if deferred:
-            if kwargs.get("in_order") is False:
-                raise ConfigError(
-                    "in_order=False delivers batches out of order, so the offset a lease reached could "
-                    "count a batch the training loop has not received yet: leave in_order at True"
-                )
             if kwargs.get("drop_last"):
                 # Dropped here, after its progress is taken: dropped samples count as received.
                 kwargs["drop_last"] = False
@@ -155,8 +170,12 @@ class DataLoader(torch.utils.data.DataLoader):
             loader._ledger = Ledger()
         super().__init__(dataset, *args, **kwargs)
         self._deferred: ShardDataset | None = dataset if deferred else None
-        if deferred:
-            self.collate_fn = _MarkingCollate(self.collate_fn, dataset, batched=self.batch_size is not None)
+        self._static = static
+        self._delivery: Delivery | None = None
+        self._positions: dict[int, tuple[int, int, int]] = {}
+        """Static mode: per worker, where its reader was when the loop received its last batch."""
+        if deferred or static:
+            self.collate_fn = _MarkingCollate(self.collate_fn, dataset, batched=self.batch_size is not None, static=static)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches = super().__iter__()
@@ -164,11 +183,81 @@ class DataLoader(torch.utils.data.DataLoader):
         if not isinstance(dataset, ShardDataset):
             return batches
         loader = dataset.loader
+        # The workers were made with the positions a loaded state gave them: a later epoch's new
+        # workers (persistent_workers=False) start where their epoch starts.
+        loader._worker_resume = None
         meter = loader.wait_meter()
+        if self._static:
+            return meter.timed(self._positioned(batches, loader))
         if self._deferred is None:
             return meter.timed(batches)
         # Timed outside the delivery: what it does per batch is part of the loop's wait.
         return loader.reported(meter.timed(self._delivered(batches, loader)), meter)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of what the training loop received (the torchdata ``StatefulDataLoader``
+        convention, and the ``Stateful`` protocol of ``torch.distributed.checkpoint``).
+
+        Dynamic mode: the job's mark on the master at this trainer's step (this trainer's exact
+        positions go with it), which any rank of any world size can load. Static mode: where
+        each worker resumes (``num_workers`` 0 or more; loading needs the same count)."""
+        dataset = self.dataset
+        if not isinstance(dataset, ShardDataset):
+            raise ConfigError("state_dict() checkpoints a ShardDataset; this DataLoader reads another dataset")
+        loader = dataset.loader
+        if self._deferred is not None:
+            delivery = self._delivery
+            return loader.checkpoint(delivery.positions() if delivery is not None else [])
+        return _static_state(loader, self.num_workers, self._positions)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`, before iterating. Dynamic mode: the job is rewound to
+        the saved mark (on every rank, or on one: the same; twice: the same). Static mode: each
+        worker resumes at its saved sample."""
+        dataset = self.dataset
+        if not isinstance(dataset, ShardDataset):
+            raise ConfigError("load_state_dict() restores a ShardDataset; this DataLoader reads another dataset")
+        loader = dataset.loader
+        if self._deferred is not None:
+            loader.load_state_dict(state)
+            self._delivery = None
+            return
+        if isinstance(state, dict) and state.get("kind") != _STATIC_KIND and self.num_workers == 0:
+            loader.load_state_dict(state)  # a ShardLoader state of a num_workers=0 loop
+            return
+        if not isinstance(state, dict) or state.get("kind") != _STATIC_KIND or state.get("version") != 1:
+            raise ConfigError("not a loader.torch.DataLoader state: pass what DataLoader.state_dict() returned")
+        if state.get("num_workers") != self.num_workers:
+            raise ConfigError(
+                f"this checkpoint was taken with num_workers={state.get('num_workers')!r} and this DataLoader has "
+                f"num_workers={self.num_workers}: a static-mode rank's shards are split between its workers, so "
+                "resume with the same num_workers"
+            )
+        loader.load_state_dict(state["loader"])
+        try:
+            positions = {int(w): (int(p[0]), int(p[1]), int(p[2])) for w, p in state["workers"].items()}
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ConfigError("malformed DataLoader state: workers must map to [epoch, shard, sample]") from exc
+        loader.resume_workers(self.num_workers, positions)
+        self._positions = {}
+
+    def _positioned(self, batches: Iterator[Any], loader: ShardLoader) -> Iterator[Any]:
+        first = True
+        for item in batches:
+            if not isinstance(item, _Marked):
+                yield item
+                continue
+            if first and not loader.continuous:
+                # A new epoch's iteration: the last one's positions (kept until now, so that a state
+                # saved between two epochs says the next one) no longer say where workers are.
+                self._positions = {}
+            first = False
+            if item.position is not None:
+                worker, *where = item.position
+                self._positions[worker] = (where[0], where[1], where[2])
+            yield item.batch
 
     def wait_stats(self) -> dict[str, Any]:
         """How long the training loop waited for its batches (``ShardLoader.wait_stats``); over
@@ -178,16 +267,59 @@ class DataLoader(torch.utils.data.DataLoader):
         raise ConfigError("wait_stats() times a ShardDataset's batches; this DataLoader reads another dataset")
 
     def _delivered(self, batches: Iterator[Any], loader: ShardLoader) -> Iterator[Any]:
-        delivery = Delivery(loader._client(), loader.job or "", loader.trainer, loader.settings.renew_fraction)
+        delivery = Delivery(
+            loader._client(), loader.job or "", loader.trainer, loader.settings.renew_fraction, clock=loader._clock
+        )
+        self._delivery = delivery
         try:
             for item in batches:
                 if not isinstance(item, _Marked):
                     yield item
                     continue
-                if item.progress:
-                    delivery.received(item.progress)
-                if self._drop_partial is not None and item.count < self._drop_partial:
+                dropped = self._drop_partial is not None and item.count < self._drop_partial
+                if item.progress or not dropped:
+                    delivery.received(item.progress, tick=not dropped)
+                if dropped:
                     continue
                 yield item.batch
         finally:
             delivery.close()
+            if self._delivery is delivery:
+                self._delivery = None
+
+
+_STATIC_KIND = "shardcache-static-dataloader"
+
+
+def _static_state(loader: ShardLoader, num_workers: int, seen: dict[int, tuple[int, int, int]]) -> dict[str, Any]:
+    """Static mode's DataLoader state: where each worker resumes so that the loop receives next
+    exactly what it would have. A worker with no batch received yet resumes at its epoch's start;
+    in one epoch's iteration, a worker that read its whole plan resumes at its end (it yields
+    nothing more in that iteration), unless every worker did: then all start the next epoch."""
+    readers = max(num_workers, 1)
+    base = loader.state_dict()
+    workers: dict[str, list[int]] = {}
+    if loader.continuous:
+        start = (base["epoch"], 0, 0)
+        for w in range(readers):
+            workers[str(w)] = list(seen.get(w, start))
+    else:
+        reading: dict[int, tuple[int, bool]] = {}  # worker -> (epoch it reads, whether it read it all)
+        for w, (epoch, shard, offset) in seen.items():
+            if epoch > 0 and shard == 0 and offset == 0:
+                reading[w] = (epoch - 1, True)  # its reader moved past its epoch's end
+            else:
+                reading[w] = (epoch, shard >= loader.plan_length(epoch, w, readers))
+        epoch = min((e for e, _ in reading.values()), default=base["epoch"])
+        finished = {w for w, (e, done) in reading.items() if done and e == epoch}
+        if len(finished) == readers:
+            workers = {str(w): [epoch + 1, 0, 0] for w in range(readers)}
+        else:
+            for w in range(readers):
+                if w in finished:
+                    workers[str(w)] = [epoch, loader.plan_length(epoch, w, readers), 0]
+                elif w in seen and reading[w][0] == epoch:
+                    workers[str(w)] = list(seen[w])
+                else:
+                    workers[str(w)] = [epoch, 0, 0]
+    return {"kind": _STATIC_KIND, "version": 1, "num_workers": num_workers, "loader": base, "workers": workers}

@@ -61,7 +61,6 @@ body fields. A call that fails gives its delta back to the meter, so the next re
 from __future__ import annotations
 
 import gzip
-import hashlib
 import http.client
 import json
 import os
@@ -69,8 +68,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator, Mapping
-from json.encoder import encode_basestring_ascii
+from collections.abc import Mapping
 from typing import Any
 
 from loader.master.errors import (
@@ -86,6 +84,15 @@ from loader.master.errors import (
     TooManyJobs,
     Unauthorized,
     error_from_answer,
+)
+from loader.master.protocol import (
+    CHECKPOINT_FEATURE,
+    SPEC_FIELDS,
+    MarkAnswer,
+    RewindAnswer,
+    marks_path,
+    rewind_path,
+    shards_sha256,
 )
 from wire import jsontext
 from wire.errors import InvalidName
@@ -122,9 +129,6 @@ _GZIP_BODY_BYTES = 1 << 20
 # very spec then sends no shard list at all (a new master says the list's digest in the status).
 _LOOKUP_FIRST_SHARDS = 10_000
 _DEFAULTED = ("lease_ttl_s", "max_failures")  # defaults the master chooses: unknown here
-_SPEC_FIELDS = frozenset(
-    {"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures", "locality_window"}
-)
 # The version probe is a nicety: an unreachable master is not waited for as long as a lease call.
 _PROBE_DEADLINE_S = 5.0
 
@@ -179,6 +183,7 @@ class MasterClient:
         self.wait_source: Any = None
         """A ``loader.stall.WaitMeter`` whose delta rides on renew/release/complete (None: none)."""
         self._wait_ok: bool | None = None  # does the master take ``wait``? None: not asked yet
+        self._version: frozenset[str] | None = None  # the master's features; None: not asked yet
 
     @property
     def urls(self) -> list[str]:
@@ -210,9 +215,9 @@ class MasterClient:
         """The job's status if it exists with exactly ``body`` as its spec, else None (then the
         create says what it says: 201, 409 naming the differences, 400...)."""
         name = body.get("name")
-        if set(body) - _SPEC_FIELDS or not isinstance(name, str) or any(body.get(f) is None for f in _DEFAULTED):
+        if set(body) - SPEC_FIELDS or not isinstance(name, str) or any(body.get(f) is None for f in _DEFAULTED):
             return None
-        digest = _shards_sha256(body["shards"])
+        digest = shards_sha256(body["shards"])
         if digest is None:
             return None
         try:
@@ -283,23 +288,59 @@ class MasterClient:
             del body["wait_s"]
             return self._call("POST", f"/v1/jobs/{_q(job)}/leases", body)
 
-    def renew(self, job: str, lease: str, trainer: str, offset: int) -> float:
+    def renew(self, job: str, lease: str, trainer: str, offset: int, clock: int | None = None) -> float:
+        """``clock``: the trainer's clock at which its loop had received up to ``offset``
+        (checkpoint marks; sent to a master that takes it)."""
         path = f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/renew"
-        answer = self._reporting(path, {"trainer": trainer, "offset": offset})
+        answer = self._reporting(path, self._clocked({"trainer": trainer, "offset": offset}, clock))
         return float(answer["ttl_s"])
 
-    def complete(self, job: str, lease: str, trainer: str) -> None:
-        self._reporting(f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/complete", {"trainer": trainer})
+    def complete(self, job: str, lease: str, trainer: str, clock: int | None = None) -> None:
+        self._reporting(f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/complete", self._clocked({"trainer": trainer}, clock))
+
+    def mark(self, job: str, trainer: str, clock: int, positions: list[tuple[str, int]]) -> MarkAnswer:
+        """A checkpoint: this trainer's loop had received each held lease up to its offset at
+        ``clock``; the job's mark at that clock (made, or joined when another rank reported at
+        the same clock). :class:`MasterError` from a master without checkpoints."""
+        self._require_checkpoints()
+        body = {"trainer": trainer, "clock": clock, "positions": [[lease, offset] for lease, offset in positions]}
+        return MarkAnswer.from_answer(self._call("POST", marks_path(_q(job)), body))
+
+    def rewind(self, job: str, trainer: str, mark: int, clock: int, job_created: float | None = None) -> RewindAnswer:
+        """Resume ``job`` from checkpoint ``mark`` (at ``clock``): every delivery after it is
+        handed out again, every lease revoked. :class:`CheckpointGone` when the master no longer
+        keeps that mark."""
+        self._require_checkpoints()
+        body: dict[str, Any] = {"trainer": trainer, "mark": mark, "clock": clock}
+        if job_created:
+            body["job_created"] = job_created
+        return RewindAnswer.from_answer(self._call("POST", rewind_path(_q(job)), body))
+
+    def knows_checkpoints(self) -> bool:
+        """Whether the master takes clocks, marks and rewinds (``GET /v1/version``, asked once)."""
+        return CHECKPOINT_FEATURE in self._features()
+
+    def _require_checkpoints(self) -> None:
+        if not self.knows_checkpoints():
+            raise BadRequest(
+                "this master does not keep checkpoint marks (a shardcache master from before them): upgrade the "
+                "master to checkpoint the loader in dynamic mode"
+            )
+
+    def _clocked(self, body: dict[str, Any], clock: int | None) -> dict[str, Any]:
+        if clock is not None and self.knows_checkpoints():
+            body["clock"] = clock
+        return body
 
     def fail(self, job: str, lease: str, trainer: str, error: str) -> str:
         answer = self._call("POST", f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/fail", {"trainer": trainer, "error": str(error)})
         return str(answer["shard_state"])
 
-    def release(self, job: str, lease: str, trainer: str, offset: int) -> str:
+    def release(self, job: str, lease: str, trainer: str, offset: int, clock: int | None = None) -> str:
         """Give a lease back before its end (the trainer is leaving): the shard is handed out again
         at once, from ``offset``. Returns the shard's state (``todo``)."""
         path = f"/v1/jobs/{_q(job)}/leases/{_q(lease)}/release"
-        answer = self._reporting(path, {"trainer": trainer, "offset": offset})
+        answer = self._reporting(path, self._clocked({"trainer": trainer, "offset": offset}, clock))
         return str(answer["shard_state"])
 
     def report_wait(self, job: str, trainer: str, epoch: int | None = None) -> bool:
@@ -318,15 +359,25 @@ class MasterClient:
     def knows_wait(self) -> bool:
         """Whether the master takes ``wait`` fields (asked once: ``GET /v1/version``)."""
         if self._wait_ok is None:
+            features = self._features()
+            if self._version is None:
+                return False  # unreachable: ask again with the next report
+            self._wait_ok = knows_wait({"features": list(features)})
+        return self._wait_ok
+
+    def _features(self) -> frozenset[str]:
+        """What the master takes beyond the first v1 (``GET /v1/version``, asked once; empty
+        while no master answers, asked again next time)."""
+        if self._version is None:
             try:
                 version = self._call("GET", VERSION_PATH, deadline_s=_PROBE_DEADLINE_S)
             except MasterUnavailable:
-                return False  # ask again with the next report
+                return frozenset()
             except MasterError:
-                self._wait_ok = False  # 404: a master from before the version route
-            else:
-                self._wait_ok = knows_wait(version)
-        return self._wait_ok
+                version = {}  # 404: a master from before the version route
+            raw = version.get("features")
+            self._version = frozenset(f for f in raw if isinstance(f, str)) if isinstance(raw, list) else frozenset()
+        return self._version
 
     def _reporting(
         self, path: str, body: dict[str, Any], only_with_wait: bool = False, deadline_s: float | None = None
@@ -467,39 +518,6 @@ class MasterClient:
         except ValueError:
             answer = raw.decode("utf-8", "replace")
         return status, answer
-
-
-def _shards_sha256(shards: list[Any]) -> str | None:
-    """SHA-256 of the shard list as the master writes it (``spec.ShardTable.json_chunks``:
-    compact JSON, every shard as {"key", "size", "samples"}); None for a list the master would
-    refuse (it cannot be the list of an existing job)."""
-    digest = hashlib.sha256()
-    try:
-        for chunk in _canonical_shards(shards):
-            digest.update(chunk.encode("ascii"))
-    except (TypeError, ValueError):
-        return None
-    return digest.hexdigest()
-
-
-def _canonical_shards(shards: list[Any], block: int = 8192) -> Iterator[str]:
-    yield "["
-    for start in range(0, len(shards), block):
-        parts = []
-        for item in shards[start : start + block]:
-            key: Any
-            if isinstance(item, str):
-                key, size, samples = item, None, None
-            elif isinstance(item, dict) and not set(item) - {"key", "size", "samples"}:
-                key, size, samples = item.get("key"), item.get("size"), item.get("samples")
-            else:
-                raise ValueError("not a shard")
-            if not isinstance(key, str) or any(v is not None and type(v) is not int for v in (size, samples)):
-                raise ValueError("not a shard")
-            parts.append(f'{{"key":{encode_basestring_ascii(key)},"size":{"null" if size is None else size},'
-                         f'"samples":{"null" if samples is None else samples}}}')
-        yield ("," if start else "") + ",".join(parts)
-    yield "]"
 
 
 def _q(part: str) -> str:

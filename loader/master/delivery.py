@@ -18,6 +18,7 @@ import queue
 import threading
 from typing import Any
 
+from loader.checkpoint import Clock
 from loader.master.errors import LeaseLost, MasterError
 from loader.master.stream import Held, Renewer
 
@@ -53,7 +54,7 @@ class Delivery:
     their last sample was received. :meth:`close` completes what is due and gives the rest back
     at the offset received."""
 
-    def __init__(self, client: Any, job: str, trainer: str, renew_fraction: float) -> None:
+    def __init__(self, client: Any, job: str, trainer: str, renew_fraction: float, clock: Clock | None = None) -> None:
         self._client = client
         self._job = job
         self._trainer = trainer
@@ -61,9 +62,14 @@ class Delivery:
         self._known: dict[str, Held] = {}
         self._due: queue.Queue[Held | None] = queue.Queue()
         self._closer: threading.Thread | None = None
+        self._clock = clock if clock is not None else Clock(laps=False)
         self.completed = 0
 
-    def received(self, progress: Progress) -> None:
+    def received(self, progress: Progress, tick: bool = True) -> None:
+        """A batch reached the training loop carrying ``progress``; ``tick``: it counts as one
+        more item on the clock (False: a dropped partial batch, received at the last one's)."""
+        epochs = [item[2] for item in progress.values()]
+        clock = self._clock.tick(max(epochs, default=None)) if tick else self._clock.value
         for lease, (key, shard, epoch, position, finished, ttl_s) in progress.items():
             held = self._known.get(lease)
             if held is None:
@@ -71,7 +77,7 @@ class Delivery:
                 self._known[lease] = held
                 if not finished:
                     self._renewer.add(held)
-            held.position = max(held.position, position)
+            held.reach(max(held.position, position), clock)
             if finished:
                 held.done = True
                 self._renewer.discard(held)
@@ -96,7 +102,7 @@ class Delivery:
 
     def _complete(self, held: Held) -> None:
         try:
-            self._client.complete(self._job, held.lease, self._trainer)
+            self._client.complete(self._job, held.lease, self._trainer, held.report()[1])
         except LeaseLost as exc:
             log.warning("completion of %s (epoch %d) refused: %s", held.key, held.epoch, exc)
         except MasterError as exc:
@@ -112,6 +118,12 @@ class Delivery:
         """Wait until every completion due so far was sent."""
         if self._closer is not None:
             self._due.join()
+
+    def positions(self) -> list[tuple[str, int]]:
+        """For a checkpoint: each lease the loop received samples of and has not finished, at the
+        position received (completions due are sent first: :meth:`flush`)."""
+        self.flush()
+        return [(held.lease, held.position) for held in list(self._known.values())]
 
     def close(self) -> None:
         """The iteration ended: complete what is due, release the rest at the offset received."""

@@ -19,6 +19,8 @@ __all__ = [
     "TooManyJobs",
     "JobInUse",
     "LeaseLost",
+    "CheckpointGone",
+    "ProtocolError",
     "NotLeaseHolder",
     "Unauthorized",
     "MasterUnavailable",
@@ -96,6 +98,23 @@ class LeaseLost(MasterError):
     status = 409
 
 
+class CheckpointGone(MasterError, LookupError):
+    """The checkpoint mark a state names is not kept by the master: too old, undone by a rewind
+    to an earlier one, or never made by this job. Resume from a newer checkpoint, or restart the
+    epoch (a fresh loader state)."""
+
+    code = "CheckpointGone"
+    status = 409
+
+
+class ProtocolError(MasterError):
+    """The master's answer does not have the protocol's shape (not a shardcache master, or a
+    version that does not match this client)."""
+
+    code = "ProtocolError"
+    status = 502
+
+
 class NotLeaseHolder(MasterError, PermissionError):
     """The lease is held by another trainer."""
 
@@ -142,6 +161,8 @@ ERRORS_BY_CODE: dict[str, type[MasterError]] = {
         TooManyJobs,
         JobInUse,
         LeaseLost,
+        CheckpointGone,
+        ProtocolError,
         NotLeaseHolder,
         Unauthorized,
         MasterUnavailable,

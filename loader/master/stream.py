@@ -19,6 +19,7 @@ from typing import Any
 
 from loader.errors import LoaderError
 from loader.master.errors import LeaseLost, MasterError, MasterUnavailable, NoSuchJob, NotLeaseHolder
+from loader.master.protocol import LeaseGrant
 
 __all__ = ["Held", "Renewer", "LeaseStream"]
 
@@ -47,11 +48,27 @@ class Held:
     """Every sample was read (deferred mode): the iterating process completes the lease."""
     renewed_at: float = field(default_factory=time.monotonic)  # last time the master confirmed it
     asked_at: float = field(default_factory=time.monotonic)  # last renewal attempt, answered or not
+    stamp: tuple[int, int | None] | None = None
+    """(position, clock): the loop had received up to ``position`` at the trainer's ``clock``
+    (loader/checkpoint.py). One attribute, set at once, so the renewer never pairs a position
+    with an older clock."""
+
+    def reach(self, position: int, clock: int | None) -> None:
+        self.position = position
+        self.stamp = (position, clock)
+
+    def report(self) -> tuple[int, int | None]:
+        """The offset this process may report to the master and the clock it was received at:
+        what it handed out, or in deferred mode only where the lease started (the iterating
+        process reports what it received)."""
+        if self.deferred:
+            return self.start, None
+        if self.stamp is not None:
+            return self.stamp
+        return self.position, None
 
     def report_offset(self) -> int:
-        """The offset this process may report to the master: what it handed out, or in deferred
-        mode only where the lease started (the iterating process reports what it received)."""
-        return self.start if self.deferred else self.position
+        return self.report()[0]
 
     def stale(self) -> bool:
         """True when the master has not confirmed this lease for a whole TTL (e.g. the process was
@@ -62,19 +79,11 @@ class Held:
 
     @classmethod
     def from_answer(cls, item: dict[str, Any]) -> Held:
-        try:
-            start = int(item.get("offset") or 0)
-            return cls(
-                lease=str(item["lease"]),
-                shard=int(item.get("shard", -1)),
-                key=str(item["key"]),
-                epoch=int(item.get("epoch", -1)),
-                start=start,
-                ttl_s=float(item.get("ttl_s") or 30.0),
-                position=start,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LoaderError(f"the master answered a malformed lease {item!r}") from exc
+        grant = LeaseGrant.from_answer(item)
+        return cls(
+            lease=grant.lease, shard=grant.shard, key=grant.key, epoch=grant.epoch, start=grant.offset,
+            ttl_s=grant.ttl_s, position=grant.offset,
+        )
 
 
 class Renewer:
@@ -107,6 +116,11 @@ class Renewer:
             if held in self._held:
                 self._held.remove(held)
 
+    def positions(self) -> list[tuple[str, int]]:
+        """Each lease held and not closed, at the position its samples reached (a checkpoint's)."""
+        with self._lock:
+            return [(h.lease, h.report()[0]) for h in self._held if not h.done and not h.lost]
+
     def awaiting_delivery(self) -> bool:
         """Deferred mode: some lease was read through and its last samples may still sit in a
         batch that is not complete; only ending this stream hands that batch over."""
@@ -137,10 +151,10 @@ class Renewer:
 
     def renew(self, held: Held) -> bool:
         """Renew one lease with the offset reached; False when it is lost (or could not be renewed)."""
-        position = held.report_offset()
+        position, clock = held.report()
         asked = held.asked_at = time.monotonic()
         try:
-            ttl = self._client.renew(self._job, held.lease, self._trainer, position)
+            ttl = self._client.renew(self._job, held.lease, self._trainer, position, clock)
         except (LeaseLost, NotLeaseHolder, NoSuchJob) as exc:
             if held.read_through:
                 # The iterating process completed (or gave back) what this process read through.
@@ -191,7 +205,7 @@ class Renewer:
         lease expires after its TTL, at the offset last renewed), or ``unsupported`` (a master from
         before ``release``: the caller reports the offset by renewing)."""
         try:
-            self._client.release(self._job, held.lease, self._trainer, held.report_offset())
+            self._client.release(self._job, held.lease, self._trainer, *held.report())
         except (LeaseLost, NotLeaseHolder, NoSuchJob):
             held.lost = True  # gone already: nothing to give back
         except MasterUnavailable as exc:

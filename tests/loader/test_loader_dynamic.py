@@ -207,7 +207,7 @@ def test_leaving_trainer_releases_or_reports_its_offset(master: str, tmp_path: P
     from loader.master.stream import Held, Renewer
 
     class OldMaster(MasterClient):
-        def release(self, job: str, lease: str, trainer: str, offset: int) -> str:
+        def release(self, job: str, lease: str, trainer: str, offset: int, clock: int | None = None) -> str:
             raise BadRequest("HTTP 404: Not Found")
 
     spec = {"name": "bye", "dataset": "s3://b/p/", "epochs": 1, "lease_ttl_s": 60,

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Set
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,16 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError, NotLeaseHolder
+from loader.master.protocol import (
+    CHECKPOINT_FEATURE,
+    COMPLETE_FIELDS,
+    FAIL_FIELDS,
+    LEASE_FIELDS,
+    MARK_FIELDS,
+    RELEASE_FIELDS,
+    RENEW_FIELDS,
+    REWIND_FIELDS,
+)
 from loader.master.server.auth import TokenFile, token_middleware
 from loader.master.server.page import PAGE_PATHS, add_page_routes
 from loader.master.server.service import MasterService
@@ -41,8 +51,10 @@ from loader.master.server.state import (
     DeleteJob,
     Fail,
     Lease,
+    Mark,
     Release,
     Renew,
+    Rewind,
     validate_job_name,
     validate_lease_id,
 )
@@ -161,7 +173,7 @@ async def _observe(request: web.Request, handler: Handler) -> web.StreamResponse
     return resp
 
 
-def _only(body: dict[str, Any], allowed: set[str]) -> None:
+def _only(body: dict[str, Any], allowed: Set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadRequest(f"unknown field(s) {[str(u)[:40] for u in unknown[:10]]}: expected some of {sorted(allowed)}")
@@ -257,7 +269,7 @@ async def lease(request: web.Request) -> web.Response:
     service = _service(request)
     job = _job(request)
     body = await read_json_object(request, service.settings.max_small_body_bytes)
-    _only(body, {"trainer", "node", "count", "epoch", "request_id", "wait_s", "stream"})
+    _only(body, LEASE_FIELDS)
     count = body.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
         raise BadRequest(f"'count' must be an integer in [1, {MAX_COUNT}], got {str(count)[:40]!r}")
@@ -301,7 +313,7 @@ def _wait_report(body: dict[str, Any]) -> WaitReport | None:
     return validate_wait(body["wait"])
 
 
-async def _lease_call(request: web.Request, action: str, fields: set[str], make: Callable[[str, str, dict[str, Any]], Any]) -> web.Response:
+async def _lease_call(request: web.Request, action: str, fields: Set[str], make: Callable[[str, str, dict[str, Any]], Any]) -> web.Response:
     service = _service(request)
     job = _job(request)
     lease_id = validate_lease_id(request.match_info["lease"])
@@ -365,25 +377,56 @@ def _get(body: dict[str, Any], name: str, default: Any = None) -> Any:
 
 async def renew(request: web.Request) -> web.Response:
     return await _lease_call(
-        request, "renew", {"trainer", "offset"}, lambda j, lease, b: Renew(j, lease, _get(b, "trainer"), _get(b, "offset"))
+        request, "renew", RENEW_FIELDS,
+        lambda j, lease, b: Renew(j, lease, _get(b, "trainer"), _get(b, "offset"), _get(b, "clock")),
     )
 
 
 async def complete(request: web.Request) -> web.Response:
-    return await _lease_call(request, "complete", {"trainer"}, lambda j, lease, b: Complete(j, lease, _get(b, "trainer")))
+    return await _lease_call(
+        request, "complete", COMPLETE_FIELDS, lambda j, lease, b: Complete(j, lease, _get(b, "trainer"), _get(b, "clock"))
+    )
 
 
 async def fail(request: web.Request) -> web.Response:
     return await _lease_call(
-        request, "fail", {"trainer", "error"}, lambda j, lease, b: Fail(j, lease, _get(b, "trainer"), _get(b, "error", ""))
+        request, "fail", FAIL_FIELDS, lambda j, lease, b: Fail(j, lease, _get(b, "trainer"), _get(b, "error", ""))
     )
 
 
 async def release(request: web.Request) -> web.Response:
     return await _lease_call(
-        request, "release", {"trainer", "offset"},
-        lambda j, lease, b: Release(j, lease, _get(b, "trainer"), _get(b, "offset")),
+        request, "release", RELEASE_FIELDS,
+        lambda j, lease, b: Release(j, lease, _get(b, "trainer"), _get(b, "offset"), _get(b, "clock")),
     )
+
+
+async def mark(request: web.Request) -> web.Response:
+    """``POST /v1/jobs/{job}/marks``: a checkpoint (a trainer's ``state_dict()``), with the exact
+    positions its loop had received at ``clock``."""
+    service = _service(request)
+    job = _job(request)
+    body = await read_json_object(request, service.settings.max_small_body_bytes)
+    _only(body, MARK_FIELDS)
+    raw = body.get("positions", [])
+    if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 for p in raw):
+        raise BadRequest("'positions' must be a list of [lease id, offset] pairs")
+    event = Mark(job, body.get("trainer"), body.get("clock"), tuple((p[0], p[1]) for p in raw))  # type: ignore[arg-type]
+    result = await service.submit(event)
+    service.note(job, event.trainer, None, result.progress)
+    return _json(result.answer)
+
+
+async def rewind(request: web.Request) -> web.Response:
+    """``POST /v1/jobs/{job}/rewind``: resume the job from a mark (a ``load_state_dict()``)."""
+    service = _service(request)
+    job = _job(request)
+    body = await read_json_object(request, service.settings.max_small_body_bytes)
+    _only(body, REWIND_FIELDS)
+    event = Rewind(job, body.get("trainer"), body.get("mark"), body.get("clock"), body.get("job_created"))  # type: ignore[arg-type]
+    result = await service.submit(event)
+    service.note(job, event.trainer, None)
+    return _json(result.answer)
 
 
 def _package_version() -> str:
@@ -402,7 +445,7 @@ _VERSION = _package_version()
 async def api_version(request: web.Request) -> web.Response:
     # What this master takes beyond the first v1: a client sends a newer field only to a master
     # listing it here (unknown body fields are refused, 400).
-    return _json({"api": "v1", "version": _VERSION, "features": [WAIT_FEATURE]})
+    return _json({"api": "v1", "version": _VERSION, "features": [WAIT_FEATURE, CHECKPOINT_FEATURE]})
 
 
 async def cluster(request: web.Request) -> web.Response:
@@ -462,6 +505,8 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/fail", fail)
     app.router.add_post("/v1/jobs/{job}/leases/{lease}/release", release)
     app.router.add_post("/v1/jobs/{job}/wait", report_wait)
+    app.router.add_post("/v1/jobs/{job}/marks", mark)
+    app.router.add_post("/v1/jobs/{job}/rewind", rewind)
     app.router.add_get("/v1/version", api_version)
     app.router.add_get("/v1/leader", leader)
     app.router.add_get("/v1/cluster", cluster)

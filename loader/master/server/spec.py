@@ -34,6 +34,7 @@ from typing import Any, overload
 from isal import isal_zlib
 
 from loader.master.errors import BadRequest
+from loader.master.protocol import SPEC_FIELDS
 from wire.names import ID_RULE, is_id
 
 __all__ = [
@@ -66,9 +67,6 @@ MAX_INT = 2**63 - 1
 MAX_KEY = 1024
 """Longest shard key, in characters."""
 _MAX_IDENT = 256
-SPEC_FIELDS = frozenset(
-    {"name", "dataset", "shards", "epochs", "seed", "shuffle", "lease_ttl_s", "max_failures", "locality_window"}
-)
 MAX_LOCALITY_WINDOW = 65_536
 """Largest ``locality_window``: how far ahead of the seeded order a lease may look for a shard
 local to the trainer's node (each epoch holds at most this many positions in its index)."""

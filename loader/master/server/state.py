@@ -43,8 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loader.master.errors import BadRequest, JobConflict, JobInUse, LeaseLost, NoSuchJob, NotLeaseHolder
+from loader.master.errors import BadRequest, CheckpointGone, JobConflict, JobInUse, LeaseLost, NoSuchJob, NotLeaseHolder
+from loader.master.protocol import LeaseGrant
 from loader.master.server.locality import MAX_MEMBERS, STEP, JobLocality, Ring, Window
+from loader.master.server.marks import JobMarks
 from loader.master.server.spec import JobSpec, ShardSpec, check_ident, check_int, read_log_spec, spec_diff, validate_job_name
 from wire.dataset import parse_dataset_url
 from wire.errors import InvalidName
@@ -63,6 +65,8 @@ __all__ = [
     "Resume",
     "DeleteJob",
     "Placement",
+    "Mark",
+    "Rewind",
     "Event",
     "Result",
     "JobState",
@@ -140,6 +144,9 @@ class Renew:
     lease: str
     trainer: str
     offset: int
+    clock: int | None = None
+    """The trainer's clock when its loop had received up to ``offset`` (marks.py); None: a
+    client that keeps none (never undone by a rewind)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ class Complete:
     job: str
     lease: str
     trainer: str
+    clock: int | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +174,7 @@ class Release:
     lease: str
     trainer: str
     offset: int
+    clock: int | None = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,32 @@ class Placement:
     members: tuple[tuple[str, str], ...]
 
 
-Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob | Placement
+@dataclass(frozen=True)
+class Mark:
+    """A checkpoint (``state_dict()``): ``trainer``'s loop had received each held lease up to its
+    offset at clock ``clock``; the job's mark at that clock is made or joined (marks.py)."""
+
+    job: str
+    trainer: str
+    clock: int
+    positions: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """A job resumed from a checkpoint (``load_state_dict()``): every delivery past the mark's
+    clock is undone, every lease revoked; from now on the master hands out exactly what the
+    loops had not received at the mark."""
+
+    job: str
+    trainer: str
+    mark: int
+    clock: int
+    created: float | None = None
+    """The job's creation time the state recorded: a namesake job created since refuses it."""
+
+
+Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob | Placement | Mark | Rewind
 
 
 def event_to_json(event: Event) -> dict[str, Any]:
@@ -203,13 +237,19 @@ def event_to_json(event: Event) -> dict[str, Any]:
             "epoch": event.epoch, "ids": list(event.lease_ids), "rid": event.request_id, "stream": event.stream,
         }
     if isinstance(event, Renew):
-        return {"t": "renew", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset}
+        return _clocked(event.clock, {"t": "renew", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset})
     if isinstance(event, Complete):
-        return {"t": "complete", "job": event.job, "lease": event.lease, "trainer": event.trainer}
+        return _clocked(event.clock, {"t": "complete", "job": event.job, "lease": event.lease, "trainer": event.trainer})
     if isinstance(event, Fail):
         return {"t": "fail", "job": event.job, "lease": event.lease, "trainer": event.trainer, "error": event.error}
     if isinstance(event, Release):
-        return {"t": "release", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset}
+        return _clocked(event.clock, {"t": "release", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset})
+    if isinstance(event, Mark):
+        return {"t": "mark", "job": event.job, "trainer": event.trainer, "clock": event.clock,
+                "positions": [list(p) for p in event.positions]}
+    if isinstance(event, Rewind):
+        return {"t": "rewind", "job": event.job, "trainer": event.trainer, "mark": event.mark, "clock": event.clock,
+                "created": event.created}
     if isinstance(event, Resume):
         return {"t": "resume"}
     if isinstance(event, DeleteJob):
@@ -217,6 +257,12 @@ def event_to_json(event: Event) -> dict[str, Any]:
     if isinstance(event, Placement):
         return {"t": "placement", "members": [list(m) for m in event.members]}
     raise TypeError(f"not an event: {event!r}")
+
+
+def _clocked(clock: int | None, out: dict[str, Any]) -> dict[str, Any]:
+    if clock is not None:
+        out["clock"] = clock  # only when set: a journal written before clocks reads as it was
+    return out
 
 
 def event_to_text(event: Event) -> str:
@@ -236,13 +282,17 @@ def event_from_json(raw: dict[str, Any]) -> Event:
             raw.get("stream"),
         )
     if kind == "renew":
-        return Renew(raw["job"], raw["lease"], raw["trainer"], raw["offset"])
+        return Renew(raw["job"], raw["lease"], raw["trainer"], raw["offset"], raw.get("clock"))
     if kind == "complete":
-        return Complete(raw["job"], raw["lease"], raw["trainer"])
+        return Complete(raw["job"], raw["lease"], raw["trainer"], raw.get("clock"))
     if kind == "fail":
         return Fail(raw["job"], raw["lease"], raw["trainer"], raw["error"])
     if kind == "release":
-        return Release(raw["job"], raw["lease"], raw["trainer"], raw["offset"])
+        return Release(raw["job"], raw["lease"], raw["trainer"], raw["offset"], raw.get("clock"))
+    if kind == "mark":
+        return Mark(raw["job"], raw["trainer"], raw["clock"], tuple((str(lid), int(o)) for lid, o in raw["positions"]))
+    if kind == "rewind":
+        return Rewind(raw["job"], raw["trainer"], raw["mark"], raw["clock"], raw.get("created"))
     if kind == "resume":
         return Resume()
     if kind == "delete":
@@ -342,6 +392,40 @@ class EpochState:
 
     def complete(self) -> bool:
         return self.done_count + len(self.failed) >= self.n
+
+    def undo(self, shard: int, offset: int) -> None:
+        """A rewind: ``shard`` is not done, and was read up to ``offset``."""
+        if self.is_done(shard):
+            self.done_bits[shard >> 3] &= ~(1 << (shard & 7)) & 0xFF
+            self.done_count -= 1
+        prog = self.progress.get(shard)
+        if prog is None and offset:
+            prog = self.progress[shard] = Progress()
+        if prog is not None:
+            prog.offset = offset
+            if not offset and not prog.failures and prog.last_error is None:
+                del self.progress[shard]
+
+    def touched(self) -> bool:
+        """Whether anything of this epoch was delivered or failed."""
+        return bool(self.done_count or self.failed or any(p.offset for p in self.progress.values()))
+
+    def requeue_undelivered(self) -> None:
+        """A rewind revoked every lease: every shard handed out and neither done nor failed is
+        handed out again, those read part-way first (they resume at their offset). Positions
+        taken ahead of the cursor stay taken (the cursor skips them): they are in the queue."""
+        pending: list[int] = []
+        positions: list[int] = list(range(self.cursor))
+        if self.window is not None:
+            positions += sorted(self.window.ahead)
+            self.window.reset()
+        failed = self.failed
+        for position in positions:
+            shard = self.order[position]
+            if not self.is_done(shard) and shard not in failed:
+                pending.append(shard)
+        pending.sort(key=lambda shard: 0 if self.offset(shard) else 1)  # stable: the order within each
+        self.requeue = deque(pending)
 
     def take(self, trainer: str, node: str = "", loc: JobLocality | None = None, ring: Ring | None = None) -> tuple[int, bool]:
         """The next shard to hand out, and whether it was handed out before in this epoch. With
@@ -485,6 +569,10 @@ class JobState:
     _heap: list[tuple[float, str]] = field(default_factory=list, repr=False)
     locality: JobLocality | None = field(default=None, repr=False)
     """Where shards are, for a job with a ``locality_window`` (locality.py); None otherwise."""
+    marks: JobMarks = field(default_factory=JobMarks, repr=False)
+    """Checkpoint marks and the deliveries a rewind to one undoes (marks.py)."""
+    created_at: float = 0.0
+    """When the job was created (a checkpoint of a deleted job's namesake is refused by it)."""
 
     def __post_init__(self) -> None:
         if self.spec.locality_window > 0 and self.locality is None:
@@ -595,11 +683,10 @@ class JobState:
     def lease_answer(self, rec: LeaseRec, now: float) -> dict[str, Any]:
         spec = self.spec.shards[rec.shard]
         prog = self.open[rec.epoch].progress.get(rec.shard)
-        return {
-            "lease": rec.id, "key": spec.key, "shard": rec.shard, "epoch": rec.epoch,
-            "offset": prog.offset if prog else 0, "size": spec.size, "samples": spec.samples,
-            "ttl_s": round(max(rec.expires_at - now, 0.0), 3),
-        }
+        return LeaseGrant(
+            rec.id, spec.key, rec.shard, rec.epoch, prog.offset if prog else 0, spec.size, spec.samples,
+            round(max(rec.expires_at - now, 0.0), 3),
+        ).to_json()
 
     def maybe_close_epoch(self, ep: EpochState) -> None:
         """Close ``ep`` once every shard is done or failed; open the next epoch when none is left
@@ -607,6 +694,7 @@ class JobState:
         if not ep.complete():
             return
         del self.open[ep.epoch]
+        self.marks.keep_closed(ep.epoch, ep)
         self.totals["epochs"] += 1
         closed: dict[str, Any] = {"epoch": ep.epoch, "done": ep.done_count, "failed": ep.failed_list(self.spec)}
         if ep.window is not None:
@@ -636,6 +724,10 @@ class JobState:
         })
         if self.locality is not None:
             out["locality"] = self.locality.to_json()
+        if not self.marks.empty():
+            out["marks"] = self.marks.to_json(EpochState.to_json)
+        if self.created_at:
+            out["created_at"] = self.created_at
         return out
 
     @classmethod
@@ -659,6 +751,9 @@ class JobState:
         job.totals.update(raw["totals"])
         if job.locality is not None and "locality" in raw:
             job.locality.restore(raw["locality"], job.n)
+        if "marks" in raw:
+            job.marks = JobMarks.from_json(raw["marks"], lambda item: EpochState.from_json(item, spec))
+        job.created_at = float(raw.get("created_at", 0.0))
         return job
 
     @classmethod
@@ -733,6 +828,10 @@ class MasterState:
                 result = self._release(job, event, now)
             elif isinstance(event, DeleteJob):
                 result = self._delete(job, event, now)
+            elif isinstance(event, Mark):
+                result = self._mark(job, event, now)
+            elif isinstance(event, Rewind):
+                result = self._rewind(job, event, now)
             else:
                 raise TypeError(f"not an event: {event!r}")
         result.now = now
@@ -775,7 +874,7 @@ class MasterState:
                     differs=spec_diff(existing.spec, event.spec),
                 )
             return Result(self.status(event.spec.name, now), mutated=False)
-        job = self.jobs[event.spec.name] = JobState(event.spec)
+        job = self.jobs[event.spec.name] = JobState(event.spec, created_at=now)
         job.open_next()
         return Result(self.status(event.spec.name, now), mutated=True, created=True)
 
@@ -913,10 +1012,26 @@ class MasterState:
         if rec is not None and rec.trainer != trainer:
             raise NotLeaseHolder(f"lease {lease} is held by another trainer, not {trainer!r}", lease=lease)
         if rec is None or rec.expires_at <= now:
+            closed = job.closed.get(lease)
+            if closed is not None and closed[1] == "revoked":
+                raise LeaseLost(
+                    f"lease {lease} was revoked: the job was resumed from a checkpoint (a rewind); drop the shard "
+                    "and lease another", lease=lease, revoked=True,
+                )
             raise LeaseLost(
                 f"lease {lease} expired, was re-issued or is unknown: drop the shard and lease another", lease=lease
             )
         return rec
+
+    @staticmethod
+    def _advance(job: JobState, rec: LeaseRec, offset: int, clock: int | None, now: float) -> int:
+        """Record that ``rec``'s shard was received up to ``offset`` at ``clock``; the gain."""
+        ep = job.open[rec.epoch]
+        before = ep.offset(rec.shard)
+        gained = ep.advance(rec.shard, offset)
+        if gained:
+            job.marks.record(clock, rec.epoch, rec.shard, before, False, now)
+        return gained
 
     def _check_offset(self, job: JobState, rec: LeaseRec, offset: int) -> None:
         """``offset`` (already checked to be an integer >= 0) within the shard's samples."""
@@ -926,11 +1041,12 @@ class MasterState:
 
     def _renew(self, job: JobState, ev: Renew, now: float) -> Result:
         check_int(ev.offset, "offset")
+        _check_clock(ev.clock)
         rec = self._holder(job, ev.lease, ev.trainer, now)
         self._check_offset(job, rec, ev.offset)
         # -- mutation --
         job.expire(now)
-        gained = job.open[rec.epoch].advance(rec.shard, ev.offset)
+        gained = self._advance(job, rec, ev.offset, ev.clock, now)
         rec.expires_at = now + job.spec.lease_ttl_s
         job._push(rec)
         return Result({"ttl_s": job.spec.lease_ttl_s, "offset": job.open[rec.epoch].offset(rec.shard)}, mutated=True, progress=gained)
@@ -949,13 +1065,16 @@ class MasterState:
         if ev.lease not in job.leases:
             if self._closed_outcome(job, ev.lease, ev.trainer) == "done":
                 return Result({"status": "done", "epoch": job.epoch, "already": True}, mutated=False)
+        _check_clock(ev.clock)
         rec = self._holder(job, ev.lease, ev.trainer, now)
         # -- mutation --
         job.expire(now)
         ep = job.open[rec.epoch]
         samples = job.spec.shards[rec.shard].samples
-        gained = max(0, samples - ep.offset(rec.shard)) if samples is not None else 0
+        before = ep.offset(rec.shard)
+        gained = max(0, samples - before) if samples is not None else 0
         job.close(rec, ev.trainer, "done")
+        job.marks.record(ev.clock, rec.epoch, rec.shard, before, True, now)
         ep.mark_done(rec.shard)
         job.totals["completed"] += 1
         if job.locality is not None and rec.node and job.locality.readers.set(rec.shard, rec.node):
@@ -1012,6 +1131,7 @@ class MasterState:
         validate_lease_id(ev.lease)
         check_ident(ev.trainer, "trainer")
         check_int(ev.offset, "offset")
+        _check_clock(ev.clock)
         if ev.lease not in job.leases and self._closed_outcome(job, ev.lease, ev.trainer) == "released":
             return Result({"shard_state": "todo", "already": True}, mutated=False)
         rec = self._holder(job, ev.lease, ev.trainer, now)
@@ -1019,11 +1139,92 @@ class MasterState:
         # -- mutation --
         job.expire(now)
         ep = job.open[rec.epoch]
-        gained = ep.advance(rec.shard, ev.offset)
+        gained = self._advance(job, rec, ev.offset, ev.clock, now)
         ep.requeue.append(rec.shard)
         job.close(rec, ev.trainer, "released")
         job.totals["released"] += 1
         return Result({"shard_state": "todo", "offset": ep.offset(rec.shard), "already": False}, mutated=True, progress=gained)
+
+    def _mark(self, job: JobState, ev: Mark, now: float) -> Result:
+        check_ident(ev.trainer, "trainer")
+        check_int(ev.clock, "clock")
+        if not isinstance(ev.positions, tuple) or len(ev.positions) > MAX_COUNT:
+            raise BadRequest(f"'positions' lists at most {MAX_COUNT} [lease, offset] pairs")
+        held: list[tuple[LeaseRec, int]] = []
+        lost: list[str] = []
+        for item in ev.positions:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise BadRequest("a position is a [lease id, offset] pair")
+            lease, offset = validate_lease_id(item[0]), check_int(item[1], "offset")
+            rec = job.valid_lease(lease, now)
+            if rec is None or rec.trainer != ev.trainer:
+                lost.append(lease)  # expired and re-issued: its next holder hands those samples out again
+                continue
+            self._check_offset(job, rec, offset)
+            held.append((rec, offset))
+        # -- mutation --
+        job.expire(now)
+        gained = 0
+        for rec, offset in held:
+            if rec.id in job.leases:  # still held after the sweep
+                gained += self._advance(job, rec, offset, ev.clock, now)
+        mark, _ = job.marks.mark(ev.clock, job.epoch, now)
+        answer = {**mark.answer(), "lost": lost, "job_created": job.created_at}
+        return Result(answer, mutated=True, progress=gained)
+
+    def _rewind(self, job: JobState, ev: Rewind, now: float) -> Result:
+        check_ident(ev.trainer, "trainer")
+        check_int(ev.mark, "mark", 1)
+        check_int(ev.clock, "clock")
+        if ev.created is not None:
+            if isinstance(ev.created, bool) or not isinstance(ev.created, (int, float)):
+                raise BadRequest("'job_created' must be the number the checkpoint state holds")
+            if job.created_at and ev.created and abs(float(ev.created) - job.created_at) > 1e-3:
+                raise CheckpointGone(
+                    f"the checkpoint is of an earlier job named {job.spec.name!r} (created at {float(ev.created):.3f}; this "
+                    f"one was created at {job.created_at:.3f}): its marks are gone with it; start fresh without loading it",
+                    job=job.spec.name, mark=ev.mark,
+                )
+        mark = job.marks.marks.get(ev.mark)
+        if mark is None:
+            raise CheckpointGone(job.marks.refusal(ev.mark), job=job.spec.name, mark=ev.mark)
+        if mark.clock != ev.clock:
+            raise BadRequest(f"checkpoint mark {ev.mark} is at clock {mark.clock}, the state says {ev.clock}: "
+                             "the state was altered, or is from another job")
+        # -- mutation --
+        revoked = len(job.leases)
+        for rec in list(job.leases.values()):
+            job.close(rec, rec.trainer, "revoked")
+        job.last_request.clear()
+        undone = job.marks.undo(mark.clock)
+        for (epoch, shard), change in undone.items():
+            ep = job.open.get(epoch)
+            if ep is None:
+                ep = job.marks.closed.pop(epoch, None)
+                if ep is None:  # cannot happen: a change's closed epoch is kept while the change is
+                    continue
+                job.open[epoch] = ep
+                job.recent = [r for r in job.recent if r["epoch"] != epoch]
+                job.totals["epochs"] -= 1
+            ep.undo(shard, change.before)
+        job.open = dict(sorted(job.open.items()))
+        # Epochs opened past the mark and left with nothing delivered are as if never opened.
+        while len(job.open) > 1:
+            last = next(reversed(job.open))
+            if job.open[last].touched():
+                break
+            del job.open[last]
+            job.next_epoch = last
+        if job.open or undone:
+            job.finished = False
+        if not job.open and not job.finished:
+            job.open_next()
+        for ep in job.open.values():
+            ep.requeue_undelivered()
+        job.totals["rewinds"] = job.totals.get("rewinds", 0) + 1
+        answer = {"mark": mark.id, "clock": mark.clock, "epoch": job.epoch, "revoked": revoked, "undone": len(undone),
+                  "finished": job.finished}
+        return Result(answer, mutated=True)
 
     # -- read-only views --
 
@@ -1150,6 +1351,11 @@ def _object_names(spec: JobSpec) -> Callable[[int], str] | None:
         return None
     base, shards = f"{url.bucket}/{url.prefix}", spec.shards
     return lambda shard: base + shards[shard].key
+
+
+def _check_clock(clock: Any) -> None:
+    if clock is not None:
+        check_int(clock, "clock")
 
 
 def _expect(text: str, i: int, literal: str) -> int:
