@@ -49,6 +49,12 @@ class Clock:
         self.count += 1
         return self.value
 
+    def start_lap(self, epoch: int | None) -> None:
+        """Explicit epochs: the loop finished its epoch and the job's current one is ``epoch``:
+        every rank that ended the epoch has the same clock there, however many items each got."""
+        if self.laps and epoch is not None and epoch > self.lap:
+            self.lap, self.count = epoch, 0
+
     def restore(self, value: int) -> None:
         self.lap, self.count = value >> _LAP_SHIFT, value & ((1 << _LAP_SHIFT) - 1)
 

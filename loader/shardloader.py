@@ -198,6 +198,7 @@ class ShardLoader:
         # epochs restart it each epoch.
         self._clock = Clock(laps=not self.continuous)
         self._digest: str | None = None
+        self._last_state: dict[str, Any] | None = None
         self._rt = _Runtime()
 
     # -- pickling (DataLoader workers) and per-process resources ------------------------------
@@ -348,10 +349,21 @@ class ShardLoader:
         clone = ShardLoader.__new__(ShardLoader)
         clone.__setstate__(self.__getstate__())
         clone._pos = dataclasses.replace(self._pos)
+        # Its own copy: iterating the clone moves its position, never this loader's.
+        clone._resume = dataclasses.replace(self._resume) if self._resume is not None else None
         clone._worker_resume = None
-        if self._worker_resume is not None and self._worker_resume[0] == num_workers:
-            resume = self._worker_resume[1].get(worker)
-            clone._resume = dataclasses.replace(resume) if resume is not None else None
+        if self._worker_resume is not None and self._worker_resume[0] == num_workers and worker in self._worker_resume[1]:
+            clone._resume = dataclasses.replace(self._worker_resume[1][worker])
+        elif self.mode == "static" and num_workers > 1 and clone._resume is not None and (
+            clone._resume.shard or clone._resume.offset
+        ):
+            pos = clone._resume
+            raise ConfigError(
+                f"this loader resumes at sample {pos.offset} of shard {pos.shard} of its plan for epoch {pos.epoch} (a "
+                "ShardLoader state, from a loop that read without DataLoader workers); DataLoader workers split that "
+                f"plan between them, so the position means nothing to worker {worker} of {num_workers}. Resume it with "
+                "num_workers=0, or checkpoint with loader.torch.DataLoader.state_dict(), which saves each worker's"
+            )
         clone._worker = (worker, num_workers)
         clone._stream = f"w{worker}"
         return clone
@@ -367,7 +379,9 @@ class ShardLoader:
         rank only (then the others' samples since their last renew are trained again)."""
         if self.mode != "static":
             renewer = self._runtime().renewer
-            return self.checkpoint(renewer.positions() if renewer is not None else [])
+            if renewer is None:
+                return self.checkpoint([], between_epochs=True)
+            return self.checkpoint(renewer.positions())
         pos = self._resume or self._pos
         return {
             "version": _STATE_VERSION,
@@ -432,20 +446,37 @@ class ShardLoader:
             shards_sha256=self._digest, mark=mark, clock=clock, job_created=created,
         )
 
-    def checkpoint(self, positions: list[tuple[str, int]]) -> dict[str, Any]:
+    def checkpoint(self, positions: list[tuple[str, int]], between_epochs: bool = False) -> dict[str, Any]:
         """Dynamic mode's ``state_dict()``: report ``positions`` (each lease this trainer's loop
-        received samples of, at the sample reached) at this trainer's clock, and name the mark."""
+        received samples of, at the sample reached) at this trainer's clock, and name the mark.
+        ``between_epochs``: no iteration is in progress; with explicit epochs the clock moves to
+        the job's current epoch, so every rank checkpointing after an epoch (a barrier after
+        it) has the same clock, whatever each received in it."""
+        if between_epochs and not self.continuous and self._clock.value:
+            if not self._joined:
+                self._join()
+            assert self.job is not None
+            self._clock.start_lap(int(self._client().status(self.job).get("epoch") or 0))
+        clock = self._clock.value
+        last = self._last_state
+        if not positions and last is not None and last["clock"] == clock:
+            return dict(last)  # nothing received since the state saved or loaded last: the same mark
+        if not positions and clock == 0:
+            # Nothing received yet (a fresh loader, or torch.distributed.checkpoint asking for the
+            # state's shape before loading into it): mark 0, the job's beginning; no master call.
+            return self._identity().to_dict()
         if not self._joined:
             self._join()
         assert self.job is not None
-        clock = self._clock.value
         answer = self._client().mark(self.job, self.trainer, clock, positions)
         if answer.lost:
             log.warning("checkpoint at clock %d: %d lease(s) had expired and were re-issued; their samples since the "
                         "last renew will be read again", clock, len(answer.lost))
         log.info("checkpoint of job %s: mark %d at clock %d (%d trainer(s) reported)", self.job, answer.mark, clock,
                  answer.trainers)
-        return self._identity(answer.mark, clock, answer.job_created).to_dict()
+        state = self._identity(answer.mark, clock, answer.job_created).to_dict()
+        self._last_state = state
+        return dict(state)
 
     def _rewind(self, raw: Any) -> None:
         from loader.master.errors import NoSuchJob
@@ -461,6 +492,7 @@ class ShardLoader:
                 f"checkpoint mark {state.mark} is gone with it; start fresh without loading this state"
             ) from exc
         self._clock.restore(state.clock)
+        self._last_state = state.to_dict()
         self._finished = answer.finished
         self._next_epoch = answer.epoch if not self.continuous else None
         self._current_epoch = None
@@ -707,6 +739,7 @@ class ShardLoader:
             deferred=self._ledger is not None,
         )
         clean = False
+        loop_clock = self._ledger is None and self._metered and self._stream is None
         self._runtime().renewer = renewer
         try:
             for held in stream:
@@ -724,6 +757,8 @@ class ShardLoader:
             self._finished = True
         if epoch is not None:
             self._next_epoch = max(epoch + 1, stream.next_epoch or 0)
+            if loop_clock:
+                self._clock.start_lap(self._next_epoch)
         self._current_epoch = None
 
     def _shard_for(self, held: Any) -> Shard:

@@ -172,14 +172,21 @@ class DataLoader(torch.utils.data.DataLoader):
         self._deferred: ShardDataset | None = dataset if deferred else None
         self._static = static
         self._delivery: Delivery | None = None
+        # Static mode, the iteration in progress (or the last one): per worker, where its reader
+        # was when the loop received its last batch; where each worker started (None: where the
+        # loader's next iteration starts); whether the loop received its end.
         self._positions: dict[int, tuple[int, int, int]] = {}
-        """Static mode: per worker, where its reader was when the loop received its last batch."""
+        self._starts: dict[int, tuple[int, int, int]] | None = None
+        self._ended = False
+        self._iteration = 0
         if deferred or static:
             self.collate_fn = _MarkingCollate(self.collate_fn, dataset, batched=self.batch_size is not None, static=static)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        batches = super().__iter__()
         dataset = self.dataset
+        if self._static and isinstance(dataset, ShardDataset):
+            self._begin(dataset.loader)  # before the workers start: whether persistent ones run already
+        batches = super().__iter__()
         if not isinstance(dataset, ShardDataset):
             return batches
         loader = dataset.loader
@@ -188,7 +195,7 @@ class DataLoader(torch.utils.data.DataLoader):
         loader._worker_resume = None
         meter = loader.wait_meter()
         if self._static:
-            return meter.timed(self._positioned(batches, loader))
+            return meter.timed(self._positioned(batches, self._iteration))
         if self._deferred is None:
             return meter.timed(batches)
         # Timed outside the delivery: what it does per batch is part of the loop's wait.
@@ -209,13 +216,18 @@ class DataLoader(torch.utils.data.DataLoader):
         loader = dataset.loader
         if self._deferred is not None:
             delivery = self._delivery
-            return loader.checkpoint(delivery.positions() if delivery is not None else [])
-        return _static_state(loader, self.num_workers, self._positions)
+            if delivery is None:
+                return loader.checkpoint([], between_epochs=True)
+            return loader.checkpoint(delivery.positions())
+        return _static_state(loader, self.num_workers, self._positions, self._worker_starts(loader), self._ended)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`, before iterating. Dynamic mode: the job is rewound to
         the saved mark (on every rank, or on one: the same; twice: the same). Static mode: each
-        worker resumes at its saved sample."""
+        worker resumes at its saved sample (a state of another ``num_workers``, dataset, seed or
+        rank is refused and changes nothing): the next ``for`` loop receives the rest of the
+        epoch the state was saved in, or, saved after an epoch's ``for`` loop ended, the next
+        epoch. Do not call ``ds.set_epoch`` for that iteration: it starts an epoch afresh."""
         dataset = self.dataset
         if not isinstance(dataset, ShardDataset):
             raise ConfigError("load_state_dict() restores a ShardDataset; this DataLoader reads another dataset")
@@ -226,6 +238,7 @@ class DataLoader(torch.utils.data.DataLoader):
             return
         if isinstance(state, dict) and state.get("kind") != _STATIC_KIND and self.num_workers == 0:
             loader.load_state_dict(state)  # a ShardLoader state of a num_workers=0 loop
+            self._restart({})
             return
         if not isinstance(state, dict) or state.get("kind") != _STATIC_KIND or state.get("version") != 1:
             raise ConfigError("not a loader.torch.DataLoader state: pass what DataLoader.state_dict() returned")
@@ -235,29 +248,62 @@ class DataLoader(torch.utils.data.DataLoader):
                 f"num_workers={self.num_workers}: a static-mode rank's shards are split between its workers, so "
                 "resume with the same num_workers"
             )
-        loader.load_state_dict(state["loader"])
+        readers = max(self.num_workers, 1)
         try:
             positions = {int(w): (int(p[0]), int(p[1]), int(p[2])) for w, p in state["workers"].items()}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ConfigError("malformed DataLoader state: workers must map to [epoch, shard, sample]") from exc
+        if sorted(positions) != list(range(readers)) or any(min(p) < 0 for p in positions.values()):
+            raise ConfigError(
+                f"malformed DataLoader state: it must give every one of the {readers} worker(s) a position "
+                f"[epoch, shard, sample] >= 0, it gives {state['workers']!r}"
+            )
+        loader.load_state_dict(state["loader"])  # refuses another dataset, seed, rank, ...: nothing changed then
         loader.resume_workers(self.num_workers, positions)
-        self._positions = {}
+        self._restart(positions)
+        if self._iterator is not None:
+            # Persistent workers keep the loaders they made: new ones start where the state says.
+            self._iterator = None
 
-    def _positioned(self, batches: Iterator[Any], loader: ShardLoader) -> Iterator[Any]:
-        first = True
+    def _restart(self, starts: dict[int, tuple[int, int, int]]) -> None:
+        """Static mode: the next iteration is a loaded state's (its workers start at ``starts``)."""
+        self._positions = {}
+        self._starts = dict(starts) if starts else None
+        self._ended = False
+        self._iteration += 1  # an iteration in progress no longer records where the loop is
+
+    def _begin(self, loader: ShardLoader) -> None:
+        """Static mode: a new iteration; where each worker starts it."""
+        running = self.persistent_workers and self.num_workers > 0 and self._iterator is not None
+        if running:
+            # Persistent workers read their loaders' next epoch, whatever the dataset's loader says.
+            epoch = _epoch_of(self._worker_starts(loader)) + 1
+            starts = {w: (epoch, 0, 0) for w in range(self.num_workers)}
+            self._restart(starts)
+        else:
+            self._restart({})
+            self._starts = self._worker_starts(loader)
+
+    def _worker_starts(self, loader: ShardLoader) -> dict[int, tuple[int, int, int]]:
+        """Static mode: where each worker starts the iteration in progress (the next one before
+        any): workers made now would start where the loader's ``for_worker`` copies do."""
+        if self._starts is not None:
+            return self._starts
+        if self.num_workers == 0:
+            return {0: loader.position()}
+        return {w: loader.for_worker(w, self.num_workers).position() for w in range(self.num_workers)}
+
+    def _positioned(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
         for item in batches:
             if not isinstance(item, _Marked):
                 yield item
                 continue
-            if first and not loader.continuous:
-                # A new epoch's iteration: the last one's positions (kept until now, so that a state
-                # saved between two epochs says the next one) no longer say where workers are.
-                self._positions = {}
-            first = False
-            if item.position is not None:
+            if item.position is not None and iteration == self._iteration:
                 worker, *where = item.position
                 self._positions[worker] = (where[0], where[1], where[2])
             yield item.batch
+        if iteration == self._iteration:
+            self._ended = True  # the loop received the epoch's last batch and its end
 
     def wait_stats(self) -> dict[str, Any]:
         """How long the training loop waited for its batches (``ShardLoader.wait_stats``); over
@@ -291,35 +337,51 @@ class DataLoader(torch.utils.data.DataLoader):
 _STATIC_KIND = "shardcache-static-dataloader"
 
 
-def _static_state(loader: ShardLoader, num_workers: int, seen: dict[int, tuple[int, int, int]]) -> dict[str, Any]:
+def _epoch_of(starts: dict[int, tuple[int, int, int]]) -> int:
+    """The epoch an iteration whose workers start at ``starts`` reads (all read the same one)."""
+    return min(p[0] for p in starts.values())
+
+
+def _static_state(
+    loader: ShardLoader,
+    num_workers: int,
+    seen: dict[int, tuple[int, int, int]],
+    starts: dict[int, tuple[int, int, int]],
+    ended: bool,
+) -> dict[str, Any]:
     """Static mode's DataLoader state: where each worker resumes so that the loop receives next
-    exactly what it would have. A worker with no batch received yet resumes at its epoch's start;
-    in one epoch's iteration, a worker that read its whole plan resumes at its end (it yields
-    nothing more in that iteration), unless every worker did: then all start the next epoch."""
-    readers = max(num_workers, 1)
+    exactly what it would have.
+
+    Saved during an iteration (before its first batch too), the state resumes that iteration: a
+    worker resumes where its reader was when the loop received its last batch, or, with none
+    received yet in this iteration, where it started it; a worker whose reader ran through its
+    plan (its last batch was a partial one) resumes at its plan's end, yielding nothing more in
+    that epoch, however many batches its siblings still have. Saved after the loop received the
+    iteration's end (the ``for`` loop finished), the state starts the next epoch on every worker.
+    A loop that received the last batch of every worker but not the end yet resumes an iteration
+    with nothing left in it, which ends at once: that epoch's ``for`` loop, then the next's."""
     base = loader.state_dict()
-    workers: dict[str, list[int]] = {}
-    if loader.continuous:
-        start = (base["epoch"], 0, 0)
-        for w in range(readers):
-            workers[str(w)] = list(seen.get(w, start))
+    if num_workers == 0:
+        # The loop's own process reads, one batch at a time: the loader is where the loop is.
+        workers = {"0": list(loader.position())}
+    elif ended and not loader.continuous:
+        epoch = _epoch_of(starts) + 1
+        workers = {str(w): [epoch, 0, 0] for w in range(num_workers)}
     else:
-        reading: dict[int, tuple[int, bool]] = {}  # worker -> (epoch it reads, whether it read it all)
-        for w, (epoch, shard, offset) in seen.items():
-            if epoch > 0 and shard == 0 and offset == 0:
-                reading[w] = (epoch - 1, True)  # its reader moved past its epoch's end
+        workers = {}
+        for w in range(num_workers):
+            if w not in seen:
+                workers[str(w)] = list(starts[w])
+                continue
+            epoch, shard, offset = seen[w]
+            if shard == 0 and offset == 0 and epoch > 0:
+                # Only a reader that ran past its epoch's end is at a shard's start after a batch
+                # (a batch holds a sample, and a sample handed out moves the offset past it).
+                workers[str(w)] = [epoch - 1, loader.plan_length(epoch - 1, w, num_workers), 0]
             else:
-                reading[w] = (epoch, shard >= loader.plan_length(epoch, w, readers))
-        epoch = min((e for e, _ in reading.values()), default=base["epoch"])
-        finished = {w for w, (e, done) in reading.items() if done and e == epoch}
-        if len(finished) == readers:
-            workers = {str(w): [epoch + 1, 0, 0] for w in range(readers)}
-        else:
-            for w in range(readers):
-                if w in finished:
-                    workers[str(w)] = [epoch, loader.plan_length(epoch, w, readers), 0]
-                elif w in seen and reading[w][0] == epoch:
-                    workers[str(w)] = list(seen[w])
-                else:
-                    workers[str(w)] = [epoch, 0, 0]
+                workers[str(w)] = [epoch, shard, offset]
+    if num_workers:
+        # The dataset's own loader does not read (persistent workers may be epochs ahead of it):
+        # loaded, it starts the epoch the workers resume in, should workers be made from it.
+        base.update(epoch=min(p[0] for p in workers.values()), shard=0, offset=0)
     return {"kind": _STATIC_KIND, "version": 1, "num_workers": num_workers, "loader": base, "workers": workers}

@@ -107,6 +107,10 @@ class Logs:
     batches: dict[tuple[int, int], list[dict[str, Any]]] = field(default_factory=dict)
     done: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     start: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    resumed: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(rank, attempt) -> the step its checkpoint resumed it at (0: none to resume from)."""
+    ckpts: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    """(rank, attempt) -> the steps it checkpointed after."""
 
     @classmethod
     def read(cls, directory: Path) -> Logs:
@@ -122,6 +126,10 @@ class Logs:
                     logs.done[ident] = rec
                 elif rec.get("start"):
                     logs.start[ident] = rec
+                elif rec.get("resumed"):
+                    logs.resumed[ident] = int(rec["step"])
+                elif rec.get("ckpt"):
+                    logs.ckpts.setdefault(ident, []).append(int(rec["step"]))
                 else:
                     logs.batches.setdefault(ident, []).append(rec)
         return logs
@@ -134,6 +142,23 @@ class Logs:
                 continue
             for rec in recs:
                 out.extend((float(rec["t"]), rank, (s[0], s[1])) for s in rec["samples"])
+        return out
+
+    def trained(self) -> list[tuple[int, int, Ident]]:
+        """What the model trained on: every attempt's batches before the step the next attempt
+        resumed at (the checkpoint it loaded), and everything the last attempt received, as
+        (attempt, rank, sample)."""
+        attempts = sorted({a for _, a in self.batches} | {a for _, a in self.resumed})
+        out: list[tuple[int, int, Ident]] = []
+        for i, att in enumerate(attempts):
+            later = [step for (_, a), step in self.resumed.items() if a == attempts[i + 1]] if i + 1 < len(attempts) else []
+            upto = min(later) if later else None
+            for (rank, a), recs in self.batches.items():
+                if a != att:
+                    continue
+                for rec in recs:
+                    if upto is None or int(rec["step"]) < upto:
+                        out.extend((a, rank, (s[0], s[1])) for s in rec["samples"])
         return out
 
     def summary(self) -> str:

@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -75,7 +76,72 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="collective timeout: a deadlocked step fails after this instead of hanging")
     p.add_argument("--dataloader", choices=("plain", "shardcache"), default="shardcache",
                    help="torch.utils.data.DataLoader, or loader.torch.DataLoader (plain while it does not exist)")
+    p.add_argument("--ckpt-dir", type=Path, default=None,
+                   help="checkpoint the DataLoader (with the step) here, and resume from the latest one at start")
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint after every this many steps")
+    p.add_argument("--ckpt-way", choices=("dcp", "rank0"), default="dcp",
+                   help="dcp: every rank saves its own state with torch.distributed.checkpoint; rank0: rank 0 "
+                   "alone torch.save()s its state (the way most scripts do), every rank loads it")
+    p.add_argument("--kill-after-ckpt", type=int, default=None,
+                   help="on attempt 0, SIGKILL this rank a few steps after the first checkpoint (a whole-job kill "
+                   "when the test then kills the rest)")
     return p.parse_args(argv)
+
+
+class _Checkpoints:
+    """The DataLoader's state (and the step) saved and loaded the two ways scripts do it.
+
+    ``dcp``: ``torch.distributed.checkpoint`` on every rank (the DataLoader is a ``Stateful``),
+    into ``step-N/``, then rank 0 points ``latest`` at it. ``rank0``: rank 0 ``torch.save``s its
+    state to ``step-N.pt`` and points ``latest`` at it; every rank loads that file."""
+
+    def __init__(self, directory: Path, way: str, rank: int) -> None:
+        self.dir, self.way, self.rank = directory, way, rank
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def _point(self, name: str) -> None:
+        tmp = self.dir / f"latest.{os.getpid()}"
+        tmp.write_text(name)
+        os.replace(tmp, self.dir / "latest")
+
+    def save(self, step: int, dl: Any) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self.way == "dcp":
+            dcp.save({"dl": dl, "meta": {"step": step}}, checkpoint_id=str(self.dir / f"step-{step}"))
+            dist.barrier()
+            if self.rank == 0:
+                self._point(f"step-{step}")
+        elif self.rank == 0:
+            path = self.dir / f"step-{step}.pt"
+            torch.save({"step": step, "dl": dl.state_dict()}, path)
+            self._point(path.name)
+        dist.barrier()
+
+    def load(self, dl: Any) -> int:
+        """The step resumed at (0: no checkpoint yet)."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        latest = self.dir / "latest"
+        step = 0
+        if latest.exists():
+            name = latest.read_text().strip()
+            if self.way == "dcp":
+                state: dict[str, Any] = {"dl": dl, "meta": {"step": 0}}
+                dcp.load(state, checkpoint_id=str(self.dir / name))
+                step = int(state["meta"]["step"])
+            else:
+                saved = torch.load(self.dir / name, weights_only=False)
+                dl.load_state_dict(saved["dl"])
+                step = int(saved["step"])
+        # Every rank rewound before any iterates: a rank's rewind would otherwise revoke the
+        # leases a faster peer already read from (those samples would be trained twice).
+        dist.barrier()
+        return step
 
 
 class _Log:
@@ -136,6 +202,23 @@ def main(argv: list[str]) -> int:
     dl = cls(ds, batch_size=args.batch_size, num_workers=args.num_workers, collate_fn=collate_keys)
 
     step = 0
+    ckpt = _Checkpoints(args.ckpt_dir, args.ckpt_way, rank) if args.ckpt_dir is not None else None
+    if ckpt is not None:
+        step = ckpt.load(dl)
+        log.write({"resumed": True, "t": time.time(), "rank": rank, "attempt": attempt, "step": step})
+    first_ckpt: int | None = None
+
+    def after_step() -> None:
+        """Checkpoint every --ckpt-every steps (``step`` steps are done); die if asked."""
+        nonlocal first_ckpt
+        if ckpt is not None and args.ckpt_every and step % args.ckpt_every == 0:
+            ckpt.save(step, dl)
+            log.write({"ckpt": True, "t": time.time(), "rank": rank, "attempt": attempt, "step": step})
+            if first_ckpt is None:
+                first_ckpt = step
+        if (args.kill_after_ckpt is not None and attempt == 0 and rank == args.kill_after_ckpt
+                and first_ckpt is not None and step >= first_ckpt + 3):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def train_step(batch: dict[str, Any] | None) -> None:
         """Log the batch as received, fail if asked, emulate compute."""
@@ -148,12 +231,14 @@ def main(argv: list[str]) -> int:
 
     if args.steps is not None:
         batches = iter(dl)
-        for step in range(args.steps):
+        while step < args.steps:
             batch = next(batches, None)
             if batch is None:
                 raise RuntimeError(f"rank {rank}: the loader ended at step {step} of {args.steps} (job finished?)")
             train_step(batch)
             dist.all_reduce(torch.tensor([float(len(batch["samples"]))]))
+            step += 1
+            after_step()
     elif args.continuous:
         batches = iter(dl)
         while True:
@@ -164,12 +249,21 @@ def main(argv: list[str]) -> int:
             if have[0].item() == 0:  # every rank ran out: the job ended everywhere
                 break
             step += 1
+            after_step()
     else:
-        for _ in range(args.epochs):
+        # Non-continuous: ``step`` counts epochs here (ranks take different numbers of batches in
+        # an epoch), a checkpoint goes after each epoch's barrier, --fail-at-step counts batches.
+        epoch_step, batches_seen = step, 0
+        fail_at, args.fail_at_step = args.fail_at_step, None
+        for step in range(epoch_step, args.epochs):
             for batch in dl:
                 train_step(batch)
-                step += 1
+                batches_seen += 1
+                if fail_at is not None and batches_seen == fail_at and rank == args.fail_rank and attempt == 0:
+                    raise RuntimeError(f"rank {rank} fails at its batch {batches_seen} on attempt 0 (--fail-at-step)")
             dist.barrier()
+            step += 1
+            after_step()
     log.write({"done": True, "t": time.time(), "rank": rank, "attempt": attempt, "steps": args.steps if continuous else step})
     log.close()
     dist.destroy_process_group()

@@ -20,6 +20,8 @@ import pytest
 from loader import ConfigError, ShardLoader
 from loader.master.client import MasterClient
 from loader.master.errors import CheckpointGone
+from tests.helpers import free_port
+from tests.loader.procs import Proc, master_args
 from tests.loader.shards import Written, write_manifest, write_shards
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"), pytest.mark.timeout(120)]
@@ -185,3 +187,35 @@ def test_a_mark_that_is_gone_is_refused_clearly(data: tuple[str, Written], maste
     ib.close()
     with pytest.raises(CheckpointGone, match="earlier job named 'ck6'"):
         loader(url, master, "ck6", epochs=1).load_state_dict(early)
+
+
+def test_master_killed_between_checkpoint_and_resume_loses_nothing(data: tuple[str, Written], tmp_path: Path) -> None:
+    """``kill -9`` of the master after the checkpoint and after the attempt read on past it: the
+    restarted master (same SQLite state) knows the mark and every delivery after it, and the
+    resumed attempt reads exactly what was not trained."""
+    url, written = data
+    db, log = tmp_path / "m.db", tmp_path / "m.log"
+    port = free_port()
+    master = f"http://127.0.0.1:{port}"
+    proc = Proc("master", master_args(port, db), log, master + "/healthz")
+    try:
+        a, b = (loader(url, master, "ck7", epochs=1, continuous=True) for _ in range(2))
+        ia, ib = iter(a), iter(b)
+        trained: list[Ident] = []
+        for _ in range(12):
+            trained += take(ia, 1) + take(ib, 1)
+        state = a.state_dict()
+        b.state_dict()
+        for _ in range(10):  # received after the checkpoint, reported by renews and completions
+            take(ia, 1), take(ib, 1)
+        ia.close(), ib.close()  # the attempt ends (what it gives back is past the mark too)
+        proc.proc.kill()  # SIGKILL: the restarted master has only its journal
+        proc.proc.wait(10)
+        proc = Proc("master", master_args(port, db), log, master + "/healthz")
+        resumed = loader(url, master, "ck7", epochs=1, continuous=True)
+        resumed.load_state_dict(state)
+        rest = [ident(s) for s in resumed]
+        counts = collections.Counter(trained + rest)
+        assert set(counts) == set(written.samples) and max(counts.values()) == 1
+    finally:
+        proc.stop()

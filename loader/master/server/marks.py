@@ -170,7 +170,8 @@ class JobMarks:
         """Why ``mark`` is not kept, for the error message."""
         kept = f"the marks kept are {min(self.marks)}..{max(self.marks)}" if self.marks else "it keeps no mark now"
         if mark < self.dropped_below:
-            why = f"it is older than the last {MAX_MARKS} checkpoints the master keeps per job"
+            why = (f"it is older than the last {MAX_MARKS} checkpoints the master keeps per job (or the job was "
+                   "restarted from its beginning since)")
         elif mark <= self.seq:
             why = "a rewind to an earlier checkpoint undid it (the job went on from there since)"
         else:

@@ -1174,7 +1174,7 @@ class MasterState:
 
     def _rewind(self, job: JobState, ev: Rewind, now: float) -> Result:
         check_ident(ev.trainer, "trainer")
-        check_int(ev.mark, "mark", 1)
+        check_int(ev.mark, "mark")
         check_int(ev.clock, "clock")
         if ev.created is not None:
             if isinstance(ev.created, bool) or not isinstance(ev.created, (int, float)):
@@ -1185,6 +1185,8 @@ class MasterState:
                     f"one was created at {job.created_at:.3f}): its marks are gone with it; start fresh without loading it",
                     job=job.spec.name, mark=ev.mark,
                 )
+        if ev.mark == 0:
+            return self._restart(job, ev, now)
         mark = job.marks.marks.get(ev.mark)
         if mark is None:
             raise CheckpointGone(job.marks.refusal(ev.mark), job=job.spec.name, mark=ev.mark)
@@ -1224,6 +1226,27 @@ class MasterState:
         job.totals["rewinds"] = job.totals.get("rewinds", 0) + 1
         answer = {"mark": mark.id, "clock": mark.clock, "epoch": job.epoch, "revoked": revoked, "undone": len(undone),
                   "finished": job.finished}
+        return Result(answer, mutated=True)
+
+    def _restart(self, job: JobState, ev: Rewind, now: float) -> Result:
+        """Mark 0 is the job's beginning (a state saved before its loop received anything):
+        nothing was trained, so every epoch starts over."""
+        if ev.clock != 0:
+            raise BadRequest(f"checkpoint mark 0 (the job's beginning) is at clock 0, the state says {ev.clock}")
+        # -- mutation --
+        revoked = len(job.leases)
+        for rec in list(job.leases.values()):
+            job.close(rec, rec.trainer, "revoked")
+        job.last_request.clear()
+        undone = sum(ep.done_count for ep in job.open.values()) + sum(r["done"] for r in job.recent)
+        job.open, job.recent, job.finished, job.next_epoch = {}, [], False, 0
+        seq = job.marks.seq
+        job.marks = JobMarks()
+        job.marks.seq = seq  # ids only grow: the ones handed out stay refused
+        job.marks.dropped_below = seq + 1
+        job.open_next()
+        job.totals["rewinds"] = job.totals.get("rewinds", 0) + 1
+        answer = {"mark": 0, "clock": 0, "epoch": job.epoch, "revoked": revoked, "undone": undone, "finished": False}
         return Result(answer, mutated=True)
 
     # -- read-only views --
