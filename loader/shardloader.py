@@ -771,7 +771,6 @@ class ShardLoader:
     def _read_leased(self, held: Any, renewer: Any, generation: int) -> Iterator[dict[str, Any]]:
         from loader.master.errors import LeaseLost, MasterError
 
-        client = self._client()
         shard = self._shard_for(held)
         ledger = self._ledger
         # The loop's clock, when this process's loop iterates this loader itself (not a DataLoader's).
@@ -802,7 +801,7 @@ class ShardLoader:
             held.done = True
             renewer.discard(held)
             try:
-                state = client.fail(self.job, held.lease, self.trainer, str(exc)[:2000])
+                state = renewer.calls.fail(held, str(exc))
             except MasterError as fail_exc:
                 state = f"unreported ({fail_exc})"
             log.warning("shard %s (epoch %d) failed, now %s: %s", held.key, held.epoch, state, exc)
@@ -819,7 +818,7 @@ class ShardLoader:
         held.done = True
         renewer.discard(held)
         try:
-            client.complete(self.job, held.lease, self.trainer, held.report()[1])
+            renewer.calls.complete(held)
         except LeaseLost as exc:
             log.warning("completion of %s (epoch %d) refused: %s", held.key, held.epoch, exc)
             return

@@ -266,7 +266,8 @@ class DataLoader(torch.utils.data.DataLoader):
             self._iterator = None
 
     def _restart(self, starts: dict[int, tuple[int, int, int]]) -> None:
-        """Static mode: the next iteration is a loaded state's (its workers start at ``starts``)."""
+        """Static mode: forget the iteration in progress; the next one's workers start at
+        ``starts`` (empty: where the loader's copies would)."""
         self._positions = {}
         self._starts = dict(starts) if starts else None
         self._ended = False

@@ -102,7 +102,7 @@ class Delivery:
 
     def _complete(self, held: Held) -> None:
         try:
-            self._client.complete(self._job, held.lease, self._trainer, held.report()[1])
+            self._renewer.calls.complete(held)
         except LeaseLost as exc:
             log.warning("completion of %s (epoch %d) refused: %s", held.key, held.epoch, exc)
         except MasterError as exc:

@@ -21,7 +21,7 @@ from loader.errors import LoaderError
 from loader.master.errors import LeaseLost, MasterError, MasterUnavailable, NoSuchJob, NotLeaseHolder
 from loader.master.protocol import LeaseGrant
 
-__all__ = ["Held", "Renewer", "LeaseStream"]
+__all__ = ["Held", "LeaseCalls", "Renewer", "LeaseStream"]
 
 log = logging.getLogger("loader.master.stream")
 
@@ -86,6 +86,29 @@ class Held:
         )
 
 
+@dataclass(frozen=True)
+class LeaseCalls:
+    """The one place a trainer makes the calls of a lease it holds (renew, complete, release,
+    fail), with what :meth:`Held.report` says: a field the protocol adds to them is added here."""
+
+    client: Any
+    job: str
+    trainer: str
+
+    def renew(self, held: Held) -> float:
+        position, clock = held.report()
+        return float(self.client.renew(self.job, held.lease, self.trainer, position, clock))
+
+    def complete(self, held: Held) -> None:
+        self.client.complete(self.job, held.lease, self.trainer, held.report()[1])
+
+    def release(self, held: Held) -> str:
+        return str(self.client.release(self.job, held.lease, self.trainer, *held.report()))
+
+    def fail(self, held: Held, error: str) -> str:
+        return str(self.client.fail(self.job, held.lease, self.trainer, error[:2000]))
+
+
 class Renewer:
     """Renews held leases every ``ttl * fraction`` seconds from a named daemon thread.
 
@@ -94,9 +117,8 @@ class Renewer:
     """
 
     def __init__(self, client: Any, job: str, trainer: str, fraction: float) -> None:
-        self._client = client
+        self.calls = LeaseCalls(client, job, trainer)
         self._job = job
-        self._trainer = trainer
         self._fraction = fraction
         self._held: list[Held] = []
         self._lock = threading.Lock()
@@ -151,10 +173,10 @@ class Renewer:
 
     def renew(self, held: Held) -> bool:
         """Renew one lease with the offset reached; False when it is lost (or could not be renewed)."""
-        position, clock = held.report()
+        position = held.report()[0]
         asked = held.asked_at = time.monotonic()
         try:
-            ttl = self._client.renew(self._job, held.lease, self._trainer, position, clock)
+            ttl = self.calls.renew(held)
         except (LeaseLost, NotLeaseHolder, NoSuchJob) as exc:
             if held.read_through:
                 # The iterating process completed (or gave back) what this process read through.
@@ -205,7 +227,7 @@ class Renewer:
         lease expires after its TTL, at the offset last renewed), or ``unsupported`` (a master from
         before ``release``: the caller reports the offset by renewing)."""
         try:
-            self._client.release(self._job, held.lease, self._trainer, *held.report())
+            self.calls.release(held)
         except (LeaseLost, NotLeaseHolder, NoSuchJob):
             held.lost = True  # gone already: nothing to give back
         except MasterUnavailable as exc:
