@@ -219,3 +219,30 @@ def test_master_killed_between_checkpoint_and_resume_loses_nothing(data: tuple[s
         assert set(counts) == set(written.samples) and max(counts.values()) == 1
     finally:
         proc.stop()
+
+
+def test_a_trainer_reading_when_the_job_is_rewound_is_told_and_goes_on(data: tuple[str, Written], master: str) -> None:
+    """A rewind while a trainer reads (one rank loads its state after a peer started): the
+    reader's leases are revoked; at its next renew or completion it learns it, drops those shards
+    and leases again from the rewound job. What it received from the mark until then (the rest
+    of the shards it held: the one it read and the one leased ahead) is trained twice, never
+    skipped."""
+    url, written = data
+    a = loader(url, master, "ck8", epochs=1, continuous=True, lease_ttl_s=3.0)
+    ia = iter(a)
+    trained = take(ia, 14)
+    state = a.state_dict()
+    again = take(ia, 3)  # received after the checkpoint, then the rewind comes
+    other = loader(url, master, "ck8", epochs=1, continuous=True, lease_ttl_s=3.0)
+    other.load_state_dict(state)
+    rest = [ident(s) for s in ia]  # goes on: its leases were revoked, it leases again
+    counts = collections.Counter(trained + again + rest)
+    assert set(counts) == set(written.samples)
+    twice = {k for k, n in counts.items() if n > 1}
+    assert max(counts.values()) == 2 and twice <= set(again + rest), "only what it received after the mark, twice"
+    held_then = {k for k in again} | {k for k in rest[:20] if k in twice}
+    assert twice <= held_then and len({shard for shard, _ in twice}) <= 2, (
+        f"duplicates only from the two shards it held when the job was rewound: {sorted(twice)}"
+    )
+    st = MasterClient(master).status("ck8")
+    assert st["finished"]

@@ -166,6 +166,12 @@ class JobMarks:
             for epoch in [e for e in self.closed if e not in live]:
                 del self.closed[epoch]
 
+    def report(self, rewinds: int) -> dict[str, Any]:
+        """For the job status: the kept marks (the last one in full), the rewinds, the history."""
+        last = next(reversed(self.marks.values())).answer() if self.marks else None
+        return {"marks": len(self.marks), "last": last, "oldest": next(iter(self.marks), None), "rewinds": rewinds,
+                "history": len(self.history)}
+
     def refusal(self, mark: int) -> str:
         """Why ``mark`` is not kept, for the error message."""
         kept = f"the marks kept are {min(self.marks)}..{max(self.marks)}" if self.marks else "it keeps no mark now"

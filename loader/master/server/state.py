@@ -1279,6 +1279,7 @@ class MasterState:
             "totals": dict(job.totals),
             "spec": job.spec.summary(),
             "locality": self._locality_report(job),
+            "checkpoints": job.marks.report(job.totals.get("rewinds", 0)),
         }
 
     def _locality_report(self, job: JobState) -> dict[str, Any] | None:
