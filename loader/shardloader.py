@@ -332,12 +332,19 @@ class ShardLoader:
         return self._finished
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at ``epoch`` (like ``DistributedSampler.set_epoch``)."""
+        """Start the next iteration at ``epoch`` (like ``DistributedSampler.set_epoch``). A state
+        loaded for that very epoch is kept (a loop that calls ``set_epoch(epoch)`` for the epoch
+        it resumes in continues where the state says); any other epoch starts afresh."""
         if self.mode == "static":
-            self._pos = _Position(int(epoch))
+            epoch = int(epoch)
+            resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+            workers = self._worker_resume
+            if workers is not None and any(p.epoch != epoch for p in workers[1].values()):
+                workers = None
+            self._pos = _Position(epoch)
             self._in_progress = False
-            self._resume = None
-            self._worker_resume = None
+            self._resume = resume
+            self._worker_resume = workers
         else:
             self._next_epoch = int(epoch)
 

@@ -227,7 +227,7 @@ class DataLoader(torch.utils.data.DataLoader):
         worker resumes at its saved sample (a state of another ``num_workers``, dataset, seed or
         rank is refused and changes nothing): the next ``for`` loop receives the rest of the
         epoch the state was saved in, or, saved after an epoch's ``for`` loop ended, the next
-        epoch. Do not call ``ds.set_epoch`` for that iteration: it starts an epoch afresh."""
+        epoch. ``ds.set_epoch`` of that epoch keeps the state; of another, starts it afresh."""
         dataset = self.dataset
         if not isinstance(dataset, ShardDataset):
             raise ConfigError("load_state_dict() restores a ShardDataset; this DataLoader reads another dataset")
