@@ -40,9 +40,10 @@ MAX_MARKS = 32
 RETAIN_S = 300.0
 """Changes younger than this are kept even with no mark to undo them: the first checkpoint's
 mark may arrive after a faster rank's first changes past it."""
-MAX_HISTORY = 1_000_000
-"""Most changes a job keeps (about 64 MB at the most); past it, the oldest go with the marks
-that would need them."""
+MAX_HISTORY = 500_000
+"""Most changes a job keeps (about 124 bytes each in memory: 62 MB at the most; a 64-rank job
+checkpointing every minute keeps about 57,000, bench/marks_memory.py); past it, the oldest go
+with the marks that would need them."""
 _TRIM_MIN = 4096
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import heapq
 import json
+import math
 import re
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -410,22 +411,12 @@ class EpochState:
         """Whether anything of this epoch was delivered or failed."""
         return bool(self.done_count or self.failed or any(p.offset for p in self.progress.values()))
 
-    def requeue_undelivered(self) -> None:
-        """A rewind revoked every lease: every shard handed out and neither done nor failed is
-        handed out again, those read part-way first (they resume at their offset). Positions
-        taken ahead of the cursor stay taken (the cursor skips them): they are in the queue."""
-        pending: list[int] = []
-        positions: list[int] = list(range(self.cursor))
-        if self.window is not None:
-            positions += sorted(self.window.ahead)
-            self.window.reset()
-        failed = self.failed
-        for position in positions:
-            shard = self.order[position]
-            if not self.is_done(shard) and shard not in failed:
-                pending.append(shard)
-        pending.sort(key=lambda shard: 0 if self.offset(shard) else 1)  # stable: the order within each
-        self.requeue = deque(pending)
+    def requeue_first(self, shards: list[int]) -> None:
+        """A rewind: ``shards`` (handed out, and now neither done nor leased) are handed out
+        again before the rest, those read part-way first (they resume at their offset)."""
+        fresh = [shard for shard in dict.fromkeys(shards) if not self.is_done(shard) and shard not in self.failed]
+        fresh.sort(key=lambda shard: 0 if self.offset(shard) else 1)  # stable: the order within each
+        self.requeue.extendleft(reversed(fresh))
 
     def take(self, trainer: str, node: str = "", loc: JobLocality | None = None, ring: Ring | None = None) -> tuple[int, bool]:
         """The next shard to hand out, and whether it was handed out before in this epoch. With
@@ -1177,7 +1168,7 @@ class MasterState:
         check_int(ev.mark, "mark")
         check_int(ev.clock, "clock")
         if ev.created is not None:
-            if isinstance(ev.created, bool) or not isinstance(ev.created, (int, float)):
+            if isinstance(ev.created, bool) or not isinstance(ev.created, (int, float)) or not math.isfinite(ev.created):
                 raise BadRequest("'job_created' must be the number the checkpoint state holds")
             if job.created_at and ev.created and abs(float(ev.created) - job.created_at) > 1e-3:
                 raise CheckpointGone(
@@ -1194,9 +1185,15 @@ class MasterState:
             raise BadRequest(f"checkpoint mark {ev.mark} is at clock {mark.clock}, the state says {ev.clock}: "
                              "the state was altered, or is from another job")
         # -- mutation --
+        # Every shard handed out is done, failed, queued again or leased: expired leases are
+        # queued (the sweep), live ones revoked, and what is undone or revoked is queued first.
+        # So a rewind costs what it changes, not the job's size (a repeat: nothing).
+        job.expire(now)
+        again: dict[int, list[int]] = {}
         revoked = len(job.leases)
         for rec in list(job.leases.values()):
             job.close(rec, rec.trainer, "revoked")
+            again.setdefault(rec.epoch, []).append(rec.shard)
         job.last_request.clear()
         undone = job.marks.undo(mark.clock)
         for (epoch, shard), change in undone.items():
@@ -1208,21 +1205,27 @@ class MasterState:
                 job.open[epoch] = ep
                 job.recent = [r for r in job.recent if r["epoch"] != epoch]
                 job.totals["epochs"] -= 1
+            was_done = ep.is_done(shard)
             ep.undo(shard, change.before)
+            if was_done:
+                again.setdefault(epoch, []).append(shard)
         job.open = dict(sorted(job.open.items()))
-        # Epochs opened past the mark and left with nothing delivered are as if never opened.
-        while len(job.open) > 1:
+        # The newest epochs opened past the mark and left with nothing delivered are as if never
+        # opened (only while no epoch above them closed: their numbers are not taken again).
+        while len(job.open) > 1 and next(reversed(job.open)) == job.next_epoch - 1:
             last = next(reversed(job.open))
             if job.open[last].touched():
                 break
             del job.open[last]
+            again.pop(last, None)
             job.next_epoch = last
-        if job.open or undone:
+        if job.open:
             job.finished = False
-        if not job.open and not job.finished:
+        elif not job.finished:
             job.open_next()
-        for ep in job.open.values():
-            ep.requeue_undelivered()
+        for epoch, shards in again.items():
+            if epoch in job.open:
+                job.open[epoch].requeue_first(shards)
         job.totals["rewinds"] = job.totals.get("rewinds", 0) + 1
         answer = {"mark": mark.id, "clock": mark.clock, "epoch": job.epoch, "revoked": revoked, "undone": len(undone),
                   "finished": job.finished}
@@ -1240,6 +1243,7 @@ class MasterState:
         job.last_request.clear()
         undone = sum(ep.done_count for ep in job.open.values()) + sum(r["done"] for r in job.recent)
         job.open, job.recent, job.finished, job.next_epoch = {}, [], False, 0
+        job.totals["epochs"] = 0
         seq = job.marks.seq
         job.marks = JobMarks()
         job.marks.seq = seq  # ids only grow: the ones handed out stay refused
