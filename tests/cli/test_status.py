@@ -193,3 +193,20 @@ def test_status_shows_the_trainers_wait_and_warns_above_the_threshold(master: Ma
     assert t1["wait"]["fraction_60s"] == 0.41 and t1["wait"]["steps"] == 30 and t1["wait"]["p99_s"] == 1.0
     assert t1["wait"]["epochs"] == {"0": {"seconds": 4.1, "steps": 30, "fraction": 0.41}}
     assert len(doc["wait_warnings"]) == 1 and doc["wait_warnings"][0].startswith("WARNING job slow")
+
+
+def test_status_shows_a_jobs_checkpoints(master: Master) -> None:
+    shards = [{"key": f"s-{i}.tar", "size": 10, "samples": 4} for i in range(3)]
+    master.post("/v1/jobs", {"name": "ck", "dataset": "s3://b/p/", "shards": shards})
+    master.post("/v1/jobs", {"name": "plain", "dataset": "s3://b/p/", "shards": shards})
+    (held,) = master.post("/v1/jobs/ck/leases", {"trainer": "t1", "node": "n1", "count": 1})["leases"]
+    mark = master.post("/v1/jobs/ck/marks", {"trainer": "t1", "clock": 3, "positions": [[held["lease"], 3]]})
+    master.post("/v1/jobs/ck/marks", {"trainer": "t2", "clock": 3, "positions": []})
+    master.post("/v1/jobs/ck/rewind", {"trainer": "t3", "mark": mark["mark"], "clock": 3})
+    result = run_cli(["status", "--master", master.url])
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "checkpoints:" in line]
+    assert lines == [f"ck: checkpoints: 1 kept, last mark {mark['mark']} at clock 3 (epoch 0, 2 trainer(s) reported), "
+                     "1 rewind(s)"], result.stdout
+    doc = json.loads(run_cli(["status", "--master", master.url, "--job", "ck", "--json"]).stdout)["master"]
+    assert doc["jobs"][0]["checkpoints"]["last"]["trainers"] == 2

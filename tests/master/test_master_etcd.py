@@ -108,3 +108,32 @@ def test_large_job_survives_in_chunks(etcd_server: EtcdServer, tmp_path: Path, m
     master.start()
     status = client.status(job)
     assert status["shards"]["done"] == 3 and status["shards"]["leased"] == 3
+
+
+def test_a_checkpoint_mark_survives_a_failover_before_the_resume(etcd_server: EtcdServer, tmp_path: Path,
+                                                                 master_procs: list[MasterProcess]) -> None:
+    """A trainer checkpoints (a mark at its clock) through the leader, reads on, and the leader is
+    killed; the new leader rewinds the job to the mark: what was delivered after it comes back."""
+    state = etcd_state(etcd_server)
+    m1 = MasterProcess(tmp_path, state, "--election-ttl", "2", name="m1")
+    m2 = MasterProcess(tmp_path, state, "--election-ttl", "2", name="m2")
+    master_procs.extend([m1, m2])
+    m1.start()
+    m2.start(wait="health")
+    job = "ck-" + uuid.uuid4().hex[:6]
+    client = MasterClient(f"{m1.url},{m2.url}", retry_deadline_s=30)
+    client.create_job(job_spec(job, 3))
+    first, second = client.lease(job, "t1", "n1", 2)["leases"]
+    client.renew(job, first["lease"], "t1", 2, clock=2)
+    mark = client.mark(job, "t1", 3, [(first["lease"], 3)])
+    client.renew(job, first["lease"], "t1", 5, clock=6)  # after the checkpoint
+    client.complete(job, second["lease"], "t1", clock=9)
+    assert client.status(job)["shards"]["done"] == 1
+    m1.kill9()
+    wait_until(lambda: http_ok(m2.url + "/readyz"), timeout=20, what="the standby to take over")
+    answer = client.rewind(job, "t2", mark.mark, mark.clock, mark.job_created)
+    assert (answer.undone, answer.revoked) == (2, 1), answer  # both shards' later deliveries; the held lease
+    status = client.status(job)
+    assert status["shards"]["done"] == 0 and status["checkpoints"]["rewinds"] == 1
+    resumed = {g["key"]: g["offset"] for g in client.lease(job, "t2", "n1", 3)["leases"]}
+    assert (resumed[first["key"]], resumed[second["key"]]) == (3, 0), resumed

@@ -20,7 +20,7 @@ from sidecar.cli.util import (
 )
 
 __all__ = [
-    "MEMBER_TIMEOUT_S", "cluster_lines", "cluster_nodes", "daemon_report", "locality_line", "master_report", "node_rows",
+    "MEMBER_TIMEOUT_S", "checkpoint_line", "cluster_lines", "cluster_nodes", "daemon_report", "locality_line", "master_report", "node_rows",
     "register", "run",
     "tenant_lines", "trainer_rows", "wait_warnings",
 ]
@@ -598,6 +598,20 @@ def wait_warnings(jobs: list[dict[str, Any]], threshold: float) -> list[str]:
     return lines
 
 
+def checkpoint_line(job: dict[str, Any]) -> str | None:
+    """A job that was checkpointed: its last mark (the clock, when, how many trainers reported),
+    how many are kept, and the rewinds (resumes from a checkpoint) applied."""
+    ck = job.get("checkpoints")
+    if not isinstance(ck, dict) or not (ck.get("marks") or ck.get("rewinds")):
+        return None
+    last = ck.get("last") if isinstance(ck.get("last"), dict) else None
+    text = f"{_printable(job.get('name'))}: checkpoints: {ck.get('marks', 0)} kept"
+    if last is not None:
+        text += (f", last mark {last.get('mark')} at clock {last.get('clock')} (epoch {last.get('epoch')}, "
+                 f"{last.get('trainers')} trainer(s) reported)")
+    return text + f", {ck.get('rewinds', 0)} rewind(s)"
+
+
 def locality_line(job: dict[str, Any]) -> str | None:
     """A job with cache-aware leases (``locality_window``): its share of local leases, how far its
     order moved from the seeded one (the newest epoch), and the ring the master places by."""
@@ -664,9 +678,9 @@ def _print_master(master: dict[str, Any], *, all_trainers: bool = False) -> None
     for line in master.get("wait_warnings") or []:
         print(line)
     for job in master["jobs"]:
-        placed = locality_line(job)
-        if placed:
-            print(placed)
+        for line in (locality_line(job), checkpoint_line(job)):
+            if line:
+                print(line)
     for job in master["jobs"]:
         for shard in job.get("failed_shards") or []:
             print(f"FAILED shard {job['name']}/{shard.get('key')} (epoch {_epoch(job)}, "
