@@ -678,9 +678,9 @@ def _print_master(master: dict[str, Any], *, all_trainers: bool = False) -> None
     for line in master.get("wait_warnings") or []:
         print(line)
     for job in master["jobs"]:
-        for line in (locality_line(job), checkpoint_line(job)):
-            if line:
-                print(line)
+        for extra in (locality_line(job), checkpoint_line(job)):
+            if extra:
+                print(extra)
     for job in master["jobs"]:
         for shard in job.get("failed_shards") or []:
             print(f"FAILED shard {job['name']}/{shard.get('key')} (epoch {_epoch(job)}, "
