@@ -44,8 +44,7 @@ class Clock:
 
     def tick(self, epoch: int | None = None) -> int:
         """One more item received (of ``epoch``, with explicit epochs); the new value."""
-        if self.laps and epoch is not None and epoch > self.lap:
-            self.lap, self.count = epoch, 0
+        self.start_lap(epoch)
         self.count += 1
         return self.value
 

@@ -746,7 +746,7 @@ class ShardLoader:
             deferred=self._ledger is not None,
         )
         clean = False
-        loop_clock = self._ledger is None and self._metered and self._stream is None
+        loop_clock = self._loop_clock()
         self._runtime().renewer = renewer
         try:
             for held in stream:
@@ -764,9 +764,14 @@ class ShardLoader:
             self._finished = True
         if epoch is not None:
             self._next_epoch = max(epoch + 1, stream.next_epoch or 0)
-            if loop_clock:
-                self._clock.start_lap(self._next_epoch)
+            if loop_clock is not None:
+                loop_clock.start_lap(self._next_epoch)
         self._current_epoch = None
+
+    def _loop_clock(self) -> Clock | None:
+        """The clock this process ticks per sample: when its own loop iterates this loader (not
+        a DataLoader's worker, nor under a DataLoader, whose iterating process ticks per batch)."""
+        return self._clock if self._ledger is None and self._metered and self._stream is None else None
 
     def _shard_for(self, held: Any) -> Shard:
         shard = self._by_key.get(held.key)
@@ -780,8 +785,7 @@ class ShardLoader:
 
         shard = self._shard_for(held)
         ledger = self._ledger
-        # The loop's clock, when this process's loop iterates this loader itself (not a DataLoader's).
-        loop_clock = self._clock if ledger is None and self._metered and self._stream is None else None
+        loop_clock = self._loop_clock()
         try:
             samples: Iterator[Any] = self._samples(shard, held.start)
             if ledger is not None:

@@ -99,7 +99,7 @@ from wire.errors import InvalidName
 from wire.httpclient import ThreadConnections, UnixHTTPConnection, exchange
 from wire.names import Address, parse_connect
 from wire.retry import Backoff
-from wire.stall import VERSION_PATH, knows_wait, wait_path
+from wire.stall import VERSION_PATH, WAIT_FEATURE, wait_path
 
 # The errors are re-exported so a trainer needs one import line.
 __all__ = [
@@ -183,7 +183,7 @@ class MasterClient:
         self.wait_source: Any = None
         """A ``loader.stall.WaitMeter`` whose delta rides on renew/release/complete (None: none)."""
         self._wait_ok: bool | None = None  # does the master take ``wait``? None: not asked yet
-        self._version: frozenset[str] | None = None  # the master's features; None: not asked yet
+        self._features_seen: frozenset[str] | None = None  # the master's features; None: not asked yet
 
     @property
     def urls(self) -> list[str]:
@@ -360,15 +360,15 @@ class MasterClient:
         """Whether the master takes ``wait`` fields (asked once: ``GET /v1/version``)."""
         if self._wait_ok is None:
             features = self._features()
-            if self._version is None:
+            if self._features_seen is None:
                 return False  # unreachable: ask again with the next report
-            self._wait_ok = knows_wait({"features": list(features)})
+            self._wait_ok = WAIT_FEATURE in features
         return self._wait_ok
 
     def _features(self) -> frozenset[str]:
         """What the master takes beyond the first v1 (``GET /v1/version``, asked once; empty
         while no master answers, asked again next time)."""
-        if self._version is None:
+        if self._features_seen is None:
             try:
                 version = self._call("GET", VERSION_PATH, deadline_s=_PROBE_DEADLINE_S)
             except MasterUnavailable:
@@ -376,8 +376,8 @@ class MasterClient:
             except MasterError:
                 version = {}  # 404: a master from before the version route
             raw = version.get("features")
-            self._version = frozenset(f for f in raw if isinstance(f, str)) if isinstance(raw, list) else frozenset()
-        return self._version
+            self._features_seen = frozenset(f for f in raw if isinstance(f, str)) if isinstance(raw, list) else frozenset()
+        return self._features_seen
 
     def _reporting(
         self, path: str, body: dict[str, Any], only_with_wait: bool = False, deadline_s: float | None = None

@@ -16,6 +16,18 @@ def etcd_state(etcd: EtcdServer) -> str:
     return f"etcd://127.0.0.1:{etcd.port}/ha-{uuid.uuid4().hex[:8]}"
 
 
+def leader_and_standby(etcd: EtcdServer, tmp_path: Path, master_procs: list[MasterProcess],
+                       *args: str) -> tuple[MasterProcess, MasterProcess]:
+    """Two masters on one fresh etcd prefix: ``m1`` started first (the leader), then ``m2``."""
+    state = etcd_state(etcd)
+    m1 = MasterProcess(tmp_path, state, *args, name="m1")
+    m2 = MasterProcess(tmp_path, state, *args, name="m2")
+    master_procs.extend([m1, m2])
+    m1.start()
+    m2.start(wait="health")
+    return m1, m2
+
+
 def wait_completions(trainers: Trainers, more: int, timeout: float = 20) -> None:
     target = len(trainers.completions) + more
     wait_until(lambda: len(trainers.completions) >= target or not any(t.is_alive() for t in trainers.threads),
@@ -24,13 +36,7 @@ def wait_completions(trainers: Trainers, more: int, timeout: float = 20) -> None
 
 def test_standby_takes_over_while_trainers_keep_going(etcd_server: EtcdServer, tmp_path: Path,
                                                        master_procs: list[MasterProcess]) -> None:
-    state = etcd_state(etcd_server)
-    args = ("--election-ttl", "2", "--snapshot-events", "30")
-    m1 = MasterProcess(tmp_path, state, *args, name="m1")
-    m2 = MasterProcess(tmp_path, state, *args, name="m2")
-    master_procs.extend([m1, m2])
-    m1.start()
-    m2.start(wait="health")
+    m1, m2 = leader_and_standby(etcd_server, tmp_path, master_procs, "--election-ttl", "2", "--snapshot-events", "30")
     # Healthy is not yet "has read the election key": under load the first answer may come first.
     wait_until(lambda: http("GET", m2.url + "/v1/leader")[1].get("leader") == m1.url, timeout=30,
                what="the standby to see the leader")
@@ -69,12 +75,7 @@ def test_standby_takes_over_while_trainers_keep_going(etcd_server: EtcdServer, t
 
 def test_graceful_stop_hands_over_at_once(etcd_server: EtcdServer, tmp_path: Path,
                                           master_procs: list[MasterProcess]) -> None:
-    state = etcd_state(etcd_server)
-    m1 = MasterProcess(tmp_path, state, "--election-ttl", "10", name="m1")
-    m2 = MasterProcess(tmp_path, state, "--election-ttl", "10", name="m2")
-    master_procs.extend([m1, m2])
-    m1.start()
-    m2.start(wait="health")
+    m1, m2 = leader_and_standby(etcd_server, tmp_path, master_procs, "--election-ttl", "10")
     job = "gs-" + uuid.uuid4().hex[:6]
     client = MasterClient(f"{m1.url},{m2.url}")
     client.create_job(job_spec(job, 4))
@@ -114,12 +115,7 @@ def test_a_checkpoint_mark_survives_a_failover_before_the_resume(etcd_server: Et
                                                                  master_procs: list[MasterProcess]) -> None:
     """A trainer checkpoints (a mark at its clock) through the leader, reads on, and the leader is
     killed; the new leader rewinds the job to the mark: what was delivered after it comes back."""
-    state = etcd_state(etcd_server)
-    m1 = MasterProcess(tmp_path, state, "--election-ttl", "2", name="m1")
-    m2 = MasterProcess(tmp_path, state, "--election-ttl", "2", name="m2")
-    master_procs.extend([m1, m2])
-    m1.start()
-    m2.start(wait="health")
+    m1, m2 = leader_and_standby(etcd_server, tmp_path, master_procs, "--election-ttl", "2")
     job = "ck-" + uuid.uuid4().hex[:6]
     client = MasterClient(f"{m1.url},{m2.url}", retry_deadline_s=30)
     client.create_job(job_spec(job, 3))

@@ -401,32 +401,38 @@ async def release(request: web.Request) -> web.Response:
     )
 
 
-async def mark(request: web.Request) -> web.Response:
-    """``POST /v1/jobs/{job}/marks``: a checkpoint (a trainer's ``state_dict()``), with the exact
-    positions its loop had received at ``clock``."""
+async def _job_call(request: web.Request, fields: Set[str], make: Callable[[str, dict[str, Any]], Mark | Rewind]) -> web.Response:
+    """A checkpoint call of a trainer on a job (no lease in the path): its body checked against
+    ``fields``, made into an event by ``make(job, body)``, applied, the trainer noted."""
     service = _service(request)
     job = _job(request)
     body = await read_json_object(request, service.settings.max_small_body_bytes)
-    _only(body, MARK_FIELDS)
-    raw = body.get("positions", [])
-    if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 for p in raw):
-        raise BadRequest("'positions' must be a list of [lease id, offset] pairs")
-    event = Mark(job, body.get("trainer"), body.get("clock"), tuple((p[0], p[1]) for p in raw))  # type: ignore[arg-type]
+    _only(body, fields)
+    event = make(job, body)
     result = await service.submit(event)
     service.note(job, event.trainer, None, result.progress)
     return _json(result.answer)
 
 
+def _positions(body: dict[str, Any]) -> tuple[tuple[Any, Any], ...]:
+    raw = body.get("positions", [])
+    if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 for p in raw):
+        raise BadRequest("'positions' must be a list of [lease id, offset] pairs")
+    return tuple((p[0], p[1]) for p in raw)
+
+
+async def mark(request: web.Request) -> web.Response:
+    """``POST /v1/jobs/{job}/marks``: a checkpoint (a trainer's ``state_dict()``), with the exact
+    positions its loop had received at ``clock``."""
+    return await _job_call(request, MARK_FIELDS, lambda j, b: Mark(j, _get(b, "trainer"), _get(b, "clock"), _positions(b)))
+
+
 async def rewind(request: web.Request) -> web.Response:
     """``POST /v1/jobs/{job}/rewind``: resume the job from a mark (a ``load_state_dict()``)."""
-    service = _service(request)
-    job = _job(request)
-    body = await read_json_object(request, service.settings.max_small_body_bytes)
-    _only(body, REWIND_FIELDS)
-    event = Rewind(job, body.get("trainer"), body.get("mark"), body.get("clock"), body.get("job_created"))  # type: ignore[arg-type]
-    result = await service.submit(event)
-    service.note(job, event.trainer, None)
-    return _json(result.answer)
+    return await _job_call(
+        request, REWIND_FIELDS,
+        lambda j, b: Rewind(j, _get(b, "trainer"), _get(b, "mark"), _get(b, "clock"), _get(b, "job_created")),
+    )
 
 
 def _package_version() -> str:

@@ -147,6 +147,14 @@ class JobMarks:
             del self.marks[mid]
         return undone
 
+    def forget(self) -> None:
+        """The job starts over (a rewind to mark 0): no change, mark or closed epoch is kept, and
+        the ids handed out stay refused (ids only grow)."""
+        self.history, self.closed = [], {}
+        self.marks.clear()
+        self.dropped_below = self.seq + 1
+        self._trim_at = _TRIM_MIN
+
     # -- bounds --
 
     def trim(self, now: float) -> None:

@@ -664,6 +664,16 @@ class JobState:
             self.closed.popitem(last=False)
         self._compact_heap()
 
+    def revoke_all(self) -> dict[int, list[int]]:
+        """A rewind: close every lease as revoked (its holder's next call is told so) and forget
+        the retried lease requests; the shards they held, by epoch."""
+        held: dict[int, list[int]] = {}
+        for rec in list(self.leases.values()):
+            self.close(rec, rec.trainer, "revoked")
+            held.setdefault(rec.epoch, []).append(rec.shard)
+        self.last_request.clear()
+        return held
+
     def remember_request(self, trainer: str, stream: str, request_id: str, ids: tuple[str, ...]) -> None:
         key = (trainer, stream)
         self.last_request[key] = (request_id, ids)
@@ -1189,12 +1199,8 @@ class MasterState:
         # queued (the sweep), live ones revoked, and what is undone or revoked is queued first.
         # So a rewind costs what it changes, not the job's size (a repeat: nothing).
         job.expire(now)
-        again: dict[int, list[int]] = {}
-        revoked = len(job.leases)
-        for rec in list(job.leases.values()):
-            job.close(rec, rec.trainer, "revoked")
-            again.setdefault(rec.epoch, []).append(rec.shard)
-        job.last_request.clear()
+        again = job.revoke_all()
+        revoked = sum(len(shards) for shards in again.values())
         undone = job.marks.undo(mark.clock)
         for (epoch, shard), change in undone.items():
             ep = job.open.get(epoch)
@@ -1237,17 +1243,11 @@ class MasterState:
         if ev.clock != 0:
             raise BadRequest(f"checkpoint mark 0 (the job's beginning) is at clock 0, the state says {ev.clock}")
         # -- mutation --
-        revoked = len(job.leases)
-        for rec in list(job.leases.values()):
-            job.close(rec, rec.trainer, "revoked")
-        job.last_request.clear()
+        revoked = sum(len(shards) for shards in job.revoke_all().values())
         undone = sum(ep.done_count for ep in job.open.values()) + sum(r["done"] for r in job.recent)
         job.open, job.recent, job.finished, job.next_epoch = {}, [], False, 0
         job.totals["epochs"] = 0
-        seq = job.marks.seq
-        job.marks = JobMarks()
-        job.marks.seq = seq  # ids only grow: the ones handed out stay refused
-        job.marks.dropped_below = seq + 1
+        job.marks.forget()
         job.open_next()
         job.totals["rewinds"] = job.totals.get("rewinds", 0) + 1
         answer = {"mark": 0, "clock": 0, "epoch": job.epoch, "revoked": revoked, "undone": undone, "finished": False}
