@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stall-seconds", type=float, default=None,
                         help="length of each stall measurement (default 10; 2 with --smoke)")
     parser.add_argument("--readers", default=None, help=f"comma-separated subset of: {', '.join(RUN_NAMES)}")
+    parser.add_argument("--upload-checksum", choices=("crc64nvme", "crc32c", "crc32", "none"), default="crc64nvme",
+                        help="additional checksum stored with each shard (default crc64nvme, what S3 stores for "
+                             "every new object; none: only the ETag, which a fill then verifies as an MD5)")
     parser.add_argument("--seed", type=int, default=0, help="dataset seed")
     parser.add_argument("--workdir", type=Path, default=None, help="where caches and logs go (default: a temp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temp work dir (logs)")
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         far_host_mbps=args.far_host_mbps, far_host_flow_mbps=args.far_host_flow_mbps, store=args.store,
         trainer_rate=args.trainer_rate,
         stall_cap_s=args.stall_seconds if args.stall_seconds is not None else (2.0 if args.smoke else 10.0),
-        seed=args.seed, smoke=args.smoke, readers=tuple(args.readers.split(",")) if args.readers else None,
+        upload_checksum=args.upload_checksum, seed=args.seed, smoke=args.smoke, readers=tuple(args.readers.split(",")) if args.readers else None,
         workdir=args.workdir, keep=args.keep, results_dir=args.results_dir,
         command="python -m bench" + ("" if argv is None and len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:] if argv is None else argv)),
         timeout_s=300.0 if args.smoke else 900.0,

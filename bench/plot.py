@@ -55,6 +55,7 @@ def markdown_table(result: dict[str, Any], chart: str | None) -> str:
         f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), "
         f"on {'an s3rver' if cfg.get('store') == 's3rver' else 'a moto'} S3 server behind a proxy adding "
         f"{cfg['delay_ms']:g} ms per request" + (f" and {cfg['stream_mbps']:g} MB/s per connection" if cfg.get("stream_mbps") else "")
+        + f"; shards uploaded with {_checksum_words(cfg.get('upload_checksum'))}"
         + f". Simulated trainer: {cfg['trainer_rate']:g} samples/s.",
         "",
         "**Headline ratios** (same run, same data):",
@@ -179,3 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _checksum_words(algorithm: str | None) -> str:
+    """How the shards were uploaded, which decides what a fill is verified against."""
+    if algorithm in (None, "none"):  # None: results from before the option, uploaded without one
+        return "no additional checksum (fills verified against the ETag's MD5)"
+    return f"a {algorithm.upper()} checksum, as S3 stores for every new object (fills verified against it)"

@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 
 _LAYOUT = "v1"
 _HASH_CHUNK = 4 * 1024 * 1024
+_DIRECT_ALIGN = 4096  # offset and length of an O_DIRECT write: a multiple of any logical block size in use
 # An entry's object headers, as a sanity bound on what a meta file may hold (the daemon refuses
 # far less from an origin; this only keeps a tampered meta file from being loaded or replayed).
 _MAX_HEADER_BYTES = 64 * 1024
@@ -201,6 +202,12 @@ class Writer:
         self.digest: str | None = None  # the xxh3-128, once sealed
         self.path = store._tmp_dir / f"{secrets.token_hex(8)}.part"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # A second descriptor for aligned writes that skip the page cache (StoreSettings.direct_writes);
+        # None where the file system refuses O_DIRECT (tmpfs, some FUSE): every write is buffered.
+        self._direct: int | None = None
+        if store.settings.direct_writes and hasattr(os, "O_DIRECT"):
+            with contextlib.suppress(OSError):
+                self._direct = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
         self._hasher = xxhash.xxh3_128()
         self._hashed = 0
         self._hash_lock = threading.Lock()
@@ -222,6 +229,17 @@ class Writer:
         views = [memoryview(chunk) for chunk in chunks if len(chunk)]
         position = offset
         try:
+            if self._direct is not None and len(views) == 1 and offset % _DIRECT_ALIGN == 0 and total % _DIRECT_ALIGN == 0:
+                # Whole aligned blocks (a fill's 1 MiB pieces from an aligned buffer): straight to
+                # the disk. The object's last piece, or a buffer that is not aligned, is buffered;
+                # Linux keeps the two coherent (a direct write drops the cached pages it covers).
+                try:
+                    position += os.pwrite(self._direct, views[0], position)
+                    views = [views[0][position - offset :]] if position < offset + total else []
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._close_direct()  # this buffer or device wants another alignment: buffered from now on
             while views:
                 written = os.pwritev(self.fd, views, position)
                 position += written
@@ -330,6 +348,12 @@ class Writer:
         if not self._closed:
             self._closed = True
             os.close(self.fd)
+            self._close_direct()
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            fd, self._direct = self._direct, None
+            os.close(fd)
 
 
 class _Tenants:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
 from sidecar.daemon.peers.context import current_source
 from sidecar.daemon.priority import DEMAND, PriorityLimiter
+from sidecar.daemon.splits import SplitJudge
 from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
 from wire.retry import Backoff, retry_async
 
@@ -93,6 +95,38 @@ class FetchSettings:
         return Backoff(self.backoff_base_s, self.backoff_max_s, attempts=self.retries + 1)
 
 
+@dataclass
+class FillTimeline:
+    """When a fill's steps happened, in seconds after it started (``None``: not reached), and how
+    its bytes came: logged at debug level as each fill ends (``--log-level debug``), the first
+    place to look when cold reads are slow."""
+
+    headers: float | None = None
+    """The first GET's answer headers (size and ETag known; readers may start)."""
+    split: float | None = None
+    """The fill was split into parallel ranged GETs."""
+    split_at: int = 0
+    """Bytes the first stream had delivered when the split was decided."""
+    extra: int = 0
+    """Connections added by the split."""
+    all_in: float | None = None
+    """Every byte written."""
+    sealed: float | None = None
+    """Checked against the origin's checksum (readers may finish)."""
+    published: float | None = None
+    """Fsynced and published (a hit from now on)."""
+
+    def describe(self, size: int) -> str:
+        def at(value: float | None) -> str:
+            return "-" if value is None else f"{value * 1000:.0f}"
+
+        split = f"split at {self.split_at / 2**20:.1f} MiB (+{self.extra} at {at(self.split)} ms)" if self.split else "one stream"
+        body = (self.all_in or 0) - (self.headers or 0)
+        rate = f"{size / body / 1e6:.0f} MB/s" if body > 0 else "-"
+        return (f"{size / 2**20:.1f} MiB, {split}: headers {at(self.headers)} ms, all in {at(self.all_in)} ms "
+                f"({rate} from the first byte), sealed {at(self.sealed)} ms, published {at(self.published)} ms")
+
+
 class Fill:
     """One fetch of one object, shared by every reader that wants it."""
 
@@ -119,6 +153,7 @@ class Fill:
         self._readers = 0
         self._progress = asyncio.Event()
         self.started = time.monotonic()
+        self.timeline = FillTimeline()
 
     def _notify(self) -> None:
         event, self._progress = self._progress, asyncio.Event()
@@ -232,6 +267,7 @@ class _PartedFill:
         self.loop = asyncio.get_running_loop()
         self.parts: list[list[int]] = [[0, info.size, 0]]  # [start, end, written]
         self.decided = False
+        self.wants_split = False  # judged worth splitting, waiting for a free origin stream
         self.stopping = False
         self.workers: list[asyncio.Task[None]] = []
         self.queue: asyncio.Queue[int] = asyncio.Queue()
@@ -299,8 +335,10 @@ class _PartedFill:
             self._hash_behind()
 
     def _split(self, boundary: int, extra: int) -> None:
-        """On the loop: fetch ``[boundary, size)`` in parts on up to ``extra`` more connections."""
+        """On the loop: fetch ``[boundary, size)`` in parts on ``extra`` more connections, which
+        :meth:`Fetcher.grant_streams` counted already (and which are given back as they end)."""
         if self.stopping:
+            self.fetcher.release_streams(extra)
             return
         # At least four parts per connection: parts then land roughly in order and the checksum
         # prefix grows while the fill runs. With one part per connection all parts end together
@@ -315,13 +353,17 @@ class _PartedFill:
         what = f"{self.fill.bucket}/{self.fill.key}"
 
         async def worker() -> None:
-            while not self.queue.empty():
-                index = self.queue.get_nowait()
-                if self.queue.empty():
-                    self.fill.all_requested = True
-                await retrying(self.settings, self.metrics, f"{what}#{index}", self._attempt, index)
+            try:
+                while not self.queue.empty():
+                    index = self.queue.get_nowait()
+                    if self.queue.empty():
+                        self.fill.all_requested = True
+                    await retrying(self.settings, self.metrics, f"{what}#{index}", self._attempt, index)
+            finally:
+                self.fetcher.release_streams(1)
 
         count = min(extra, len(self.parts) - 1)
+        self.fetcher.release_streams(extra - count)
         self.workers = [asyncio.create_task(worker(), name=f"part-worker:{what}") for _ in range(count)]
 
     async def _attempt(self, index: int) -> None:
@@ -337,7 +379,9 @@ class _PartedFill:
     async def _sink(self, index: int, body: Body) -> None:
         """Pump ``body`` into part ``index`` on a worker thread; return when that thread has."""
         future = asyncio.wrap_future(self.fetcher.origin.executor.submit(self._pump, index, body))
-        self.fetcher.streams += 1
+        first = index == 0  # the split's part workers hold streams of their own (Fetcher.grant_streams)
+        if first:
+            self.fetcher.grant_streams(1, force=True)
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -347,7 +391,8 @@ class _PartedFill:
                 await future
             raise
         finally:
-            self.fetcher.streams -= 1
+            if first:
+                self.fetcher.release_streams(1)
             self._advance()
         part = self.parts[index]
         if part[0] + part[2] != part[1]:
@@ -404,14 +449,21 @@ class _PartedFill:
         rate = got / max(time.perf_counter() - first_byte_at, 1e-6)
         threshold = self.settings.split_below_bytes_per_s
         final = got >= min(4 * _WRITE_BUFFER, self.settings.part_size)
-        if not final and rate >= threshold / 2:
+        if not final and not self.wants_split and rate >= threshold / 2:
             return  # undecided: look again at 4 MiB
         part_size = self.settings.part_size
         boundary = got + part_size
-        if rate >= threshold or self.info.size - boundary < part_size:
-            self.decided = True  # fast enough, or too little left to be worth more requests
+        if self.info.size - boundary < part_size:
+            self.decided = True  # too little left to be worth more requests
             return
-        extra = self.settings.parts_per_object - self.fetcher.streams  # this stream counts: at most ppo - 1
+        if not self.wants_split:
+            if not self.fetcher.splits.should_split(rate):
+                self.decided = True  # fast enough, or split fills have been slower on this origin
+                return
+            self.wants_split = True
+        # This stream counts: at most ppo - 1 more. Granted here, under the fetcher's lock: fills
+        # deciding at the same moment must not each take the same free streams.
+        extra = self.fetcher.grant_streams(self.settings.parts_per_object - 1)
         if extra <= 0:
             # Slow, but other fills hold every origin stream: look again at the next MiB. Deciding
             # here for good left a fill that started beside another one on a single stream to its
@@ -419,6 +471,8 @@ class _PartedFill:
             return
         self.decided = True
         part0[1] = boundary  # this thread stops there; the loop starts the rest
+        timeline = self.fill.timeline
+        timeline.split, timeline.split_at, timeline.extra = time.monotonic() - self.fill.started, got, extra
         self.loop.call_soon_threadsafe(self._split, boundary, extra)
 
 
@@ -431,8 +485,25 @@ class Fetcher:
         self.settings = settings
         self.metrics = metrics
         self.limiter = PriorityLimiter(settings.origin_concurrency, settings.demand_reserved)
+        self.splits = SplitJudge(settings.split_below_bytes_per_s)
         self.inflight: dict[tuple[str, str], Fill] = {}
-        self.streams = 0  # origin bodies being pumped into the cache right now (changed on the loop)
+        self.streams = 0
+        """Origin connections fills hold now: each fill's first stream while it is pumped, and a
+        split's part workers from the split's decision to their end."""
+        self._streams_lock = threading.Lock()  # taken by pump threads (a split's decision) and the loop
+
+    def grant_streams(self, wanted: int, force: bool = False) -> int:
+        """Take up to ``wanted`` origin streams of the ``parts_per_object`` a split may top the
+        daemon up to (all of them with ``force``: a fill's first stream always runs); returns how
+        many were taken, to give back with :meth:`release_streams`."""
+        with self._streams_lock:
+            granted = wanted if force else max(0, min(wanted, self.settings.parts_per_object - self.streams))
+            self.streams += granted
+            return granted
+
+    def release_streams(self, count: int) -> None:
+        with self._streams_lock:
+            self.streams -= count
 
     def demand_in_flight(self) -> bool:
         """Whether a trainer waits on a fill (a demand read, or a prefetch it joined) that could
@@ -499,6 +570,8 @@ class Fetcher:
             self.inflight.pop((fill.bucket, fill.key), None)
             source = fill.info.source if fill.info is not None else "origin"
             self.metrics.fills.labels(outcome=outcome, source=source).inc()
+            if fill.info is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug("fill of %s/%s %s: %s", fill.bucket, fill.key, outcome, fill.timeline.describe(fill.info.size))
             fill._notify()
             fill._maybe_close()
 
@@ -513,6 +586,7 @@ class Fetcher:
         info, first_body = await retrying(
             self.settings, self.metrics, f"{fill.bucket}/{fill.key}", self._open_first, fill
         )
+        fill.timeline.headers = time.monotonic() - fill.started
         writer: Writer | None = None
         fill.check = vouched(info.checksums, info.etag, info.key_encrypted, self.settings.verify)
         if self.store is not None:
@@ -543,6 +617,10 @@ class Fetcher:
         fill.info = info
         fill._notify()
         await _PartedFill(self, fill, writer, info).run(first_body)
+        timeline = fill.timeline
+        timeline.all_in = time.monotonic() - fill.started
+        if info.size >= 2 * self.settings.part_size:  # a fill that could have been split teaches the judge
+            self.splits.record(timeline.split is not None, info.size, timeline.all_in - (timeline.headers or 0))
         algorithm = fill.check.algorithm if fill.check else "none"
         def seal() -> tuple[str, Path | None]:
             return writer.seal(), writer.place()
@@ -554,8 +632,10 @@ class Fetcher:
             self.metrics.fill_checks.labels(result="failed", algorithm=algorithm).inc()
             raise
         self.metrics.fill_checks.labels(result="verified" if fill.check else "unverified", algorithm=algorithm).inc()
+        fill.timeline.sealed = time.monotonic() - fill.started
         fill._notify()  # readers holding their last byte, and those waiting to compare, go on
         fill.entry = await asyncio.to_thread(writer.commit)
+        fill.timeline.published = time.monotonic() - fill.started
         fill.writer = None
 
     # -- straight from the origin (nothing cached) --------------------------------------------
