@@ -30,7 +30,9 @@ Methods (MB/s = 10^6 bytes per second, payload bytes over wall time, single read
   the measurement behind the daemon's choice of S3 client; ``daemon_cold_no_md5`` (the same
   daemon with ``--verify-etag-md5 off``): the benchmark uploads without additional checksums, so
   the default daemon verifies every fill against the ETag as an MD5 and this one verifies none,
-  the measurement behind that setting's default.
+  the measurement behind that setting's default; ``origin_get_object_x4`` and ``daemon_cold_x4``:
+  four threads reading a quarter of the shards each, straight from the store and through a fresh
+  daemon (several trainers of a node starting cold together).
 """
 
 from __future__ import annotations
@@ -89,14 +91,19 @@ READ_CHUNK = 1024 * 1024
 RSS_LIMIT_MB = 150.0
 
 WARM_METHODS = ("raw", "short_circuit", "boto3", "aiohttp", "socket", "tcp_ceiling")
-COLD_METHODS = ("origin_get_object", "origin_download_fileobj", "daemon_cold", "daemon_cold_boto3", "daemon_cold_no_md5")
-_COLD_FLAGS = {"daemon_cold": [], "daemon_cold_boto3": ["--s3-client", "boto3"], "daemon_cold_no_md5": ["--verify-etag-md5", "off"]}
+COLD_METHODS = ("origin_get_object", "origin_download_fileobj", "daemon_cold", "daemon_cold_boto3", "daemon_cold_no_md5",
+                "origin_get_object_x4", "daemon_cold_x4")
+_COLD_FLAGS = {"daemon_cold": [], "daemon_cold_boto3": ["--s3-client", "boto3"], "daemon_cold_no_md5": ["--verify-etag-md5", "off"],
+               "daemon_cold_x4": []}
+CONCURRENT_READERS = 4
+"""Readers of the ``_x4`` methods: threads of one process, each reading every fourth shard."""
 
 # (name, measured, baseline, minimum ratio): the issue's targets, checked on medians.
 TARGETS = (
     ("short_circuit_warm_vs_raw", "short_circuit", "raw", 0.9),
     ("daemon_warm_tcp_vs_raw", "best_tcp_client", "raw", 0.5),
     ("daemon_cold_vs_plain_boto3", "daemon_cold", "best_plain_boto3", 1.0),
+    ("daemon_cold_x4_vs_plain_boto3_x4", "daemon_cold_x4", "origin_get_object_x4", 0.75),
 )
 
 
@@ -243,6 +250,16 @@ def read_boto3(client: Any, keys: tuple[str, ...], expect_cache: str | None) -> 
         while chunk := body.read(READ_CHUNK):
             total += len(chunk)
     return total
+
+
+def read_boto3_concurrently(client: Any, keys: tuple[str, ...], expect_cache: str | None) -> int:
+    """:func:`read_boto3` on :data:`CONCURRENT_READERS` threads, each reading every fourth shard
+    (boto3 clients are thread-safe): several trainers of one node starting cold together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shares = [keys[i::CONCURRENT_READERS] for i in range(CONCURRENT_READERS)]
+    with ThreadPoolExecutor(CONCURRENT_READERS) as pool:
+        return sum(pool.map(lambda share: read_boto3(client, share, expect_cache), shares))
 
 
 class CountingSink(io.RawIOBase):
@@ -480,6 +497,11 @@ class Bench:
             self.cold_start()
             result.add(timed(method, layout.total, lambda: read_boto3(self.origin_client, keys, None), origin))
             return None
+        if method == "origin_get_object_x4":
+            self.cold_start()
+            result.add(timed(method, layout.total,
+                             lambda: read_boto3_concurrently(s3_client(self.origin_endpoint), keys, None), origin))
+            return None
         if method == "origin_download_fileobj":
             self.cold_start()
             result.add(timed(method, layout.total, lambda: read_download_fileobj(self.origin_client, keys), origin))
@@ -489,8 +511,9 @@ class Bench:
         try:
             client = s3_client(daemon.url)
             self.cold_start()
+            read = read_boto3_concurrently if method.endswith("_x4") else read_boto3
             with RssSampler(daemon.pid) as rss:
-                result.add(timed(method, layout.total, lambda: read_boto3(client, keys, "miss"),
+                result.add(timed(method, layout.total, lambda: read(client, keys, "miss"),
                                  {**origin, "daemon": daemon.pid}))
                 daemon.settle()
             result.rss.append({"phase": method, "repeat": rep, "max_vmrss_mb": rss.max_rss_kib / 1024,
@@ -589,12 +612,15 @@ def summarize(result: LayoutResult) -> dict[str, Any]:
             med("daemon_cold_boto3"), med("origin_download_fileobj")),
         "daemon_cold_no_md5/origin_get_object": ratio(med("daemon_cold_no_md5"), med("origin_get_object")),
         "daemon_cold/daemon_cold_no_md5": ratio(med("daemon_cold"), med("daemon_cold_no_md5")),
+        "daemon_cold_x4/origin_get_object_x4": ratio(med("daemon_cold_x4"), med("origin_get_object_x4")),
+        "daemon_cold_x4/daemon_cold": ratio(med("daemon_cold_x4"), med("daemon_cold")),
     }
     values = {
         "short_circuit": med("short_circuit"), "raw": raw,
         "best_tcp_client": tcp[best_tcp] if best_tcp else None,
         "daemon_cold": med("daemon_cold"),
         "best_plain_boto3": plain[best_plain] if best_plain else None,
+        "daemon_cold_x4": med("daemon_cold_x4"), "origin_get_object_x4": med("origin_get_object_x4"),
     }
     targets = {}
     for name, measured, baseline, minimum in TARGETS:

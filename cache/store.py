@@ -205,6 +205,7 @@ class Writer:
         # A second descriptor for aligned writes that skip the page cache (StoreSettings.direct_writes);
         # None where the file system refuses O_DIRECT (tmpfs, some FUSE): every write is buffered.
         self._direct: int | None = None
+        self._direct_refused = False
         if store.settings.direct_writes and hasattr(os, "O_DIRECT"):
             with contextlib.suppress(OSError):
                 self._direct = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
@@ -217,11 +218,13 @@ class Writer:
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
         self.writev_at(offset, [data])
 
-    def writev_at(self, offset: int, chunks: list[bytes | memoryview]) -> None:
+    def writev_at(self, offset: int, chunks: list[bytes | memoryview], direct: bool = True) -> None:
         """Write ``chunks`` back to back at ``offset`` with one vectored write (no joining copy).
 
         Bytes that extend the hashed prefix are hashed from memory here; bytes landing beyond it
         (a later part of a parallel fill) are hashed by reading them back once the gap is filled.
+        ``direct``: the bytes may skip the page cache (``StoreSettings.direct_writes``); ``False``
+        for bytes a reader is about to read from the file (a fill streamed to its readers).
         """
         total = sum(len(chunk) for chunk in chunks)
         if offset < 0 or offset + total > self.size:
@@ -229,7 +232,8 @@ class Writer:
         views = [memoryview(chunk) for chunk in chunks if len(chunk)]
         position = offset
         try:
-            if self._direct is not None and len(views) == 1 and offset % _DIRECT_ALIGN == 0 and total % _DIRECT_ALIGN == 0:
+            aligned = len(views) == 1 and offset % _DIRECT_ALIGN == 0 and total % _DIRECT_ALIGN == 0
+            if direct and aligned and self._direct is not None and not self._direct_refused:
                 # Whole aligned blocks (a fill's 1 MiB pieces from an aligned buffer): straight to
                 # the disk. The object's last piece, or a buffer that is not aligned, is buffered;
                 # Linux keeps the two coherent (a direct write drops the cached pages it covers).
@@ -239,7 +243,9 @@ class Writer:
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    self._close_direct()  # this buffer or device wants another alignment: buffered from now on
+                    # This buffer or device wants another alignment: buffered from now on. Not
+                    # closed here: another part's thread may be writing through it right now.
+                    self._direct_refused = True
             while views:
                 written = os.pwritev(self.fd, views, position)
                 position += written

@@ -420,7 +420,9 @@ class _PartedFill:
                     count += got
                 if not count:
                     break
-                self.writer.writev_at(position, [buffer[:count]])
+                # Readers streaming the fill (sendfile, on the loop) read these bytes next: they go
+                # through the page cache for them. Otherwise straight to the disk (direct_writes).
+                self.writer.writev_at(position, [buffer[:count]], direct=not self.fill._readers)
                 part[2] += count
                 (self.metrics.peer_bytes_in if body.source == "peer" else self.metrics.origin_bytes).inc(count)
                 if not self._advance_pending:
@@ -570,10 +572,10 @@ class Fetcher:
             self.inflight.pop((fill.bucket, fill.key), None)
             source = fill.info.source if fill.info is not None else "origin"
             self.metrics.fills.labels(outcome=outcome, source=source).inc()
-            if fill.info is not None and log.isEnabledFor(logging.DEBUG):
-                log.debug("fill of %s/%s %s: %s", fill.bucket, fill.key, outcome, fill.timeline.describe(fill.info.size))
             fill._notify()
             fill._maybe_close()
+            if fill.info is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug("fill of %s/%s %s: %s", fill.bucket, fill.key, outcome, fill.timeline.describe(fill.info.size))
 
     async def _open_first(self, fill: Fill) -> tuple[ObjectInfo, Body]:
         async with self.limiter.slot(fill.priority):

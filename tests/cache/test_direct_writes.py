@@ -51,7 +51,7 @@ def test_aligned_pieces_go_direct_and_the_tail_buffered(tmp_path):
     assert writer._direct is not None
     for offset in range(0, len(data), MiB):
         writer.write_at(offset, aligned(data[offset : offset + MiB]))
-    assert writer._direct is not None, "aligned pieces were refused"
+    assert not writer._direct_refused, "aligned pieces were refused"
     entry = writer.commit()
     assert store.data_path(entry).read_bytes() == data
     store.close()
@@ -136,4 +136,44 @@ def test_off_writes_everything_buffered(tmp_path):
     assert writer._direct is None
     writer.write_at(0, aligned(data))
     assert store.data_path(writer.commit()).read_bytes() == data
+    store.close()
+
+
+def resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of the file in the page cache, pages in all), by mincore(2)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        vector = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        del address
+        return sum(v & 1 for v in vector), pages
+    finally:
+        mapped.close()
+
+
+def test_direct_bytes_skip_the_page_cache_and_streamed_ones_do_not(tmp_path):
+    """What the option is for (no copy into the page cache), and the exception the fill makes:
+    bytes a reader streams from the temp file next are written through the page cache."""
+    if not takes_direct(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    store = make(tmp_path / "c")
+    data = payload(2 * MiB)
+    writer = store.begin("b", "k", "etag", len(data), xxhash.xxh3_128_hexdigest(data))
+    writer.write_at(0, aligned(data[:MiB]))
+    writer.writev_at(MiB, [aligned(data[MiB:])], direct=False)
+    path = Path(writer.path)
+    os.fsync(writer.fd)
+    in_cache, pages = resident_pages(path)
+    half = pages // 2
+    assert in_cache == half, f"{in_cache} of {pages} pages cached: expected only the streamed half"
+    writer.commit()
     store.close()
