@@ -653,6 +653,8 @@ def print_table(summaries: dict[str, dict[str, Any]]) -> None:
             vs, ratio = "", ""
             if method in ("short_circuit", "boto3", "aiohttp", "socket", "tcp_ceiling"):
                 vs, ratio = "raw", ratios[f"{method}/raw"]
+            elif method == "daemon_cold_x4":
+                vs, ratio = "get_object_x4", ratios[f"{method}/origin_get_object_x4"]
             elif method.startswith("daemon_cold"):
                 vs, ratio = "get_object", ratios[f"{method}/origin_get_object"]
             cpu = " ".join(f"{name}={value:.2f}" for name, value in methods[method]["cpu_s_per_gb"].items())
