@@ -34,7 +34,6 @@ import resource
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +173,6 @@ def _loader(spec: dict[str, Any], rank: int, world: int) -> Any:
 
     settings = LoaderSettings.from_env(endpoint=spec["daemon"], short_circuit=spec.get("short_circuit", True),
                                        zero_copy=spec.get("zero_copy", False))
-    if "lease_ahead" in spec:
-        settings = replace(settings, lease_ahead=spec["lease_ahead"])
     url = f"s3://{spec['bucket']}/{spec['prefix']}"
     if spec.get("master"):
         shard_loader = ShardLoader(url, job=spec["job"], master=spec["master"], epochs=len(spec["epochs"]),

@@ -354,12 +354,8 @@ class Writer:
         if not self._closed:
             self._closed = True
             os.close(self.fd)
-            self._close_direct()
-
-    def _close_direct(self) -> None:
-        if self._direct is not None:
-            fd, self._direct = self._direct, None
-            os.close(fd)
+            if self._direct is not None:
+                os.close(self._direct)
 
 
 class _Tenants:
