@@ -524,13 +524,35 @@ class Store:
     def _rebuild_index(self) -> None:
         found: list[Entry] = []
         meta_ids: set[str] = set()
+        foreign = [0, 0]  # entries and bytes not this origin's (or whose meta file lies about them)
         for meta_path in self._meta_dir.glob("*/*.json"):
-            entry = self._load_meta(meta_path)
+            entry = self._read_meta(meta_path)
+            if entry is not None and not self._is_own(entry, meta_path):
+                # Every lookup trusts that an indexed entry's id is the one this origin gives its
+                # bucket, key and ETag (a lookup by name goes by bucket and key alone), so an
+                # entry filled from another origin, or a meta file whose fields are not what its
+                # id was computed from, is never indexed. Nor kept: an entry that can never be
+                # served would hold capacity, items and disk that the limits no longer see (or,
+                # indexed only to be evicted, hold them for good under ``hold``, which evicts
+                # nothing, and count against a tenant's quota), to save one refetch in the rare
+                # case of switching back. Removed as an unreadable meta file is; its data file
+                # goes with the orphans below.
+                foreign[0] += 1
+                foreign[1] += entry.size
+                entry = None
+            if entry is not None:
+                entry = self._with_data(entry, meta_path)
             if entry is None:
                 meta_path.unlink(missing_ok=True)
                 continue
             meta_ids.add(entry.id)
             found.append(entry)
+        if foreign[0]:
+            # One line for them all: a directory reused with another origin may hold millions.
+            log.warning(
+                "cache %s: removed %d entries (%d bytes) filled from another origin than %r, or whose meta file "
+                "does not match its id", self.settings.root, foreign[0], foreign[1], self.settings.namespace,
+            )
         # Data files with no meta were renamed in just before a crash: never published.
         for data_path in self._data_dir.glob("*/*"):
             if data_path.name not in meta_ids:
@@ -544,7 +566,8 @@ class Store:
                 self._never_hashed.add(entry.id)
         log.info("cache %s: %d entries, %d bytes", self.settings.root, len(found), self._used)
 
-    def _load_meta(self, meta_path: Path) -> Entry | None:
+    def _read_meta(self, meta_path: Path) -> Entry | None:
+        """The entry a meta file describes, or ``None`` if it cannot be read as one."""
         try:
             meta = json.loads(meta_path.read_bytes())
             entry = Entry(
@@ -561,8 +584,17 @@ class Store:
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("discarding unreadable cache meta %s", meta_path)
             return None
-        if entry.id != meta_path.stem:
-            return None
+        return entry
+
+    def _is_own(self, entry: Entry, meta_path: Path) -> bool:
+        """Whether a meta file describes an entry of this store: its id is the one this origin
+        (``settings.namespace``) gives the bucket, key and ETag it names, and the file lies where
+        that id's meta file lies (one entry, one meta file)."""
+        ident = entry_id(self.settings.namespace, entry.bucket, entry.key, entry.etag)
+        return entry.id == ident and meta_path == self._meta_path(ident)
+
+    def _with_data(self, entry: Entry, meta_path: Path) -> Entry | None:
+        """``entry`` with its recency, if its data file is in place and of its size."""
         try:
             stat = os.stat(self._data_path(entry.id))
         except FileNotFoundError:
@@ -596,7 +628,11 @@ class Store:
 
     def lookup(self, bucket: str, key: str, etag: str | None = None, xxh3_128: str | None = None) -> Entry | None:
         """The newest cached version of ``bucket/key``, or the one with ``etag``; ``None`` if absent
-        or if ``xxh3_128`` is given and the cached bytes are another version."""
+        or if ``xxh3_128`` is given and the cached bytes are another version.
+
+        Only this origin's entries can be found, by name too: every indexed entry's id is
+        ``entry_id(settings.namespace, ...)`` of its own fields (:meth:`_publish` computes it,
+        :meth:`_rebuild_index` loads nothing else)."""
         with self._lock:
             if etag is not None:
                 entry = self._entries.get(entry_id(self.settings.namespace, bucket, key, etag))

@@ -58,14 +58,25 @@ class S3Server:
         return name
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
+def _running_s3(log: Path) -> Iterator[S3Server]:
+    server = S3Server(log)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    yield from _running_s3(tmp_path_factory.mktemp("moto") / "moto.log")
+
+
+@pytest.fixture(scope="session")
+def second_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """Another S3 endpoint, with buckets and objects of its own (tests of a cache reused with
+    another origin)."""
+    yield from _running_s3(tmp_path_factory.mktemp("moto2") / "moto.log")
 
 
 @pytest.fixture

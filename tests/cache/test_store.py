@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -14,8 +15,10 @@ from hypothesis import strategies as st
 from cache import CacheLocked, CorruptEntry, IntegrityError, Store, StoreSettings
 
 
-def make(root: Path, capacity: int = 10_000, eviction: str = "lru", max_items: int = 1000) -> Store:
-    store = Store(StoreSettings(root=root, capacity_bytes=capacity, min_free_ratio=0.0, eviction=eviction, max_items=max_items))
+def make(root: Path, capacity: int = 10_000, eviction: str = "lru", max_items: int = 1000, namespace: str = "") -> Store:
+    store = Store(StoreSettings(
+        root=root, capacity_bytes=capacity, min_free_ratio=0.0, eviction=eviction, max_items=max_items, namespace=namespace,
+    ))
     store.open()
     return store
 
@@ -77,6 +80,53 @@ def test_restart_rebuilds_index_and_discards_leftovers(tmp_path):
     assert store.lookup("b", "k0") is None and not store.data_path(entries[0]).exists()
     assert {e.key for e in store.entries()} == {"k1", "k2", "k3", "k4"}
     assert store.stats()["used_bytes"] == sum(e.size for e in entries[1:])
+
+
+def test_a_cache_dir_reused_with_another_origin_serves_none_of_its_entries(tmp_path):
+    """StoreSettings.namespace's promise: the same bucket, key and ETag filled from origin A is no
+    entry of origin B, by name or by ETag; A's entries are not loaded (nor kept on disk)."""
+    first = make(tmp_path, namespace="s3:http://origin-a")
+    entry = put(first, "k", b"origin A's bytes")
+    assert first.lookup("b", "k") == entry
+    first.close()
+    second = make(tmp_path, namespace="s3:http://origin-b")
+    assert second.lookup("b", "k") is None
+    assert second.lookup("b", "k", etag=entry.etag) is None
+    assert second.entries() == [] and second.stats()["used_bytes"] == 0
+    assert not second.data_path(entry).exists()
+    assert list((tmp_path / "v1" / "meta").rglob("*.json")) == []
+    second.close()
+    # back on origin A, the entry is gone too: a miss (refetched), never stale bytes
+    assert make(tmp_path, namespace="s3:http://origin-a").lookup("b", "k") is None
+
+
+def test_a_meta_file_that_does_not_match_its_own_id_is_not_loaded(tmp_path):
+    """A meta file whose bucket/key/ETag are not what its id (its file name) was computed from
+    would answer one object's name with another object's bytes: it is not loaded."""
+    store = make(tmp_path)
+    k0 = put(store, "k0", b"the bytes of k0")
+    k1 = put(store, "k1", b"the bytes of k1")
+    store.close()
+    meta_path = tmp_path / "v1" / "meta" / k1.id[:2] / f"{k1.id}.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["id"] == k1.id
+    meta["key"] = "k0"  # k1's id, size and xxh3 (its data file checks out), claiming k0's name
+    meta["created"] = k0.created + 1  # newer than k0: the one a lookup by name would pick
+    meta_path.write_text(json.dumps(meta))
+    misplaced = tmp_path / "v1" / "meta" / "zz" / f"{k0.id}.json"  # k0's own meta, in another shard directory
+    misplaced.parent.mkdir()
+    misplaced.write_bytes((tmp_path / "v1" / "meta" / k0.id[:2] / f"{k0.id}.json").read_bytes())
+    store = make(tmp_path)
+    found = store.lookup("b", "k0")
+    assert found is not None and found.id == k0.id
+    fd, _ = store.open_verified(found)
+    try:
+        assert os.pread(fd, 100, 0) == b"the bytes of k0"
+    finally:
+        os.close(fd)
+    assert [e.key for e in store.entries()] == ["k0"]
+    assert not meta_path.exists() and not store.data_path(k1).exists()
+    assert not misplaced.exists()
 
 
 def test_tampered_file_is_detected_and_removed(tmp_path):

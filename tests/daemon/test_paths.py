@@ -93,9 +93,8 @@ def test_sidecar_forwards_traversal_to_the_daemons_own_checks(node_and_sidecar):
 # -- a file:// origin serves nothing outside its root ----------------------------------------------
 
 
-@pytest.fixture
-def linked_root(tmp_path, start_daemon):
-    """An origin root whose tree links out of it in every way, and within it in two."""
+def linked_tree(tmp_path):
+    """(root, outside): an origin root whose tree links out of it in every way, and within it in two."""
     outside = tmp_path / "outside"
     (outside / "sub").mkdir(parents=True)
     (outside / "secret.txt").write_bytes(SECRET)
@@ -112,6 +111,13 @@ def linked_root(tmp_path, start_daemon):
     # links that stay inside the root keep working
     (root / "bk" / "inlink").symlink_to("train/0.tar")
     (root / "alias").symlink_to("bk")
+    return root, outside
+
+
+@pytest.fixture
+def linked_root(tmp_path, start_daemon):
+    """A daemon on the :func:`linked_tree` origin."""
+    root, outside = linked_tree(tmp_path)
     daemon = start_daemon(make_settings(tmp_path / "cache", f"file://{root}"))
     daemon.outside = outside
     return daemon
@@ -196,6 +202,13 @@ def test_cached_shows_nothing_outside_the_root(linked_root):
         "/bk/loop/under",
         "/bk/train",  # a directory is not an object
         "/bk/nothing-here",
+        # A key ending in '/' (an S3 folder marker) or holding '//' is its own key, which no file
+        # can have: not the file whose path the file system would make of it.
+        "/bk/train/0.tar/",
+        "/bk/train/0.tar//",
+        "/bk/train//0.tar",
+        "/bk/inlink/",
+        "/alias/train/0.tar/",
     ],
 )
 def test_keys_no_file_can_have_are_missing_objects(linked_root, path):
@@ -205,7 +218,8 @@ def test_keys_no_file_can_have_are_missing_objects(linked_root, path):
 
 
 def test_listing_prefixes_no_file_can_have_are_empty(linked_root):
-    for prefix in ["a" * 256, "a" * 256 + "/", "train/0.tar/", "train/" + "b" * 300 + "/x"]:
+    # 'train//' would list train/0.tar as 'train//0.tar', a key no file has (GET answers 404)
+    for prefix in ["a" * 256, "a" * 256 + "/", "train/0.tar/", "train/" + "b" * 300 + "/x", "train//", "train//0"]:
         status, body, _ = raw(linked_root.port, "GET", "/bk?list-type=2&prefix=" + prefix)
         assert status == 200 and listed_keys(body) == [], (prefix, body)
 
@@ -243,3 +257,102 @@ def test_a_link_swapped_in_after_the_check_is_caught_by_the_descriptor(tmp_path)
         assert st.st_size == 4 and os.pread(fd, 10, 0) == b"fine"
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("prefix", ["../", "..%2F", "..%2F..%2F", "train%2F..%2F..%2F..%2Foutside%2F", "%2Fetc%2F", ".", "train/./"])
+def test_hostile_listing_prefixes_are_refused(linked_root, prefix):
+    for query in ["list-type=2&", ""]:  # ListObjectsV2 and v1
+        status, body, _ = raw(linked_root.port, "GET", f"/bk?{query}prefix={prefix}")
+        assert (status, s3_code(body)) == (400, "InvalidArgument"), (prefix, body)
+        assert listed_keys(body) == [] and SECRET not in body
+
+
+def test_the_file_origin_touches_nothing_outside_its_root(tmp_path, monkeypatch):
+    """Containment is decided from the names and each link's text, before the file system is
+    asked: not a stat, an open or a directory read of a path outside the root (nor of the root's
+    own parent directories), whatever is asked of the origin and however it is refused."""
+    import asyncio
+    import threading
+
+    from sidecar.daemon.origins.base import FileOrigin
+
+    root, outside = linked_tree(tmp_path)
+    origin = FileOrigin(root)
+    touched: list[str] = []
+
+    recorder = threading.local()
+
+    def recording(name: str):
+        real = getattr(os, name)
+
+        def call(path, *args, **kwargs):
+            # Names relative to a directory descriptor are inside the directory it was checked to be.
+            if kwargs.get("dir_fd") is None and isinstance(path, str | bytes | os.PathLike) and not getattr(recorder, "busy", False):
+                # Where the call lands, not the text it names: the kernel follows every link on the
+                # way (a stat of root/bucket stats what the bucket links to), and the last one too
+                # unless the call says not to. Worked out by the recorder with the real functions.
+                recorder.busy = True
+                try:
+                    text = os.fsdecode(path)
+                    flags = args[0] if args else kwargs.get("flags", 0)
+                    follows = (name in ("stat", "scandir", "listdir") and kwargs.get("follow_symlinks", True)) or (
+                        name == "open" and not flags & os.O_NOFOLLOW)
+                    parent, last = os.path.split(text)
+                    touched.append(os.path.realpath(text) if follows else os.path.join(os.path.realpath(parent), last))
+                finally:
+                    recorder.busy = False
+            return real(path, *args, **kwargs)
+
+        return call
+
+    async def outcome(make) -> str:
+        try:
+            result = await make()
+        except Exception as exc:
+            return type(exc).__name__
+        if isinstance(result, tuple):  # open_first: (info, body)
+            result[1].close()
+        return "ok"
+
+    async def scenario() -> dict[str, str]:
+        await origin.start()  # resolves the root once: the one look above it, on purpose
+        for name in ("stat", "lstat", "open", "scandir", "listdir", "readlink"):
+            monkeypatch.setattr(os, name, recording(name))
+        seen: dict[str, str] = {}
+        try:
+            for prefix in ["../", "../outside/", "train/../../../outside/", "/", str(outside) + "/", "train//"]:
+                seen[f"list bk {prefix}"] = await outcome(lambda p=prefix: origin.list_objects_v2("bk", {"prefix": p}))
+            for prefix in ["linkdir/", "linkdir/sub/", "train/relative", "loop/", ""]:
+                seen[f"list bk {prefix}"] = await outcome(lambda p=prefix: origin.list_objects("bk", {"prefix": p}))
+            for bucket, prefix in [("elsewhere", ""), ("rootfs", str(outside).lstrip("/") + "/")]:
+                seen[f"list {bucket}"] = await outcome(lambda b=bucket, p=prefix: origin.list_objects_v2(b, {"prefix": p}))
+                seen[f"head bucket {bucket}"] = await outcome(lambda b=bucket: origin.head_bucket(b))
+            keys = [("rootfs", str(outside / "secret.txt").lstrip("/")), ("elsewhere", "secret.txt"),
+                    ("bk", "linkdir/secret.txt"), ("bk", "linkdir/sub/deep.txt"), ("bk", "linkfile"),
+                    ("bk", "train/relative"), ("alias", "linkfile"), ("bk", "train/0.tar/"), ("bk", "train//0.tar"),
+                    ("bk", "train/0.tar"), ("alias", "inlink")]
+            for bucket, key in keys:
+                seen[f"head {bucket}/{key}"] = await outcome(lambda b=bucket, k=key: origin.head(b, k))
+                seen[f"get {bucket}/{key}"] = await outcome(lambda b=bucket, k=key: origin.call(origin.open_first, b, k))
+        finally:
+            monkeypatch.undo()
+            await origin.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    real_root = str(root.resolve())
+    outside_root = [path for path in touched if not (
+        os.path.normpath(path) == real_root or os.path.normpath(path).startswith(real_root + "/")
+        or path.startswith("/proc/"))]  # the descriptor check reads the process's own table (/proc/self/fd)
+    assert outside_root == []
+    assert touched  # the recording saw the origin's calls
+    refused = {"list bk ../", "list bk ../outside/", "list bk train/../../../outside/", "list bk /", f"list bk {outside}/"}
+    assert {what for what, result in seen.items() if result == "InvalidName"} == refused
+    assert {what for what, result in seen.items() if result == "AccessDenied"} == {
+        "list elsewhere", "head bucket elsewhere", "list rootfs", "head bucket rootfs",
+        *(f"{op} {b}/{k}" for op in ("head", "get") for b, k in [
+            ("rootfs", str(outside / "secret.txt").lstrip("/")), ("elsewhere", "secret.txt"), ("bk", "linkdir/secret.txt"),
+            ("bk", "linkdir/sub/deep.txt"), ("bk", "linkfile"), ("bk", "train/relative"), ("alias", "linkfile")])}
+    assert {what for what, result in seen.items() if result == "ObjectNotFound"} == {
+        f"{op} bk/{k}" for op in ("head", "get") for k in ["train/0.tar/", "train//0.tar"]}
+    assert seen["get bk/train/0.tar"] == seen["get alias/inlink"] == seen["list bk "] == seen["list bk train//"] == "ok"

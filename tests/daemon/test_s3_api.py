@@ -44,6 +44,20 @@ def test_cold_then_warm_reads_are_byte_exact(s3_server, bucket, s3_daemon, proxy
     assert buffer.getvalue() == objects["train/shard-0.tar"]
 
 
+def test_keys_that_differ_only_in_slashes_are_distinct_objects(s3_server, bucket, s3_daemon):
+    """A key ending in '/' (a folder marker) or holding '//' is its own key, through the cache and
+    to the origin: never the object a path normalisation would make of it (the file origin's
+    counterpart is in test_paths.py)."""
+    objects = {"a": b"plain", "a/": b"marker", "a/b": b"slash", "a//b": b"double", "a/b/": b"b marker"}
+    put_objects(s3_server.client(), bucket, objects)
+    client = s3_daemon.client()
+    for expected in ("miss", "hit"):
+        for key, data in objects.items():
+            got = client.get_object(Bucket=bucket, Key=key)
+            assert (got["Body"].read(), got["ResponseMetadata"]["HTTPHeaders"]["x-shardcache-cache"]) == (data, expected), key
+        s3_daemon.settle()
+
+
 def test_range_reads(s3_server, bucket, s3_daemon):
     data = os.urandom(2 * 1024 * 1024 + 5)
     put_objects(s3_server.client(), bucket, {"r.bin": data})

@@ -221,11 +221,16 @@ def _file_error(exc: OSError, what: str) -> OSError:
     return exc
 
 
-def _is_dir(path: str | Path) -> bool:
+def _is_dir(real: str) -> bool:
+    """Whether the resolved path ``real`` is a directory; a link (swapped in since) is not followed."""
     try:
-        return stat_mod.S_ISDIR(os.stat(path).st_mode)
+        return stat_mod.S_ISDIR(os.stat(real, follow_symlinks=False).st_mode)
     except OSError:  # ENAMETOOLONG, ENOTDIR, ELOOP included: no such directory
         return False
+
+
+# Links followed in one resolution before it is a loop: the kernel's own limit (MAXSYMLINKS).
+_MAX_LINKS = 40
 
 
 def _opened_path(fd: int) -> str | None:
@@ -247,15 +252,26 @@ class FileOrigin(Origin):
     without following directory links below it (no cycles, no key listed twice); a file link is
     listed when it resolves to a regular file inside the root.
 
-    Check and use are the same file: the path is resolved (``realpath``) and checked, the resolved
-    path opened with ``O_NOFOLLOW | O_NONBLOCK`` (a swapped-in last link fails, a FIFO cannot
-    hang the thread), and the descriptor itself checked: its kernel name (``/proc/self/fd``)
-    must lie inside the root and ``fstat`` must say regular file. A link swapped into the path
-    between the check and the open is caught for one ``readlink`` per open, cheaper than walking
-    each component with ``openat(O_NOFOLLOW)`` and resolving links by hand (Python has no
-    ``openat2(RESOLVE_BENEATH)``). Where ``/proc`` is not mounted the descriptor's inode must be
-    the one the check stat-ed, which leaves a window between ``realpath`` and the open. Stats
-    (HEAD) open the file too, so they describe exactly what a read would return.
+    Containment is decided before the file system is asked about anything outside the root: the
+    names are checked as text first (:mod:`wire.names`: no ``..`` segment, no absolute path), and
+    the path is then resolved from the root down (:meth:`_resolve`), each link judged by its text
+    before anything it names is touched. No call (not even a stat) lands outside the root, on its
+    own parent directories neither: ``os.path.realpath``, used before, lstat-ed every ancestor of
+    the root on every request, and walked a link to ``/`` or to another tree before refusing it
+    (an automounter, a hung network mount or a timing probe outside the root stay out of reach).
+
+    Keys are S3's: a key ending in ``/`` (a folder marker) or holding ``//`` is a key of its own,
+    which no file has (the file system reads ``a/`` and ``a//b`` as the files ``a`` and ``a/b``):
+    404 NoSuchKey, never the bytes of another key, and a listing never makes such a key of a path.
+
+    Check and use are the same file: the resolved path is opened with ``O_NOFOLLOW | O_NONBLOCK``
+    (a swapped-in last link fails, a FIFO cannot hang the thread), and the descriptor itself
+    checked: its kernel name (``/proc/self/fd``) must lie inside the root and ``fstat`` must say
+    regular file. A link swapped into the path between the resolution and the open is caught for
+    one ``readlink`` per open, cheaper than opening each component with ``openat(O_NOFOLLOW)``
+    (Python has no ``openat2(RESOLVE_BENEATH)``). Where ``/proc`` is not mounted the descriptor's
+    inode must be the one the check stat-ed, which leaves a window between the resolution and the
+    open. Stats (HEAD) open the file too, so they describe exactly what a read would return.
 
     The errors a hostile key provokes from the file system (a component over 255 bytes, a key
     below a file, a link loop) are missing objects, 404 NoSuchKey, as S3 answers for any key
@@ -264,6 +280,9 @@ class FileOrigin(Origin):
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        # The root as the daemon was given it: an absolute link that names it (say /data/bk/x,
+        # where /data links to /mnt/ssd/data) names the root, whatever it resolves to.
+        self._given_root = str(self.root)
         self.namespace = f"file://{self.root}"
         self.description = f"file://{self.root}"
 
@@ -274,22 +293,86 @@ class FileOrigin(Origin):
         self.namespace = f"file://{self.root}"
         self.description = f"file://{self.root}"
 
-    def _path(self, bucket: str, key: str) -> Path:
-        return Path(origin_object_path(str(self.root), bucket, key))
+    def _path(self, bucket: str, key: str) -> str:
+        return origin_object_path(str(self.root), bucket, key)
 
     def _inside(self, real: str) -> bool:
         root = str(self.root)
         return real == root or real.startswith(root.rstrip("/") + "/")
+
+    def _resolve(self, path: str) -> str | None:
+        """``path`` (the root, or lexically below it) with every link resolved, or ``None`` when
+        a link leads out of the root.
+
+        Walks from the root (resolved once, at start) one component at a time, as the kernel
+        does, calling ``lstat`` and ``readlink`` only on a name in a real directory inside the
+        root. A link's target is judged by its text before anything it names is touched: an
+        absolute one must be the root or below it, and ``..`` may not climb above the root (a
+        link that leaves the root and comes back is refused too: it would have to be followed
+        out to know). Raises the ``OSError`` of a name that cannot be looked up (ENOENT,
+        ENOTDIR, ENAMETOOLONG, EACCES) and ELOOP past the kernel's limit of links."""
+        root = str(self.root)
+        base = root.rstrip("/")
+        if path != root and not path.startswith(base + "/"):
+            return None
+        done: list[str] = []  # resolved names below the root: no links among them
+        todo = path[len(base) + 1 :].split("/")[::-1]  # names still to resolve, the next one last
+        last_is_dir = True
+        links = 0
+        while todo:
+            part = todo.pop()
+            if not last_is_dir:  # 'file/x', 'file/..', 'file/': the kernel's ENOTDIR
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), "/".join([base, *done]))
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not done:
+                    return None  # above the root
+                done.pop()  # the parent of a real directory: no link to go back through
+                continue
+            current = "/".join([base, *done, part])
+            st = os.lstat(current)
+            if not stat_mod.S_ISLNK(st.st_mode):
+                done.append(part)
+                last_is_dir = stat_mod.S_ISDIR(st.st_mode)
+                continue
+            links += 1
+            if links > _MAX_LINKS:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), current)
+            target = os.readlink(current)
+            if target.startswith("/"):
+                below = self._below_root(target)
+                if below is None:
+                    return None
+                done, target = [], below
+            todo.extend(target.split("/")[::-1])
+        return "/".join([base, *done]) if done else root
+
+    def _below_root(self, target: str) -> str | None:
+        """An absolute link target as a path below the root, or ``None`` if its text names
+        another place: the root is named as it resolves or as the daemon was given it."""
+        for root in (str(self.root), self._given_root):
+            base = root.rstrip("/")
+            if target == root or target.startswith(base + "/"):
+                return target[len(base) :]
+        return None
 
     def _open_checked(self, bucket: str, key: str) -> tuple[int, os.stat_result]:
         """A descriptor on the regular file ``bucket``/``key`` names, inside the root after every
         link is resolved, and its ``fstat``; the caller closes it."""
         path = self._path(bucket, key)  # names validated: no traversal by the name itself
         self._bucket_dir(bucket)
-        real = os.path.realpath(path)
-        if not self._inside(real):
-            raise AccessDenied(f"{bucket}/{key} resolves outside the origin's root")
-        return self._open_real(real, f"{bucket}/{key}")
+        what = f"{bucket}/{key}"
+        if "" in key.split("/"):
+            # 'train/0.tar/' is not 'train/0.tar', though the file system would open that for it.
+            raise ObjectNotFound(f"{what} names no file: a key ending in '/' or holding '//' is a key of its own")
+        try:
+            real = self._resolve(path)
+        except OSError as exc:
+            raise _file_error(exc, what) from exc
+        if real is None:
+            raise AccessDenied(f"{what} resolves outside the origin's root")
+        return self._open_real(real, what)
 
     def _open_real(self, real: str, what: str) -> tuple[int, os.stat_result]:
         """Open the resolved path ``real`` and check the descriptor (see the class docstring)."""
@@ -372,22 +455,27 @@ class FileOrigin(Origin):
         await self.call(self._bucket_dir, bucket)
         return location_xml(None)
 
-    def _bucket_dir(self, bucket: str) -> Path:
+    def _bucket_dir(self, bucket: str) -> str:
+        """The bucket's directory, resolved: containment first (a bucket that links out is
+        refused without a look at what it links to), then whether it is a directory."""
         validate_bucket(bucket)
-        bucket_dir = self.root / bucket
-        if not _is_dir(bucket_dir):
-            raise BucketNotFound(f"bucket {bucket!r} does not exist under {self.root}")
-        if not self._inside(os.path.realpath(bucket_dir)):
+        try:
+            real = self._resolve(f"{str(self.root).rstrip('/')}/{bucket}")
+        except OSError:  # missing, a link loop, a name too long: no such bucket
+            real = ""
+        if real is None:
             raise AccessDenied(f"bucket {bucket!r} resolves outside the origin's root")
-        return bucket_dir
+        if not real or not _is_dir(real):
+            raise BucketNotFound(f"bucket {bucket!r} does not exist under {self.root}")
+        return real
 
     def _list(self, bucket: str, params: dict[str, str], v1: bool) -> bytes:
         """A listing page built as S3 builds it: keys after the marker (v1), the decoded token or
         ``start-after`` (v2) in UTF-8 order; with a delimiter, keys that hold it after the prefix
         roll up into one common prefix each, which counts once towards ``max-keys`` and is never
         listed again on a later page (a token or marker that names it skips all its keys)."""
+        prefix = validate_prefix(params.get("prefix", ""))  # refused as text, before any look at the tree
         self._bucket_dir(bucket)
-        prefix = validate_prefix(params.get("prefix", ""))
         delimiter = params.get("delimiter") or None
         try:
             max_keys = min(max(int(params.get("max-keys", "1000")), 0), 1000)
@@ -405,9 +493,11 @@ class FileOrigin(Origin):
                 raise BadRequest("invalid continuation-token") from exc
         else:
             start = start_after or ""
-        # Walk only below the deepest directory the prefix names.
+        # Walk only below the deepest directory the prefix names. A prefix holding '//' names
+        # no key (no file's key has an empty segment): walking 'train/' for 'train//' would
+        # list train/0.tar as 'train//0.tar', a key that does not exist.
         base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        items = sorted(
+        items = [] if "//" in prefix else sorted(
             (rel, st) for rel, st in self._walk(bucket, base_rel)
             if rel.startswith(prefix) and rel > start and _listable(rel)
         )
@@ -442,8 +532,11 @@ class FileOrigin(Origin):
         """(key, stat) of each object below ``bucket/base_rel``: the directory is resolved and
         opened once, checked by its descriptor, then walked by descriptor (``os.fwalk``) without
         following directory links, so no directory can be swapped for a link mid-walk."""
-        top = os.path.realpath(os.path.join(self.root, bucket, base_rel))
-        if not self._inside(top):
+        try:
+            top = self._resolve(os.path.join(self.root, bucket, base_rel))
+        except OSError:  # no such directory (missing, below a file, a name too long): no keys
+            return
+        if top is None:  # it links out of the root: no keys
             return
         try:
             # O_DIRECTORY: a file, a FIFO or a link swapped in fails here instead of being opened.
@@ -474,8 +567,11 @@ class FileOrigin(Origin):
             return st
         if not stat_mod.S_ISLNK(st.st_mode):
             return None
-        real = os.path.realpath(full)
-        if not self._inside(real):
+        try:
+            real = self._resolve(full)
+        except OSError:
+            return None
+        if real is None:
             return None
         try:
             fd, st = self._open_real(real, full)
