@@ -21,6 +21,7 @@ trainer's renews, releases and completions (the job status shows them per traine
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -28,15 +29,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from loader.ahead import OpenAhead, Opener
 from loader.checkpoint import Clock, DynamicState
 from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
 from loader.master.protocol import shards_sha256
 from loader.settings import LoaderSettings, check_locality_window
-from loader.sources import Source, make_source, resolve_shards
+from loader.sources import Reader, Source, make_source, resolve_shards
 from loader.stall import WaitMeter, WaitReporter
 from loader.static import rank_shards, worker_shards
-from loader.tar import iter_samples
+from loader.tar import MemberLog, iter_samples
+from loader.tarindex import INDEXES, TarIndex, file_identity, iter_indexed
 
 __all__ = ["ShardLoader"]
 
@@ -69,6 +72,9 @@ class _Runtime:
         self.trainer: str | None = None
         # Prefetch hints held back until the shard being read has opened (see _hint).
         self.pending_hints: list[Shard] = []
+        # Static mode: the next shard of the plan, opened while this one is read (loader.ahead).
+        self.opener = Opener()
+        self.ahead: OpenAhead | None = None
         # Dynamic mode, a bare loop: the renewer of the iteration in progress (state_dict's positions).
         self.renewer: Any = None
         # The loop's wait for data in this process (kept across close(): see ShardLoader.close).
@@ -275,6 +281,8 @@ class ShardLoader:
     def close(self) -> None:
         """Release sockets and clients (the loader can still be iterated afterwards)."""
         rt = self._runtime()
+        self._drop_ahead()
+        rt.opener.close()
         if rt.source is not None:
             rt.source.close()
         if rt.client is not None:
@@ -557,13 +565,35 @@ class ShardLoader:
             hints, rt.pending_hints = rt.pending_hints, []
             self._source().prefetch(hints)
 
-    def _samples(self, shard: Shard, start: int) -> Iterator[dict[str, Any]]:
+    def _drop_ahead(self) -> None:
+        rt = self._runtime()
+        if rt.ahead is not None:
+            rt.ahead.abandon()
+            rt.ahead = None
+
+    def _open(self, shard: Shard, recheck: bool) -> Reader:
+        """The shard's reader: the one opened ahead for it, else a new one (the prefetch hints
+        queued go out once its request has)."""
+        rt = self._runtime()
+        ahead = rt.ahead
+        if ahead is not None and (ahead.shard == shard or not recheck):
+            # Taken if it is this shard's; else stale (a shard skipped, a plan changed). A
+            # re-read (recheck) opens anew, and leaves the next shard's in place.
+            rt.ahead = None
+            if ahead.shard == shard and not recheck:
+                return ahead.take()
+            ahead.abandon()
+        return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints)
+
+    def _samples(self, shard: Shard, start: int, then: Shard | None = None) -> Iterator[dict[str, Any]]:
         """The shard's samples from sample ``start``, verified against what the manifest says.
 
         A read that does not match (a checksum, a size, a broken tar) is read once more, from the
         sample it reached, with ``recheck``: a cache in between re-hashes its copy first and drops
         it if it went bad, so a bad copy heals instead of failing every later run. A second
-        mismatch is the shard's (or the manifest's) own: ``CorruptShard``."""
+        mismatch is the shard's (or the manifest's) own: ``CorruptShard``.
+
+        ``then``: the shard read next, opened (:mod:`loader.ahead`) once this one has opened."""
         settings = self.settings
         url = self.location.object_url(shard.key)
         position = start  # samples yielded so far, counting the skipped ones
@@ -571,7 +601,7 @@ class ShardLoader:
             try:
                 # The hints of the next shards go out as soon as this read's request has: the daemon
                 # then fills them in this one's tail, not after its answer.
-                reader = self._source().open(shard, recheck=attempt > 0, on_sent=self._flush_hints)
+                reader = self._open(shard, recheck=attempt > 0)
             except CorruptShard as exc:
                 if attempt:
                     raise
@@ -580,19 +610,35 @@ class ShardLoader:
             finally:
                 if not attempt:
                     self._flush_hints()  # after the first open attempt, whatever its outcome
+            if then is not None and self._runtime().ahead is None:
+                rt = self._runtime()
+                rt.ahead = rt.opener.submit(then, functools.partial(self._source().open, then))
+            # A mapped file read before in this process is read by its member table
+            # (loader.tarindex): no header parsed, any sample first; a first read records one.
+            identity = file_identity(reader) if settings.map_files else None
+            index = INDEXES.get(identity) if identity is not None else None
+            members = MemberLog() if identity is not None and index is None and not position else None
+            expected_size = shard.size if settings.verify else None
+            expected_xxh3_128 = shard.xxh3_128 if settings.verify else None
             try:
                 count = position
-                for sample in iter_samples(
-                    reader,
-                    url=url,
-                    start=position,
-                    chunk=settings.read_chunk_bytes,
-                    max_member_bytes=settings.max_member_bytes,
-                    expected_size=shard.size if settings.verify else None,
-                    expected_xxh3_128=shard.xxh3_128 if settings.verify else None,
-                    map_files=settings.map_files,
-                    zero_copy=settings.zero_copy,
-                ):
+                if index is not None:
+                    samples = iter_indexed(reader, index, url=url, start=position, expected_size=expected_size,
+                                           expected_xxh3_128=expected_xxh3_128, zero_copy=settings.zero_copy)
+                else:
+                    samples = iter_samples(
+                        reader,
+                        url=url,
+                        start=position,
+                        chunk=settings.read_chunk_bytes,
+                        max_member_bytes=settings.max_member_bytes,
+                        expected_size=expected_size,
+                        expected_xxh3_128=expected_xxh3_128,
+                        map_files=settings.map_files,
+                        zero_copy=settings.zero_copy,
+                        log=members,
+                    )
+                for sample in samples:
                     count += 1
                     position = count
                     yield sample
@@ -600,8 +646,12 @@ class ShardLoader:
                     if count < start:
                         raise CorruptShard(f"asked to resume at sample {start} but the shard ends earlier", url=url)
                     raise CorruptShard(f"holds {count} samples, the manifest says {shard.samples}", url=url)
+                if members is not None and identity is not None and (table := TarIndex.from_log(members, identity[2])):
+                    INDEXES.put(identity, table)
                 return
             except CorruptShard as exc:
+                if identity is not None:
+                    INDEXES.forget(identity)
                 if attempt:
                     raise
                 log.warning("%s; reading it again from sample %d", exc, position)
@@ -641,6 +691,13 @@ class ShardLoader:
             self._pos = _Position(self._pos.epoch + 1)
         pos = self._pos
         self._in_progress = True
+        try:
+            yield from self._static_epochs(pos, generation)
+        finally:
+            if self._generation == generation:  # not a newer iteration's
+                self._drop_ahead()
+
+    def _static_epochs(self, pos: _Position, generation: int) -> Iterator[dict[str, Any]]:
         while True:
             plan = self._plan(pos.epoch)
             while pos.shard < len(plan):
@@ -648,7 +705,7 @@ class ShardLoader:
                 ahead = plan[pos.shard + 1 : pos.shard + 1 + self.settings.lease_ahead]
                 self._hint(ahead, replace=True)
                 try:
-                    for sample in self._samples(shard, pos.offset):
+                    for sample in self._samples(shard, pos.offset, ahead[0] if ahead else None):
                         if self._generation != generation:
                             return  # a newer iteration took over this loader
                         pos.offset += 1

@@ -30,6 +30,7 @@ from loader.errors import (
     SourceError,
 )
 from loader.handles import HandleClient
+from loader.hints import HintSender
 from loader.settings import LoaderSettings
 from wire.names import split_origin_path
 from wire.s3errors import S3ErrorKind, from_client_error
@@ -352,6 +353,9 @@ class DaemonSource:
         # opened, so short-circuit means handles only (and HTTP when there is none).
         self._handles = HandleClient(settings.handles, settings) if settings.handles and settings.short_circuit else None
         self._bucket, self._prefix = self._map(location)
+        self._hints: HintSender[tuple[str, str]] = HintSender(
+            lambda objects: self._client.prefetch(objects, "lease"), name="shardcache-hints"
+        )
 
     def _map(self, location: DatasetURL) -> tuple[str, str]:
         if location.scheme == "s3":
@@ -478,9 +482,10 @@ class DaemonSource:
             yield ListedObject(obj.key[len(self._prefix) :], obj.size, obj.etag)
 
     def prefetch(self, shards: Sequence[Shard]) -> None:
-        self._client.prefetch([(self._bucket, self._prefix + s.key) for s in shards], "lease")
+        self._hints.put([(self._bucket, self._prefix + s.key) for s in shards])
 
     def close(self) -> None:
+        self._hints.close()
         self._client.close()
         if self._handles is not None:
             self._handles.close()

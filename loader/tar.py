@@ -37,11 +37,12 @@ from typing import Any, Protocol
 
 from loader.errors import CorruptShard
 
-__all__ = ["RawReader", "TarSource", "iter_members", "iter_samples", "split_name"]
+__all__ = ["RawReader", "TarSource", "MemberLog", "iter_members", "iter_samples", "map_source", "split_name",
+           "UNMAP_EVERY_BYTES"]
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
-_UNMAP_EVERY = 8 << 20
+UNMAP_EVERY_BYTES = 8 << 20  # a mapping's pages read and released together (see _Mapped)
 _MAX_META_BYTES = 1 << 20  # a PAX or GNU long-name record larger than this is not a name
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)
 _META_RE = re.compile(r"__[^/]*__($|/)")
@@ -73,6 +74,29 @@ class RawReader(Protocol):
 
 TarSource = RawReader | bytes | mmap.mmap
 """What the readers take: a stream, or the whole shard as ``bytes`` or an ``mmap``."""
+
+
+class MemberLog:
+    """Where a parse found the members it yielded, for :mod:`loader.tarindex`: ``names`` holds
+    ``(key, field)`` and ``places`` ``(offset, size)`` of each, in order. :attr:`complete` only
+    after a parse of a mapped shard from its start to its end, every check passed, with no
+    member that is not a slice of the shard (a sparse file's)."""
+
+    def __init__(self) -> None:
+        self.names: list[tuple[str, str]] = []
+        self.places: list[tuple[int, int]] = []
+        self.mapped = False
+        self.sliced = True
+        self.finished = False
+
+    @property
+    def complete(self) -> bool:
+        return self.mapped and self.sliced and self.finished and len(self.names) == len(self.places)
+
+    @property
+    def members(self) -> Iterator[tuple[str, str, int, int]]:
+        for (key, field), (offset, size) in zip(self.names, self.places, strict=True):
+            yield key, field, offset, size
 
 
 class _Hasher(Protocol):
@@ -217,9 +241,13 @@ class _Mapped:
     member is one slice of the buffer, hashed from the buffer without a copy."""
 
     def __init__(
-        self, buf: bytes | mmap.mmap, start: int, url: str, hasher: _Hasher | None, zero_copy: bool = False
+        self, buf: bytes | mmap.mmap, start: int, url: str, hasher: _Hasher | None, zero_copy: bool = False,
+        log: MemberLog | None = None,
     ) -> None:
         self._buf = buf
+        self._log = log
+        if log is not None:
+            log.mapped = True
         self._base = start
         self._end = len(buf)
         self._url = url
@@ -231,7 +259,7 @@ class _Mapped:
         self._members: memoryview | bytes | mmap.mmap = self._view if zero_copy else buf  # type: ignore[assignment]
         self._hashed = start  # buffer offset up to which bytes went into the hasher
         # A mapped file's pages count in the reader's RSS once touched: unmap what was read every
-        # _UNMAP_EVERY bytes (the page cache keeps them), so a 1 GiB shard costs no 1 GiB of RSS.
+        # UNMAP_EVERY_BYTES bytes (the page cache keeps them), so a 1 GiB shard costs no 1 GiB of RSS.
         self._unmap = isinstance(buf, mmap.mmap) and hasattr(buf, "madvise")
         self._unmapped = start - start % mmap.PAGESIZE
         self.position = 0
@@ -264,7 +292,9 @@ class _Mapped:
         if self._hasher is not None:
             self._hash_to(at + padded)  # before the copy: the copy then reads cached bytes
         self.position += padded
-        if self._unmap and at - self._unmapped >= _UNMAP_EVERY:
+        if self._log is not None:
+            self._log.places.append((at, size))
+        if self._unmap and at - self._unmapped >= UNMAP_EVERY_BYTES:
             self._release(at)  # held zero-copy members stay valid: their pages fault back in
         return self._members[at : at + size]
 
@@ -290,6 +320,8 @@ class _Mapped:
 
     def own(self, data: bytes) -> bytes | memoryview:
         """A member built here (a sparse file): a view of it with zero_copy, as other members are."""
+        if self._log is not None:
+            self._log.sliced = False
         return memoryview(data) if self._zero_copy else data
 
     def read_header(self) -> bytes | None:
@@ -322,7 +354,7 @@ def _what(what: str, name: str | None) -> str:
     return what if name is None else f"{what} {name!r}"
 
 
-def _map(raw: TarSource, map_files: bool) -> tuple[bytes | mmap.mmap, int, bool] | None:
+def map_source(raw: TarSource, map_files: bool) -> tuple[bytes | mmap.mmap, int, bool] | None:
     """``(buffer, start offset, whether we mapped it)`` for a buffer or (``map_files``) a regular
     local file read from its current position; None for anything else (it is streamed)."""
     if isinstance(raw, (bytes, mmap.mmap)):
@@ -414,6 +446,7 @@ def iter_members(
     want: Callable[[str], bool] | None = None,
     map_files: bool = True,
     zero_copy: bool = False,
+    log: MemberLog | None = None,
 ) -> Iterator[tuple[str, bytes | memoryview | None]]:
     """Yield ``(name, data)`` for every regular member, in archive order.
 
@@ -428,15 +461,17 @@ def iter_members(
 
     ``zero_copy``: member data comes as a ``memoryview`` — of the mapping for a mapped file or a
     buffer (no copy at all), of the member's own ``bytes`` for a stream.
+
+    ``log``: where each member read from a mapping lies (:class:`MemberLog`).
     """
     hasher: _Hasher | None = None
     if expected_xxh3_128 is not None:
         import xxhash
 
         hasher = xxhash.xxh3_128()
-    mapping = _map(raw, map_files)
+    mapping = map_source(raw, map_files)
     if mapping is None:
-        assert not isinstance(raw, (bytes, mmap.mmap))  # _map maps every buffer
+        assert not isinstance(raw, (bytes, mmap.mmap))  # map_source maps every buffer
         members = _members(_Stream(raw, url, chunk, hasher), url, max_member_bytes, expected_size, hasher,
                            expected_xxh3_128, want)
         if not zero_copy:
@@ -446,7 +481,7 @@ def iter_members(
             yield name, (None if data is None else memoryview(data))
         return
     buf, start, owned = mapping
-    mapped = _Mapped(buf, start, url, hasher, zero_copy)
+    mapped = _Mapped(buf, start, url, hasher, zero_copy, log)
     try:
         yield from _members(mapped, url, max_member_bytes, expected_size, hasher, expected_xxh3_128, want)
     finally:
@@ -845,15 +880,21 @@ def iter_samples(
     expected_xxh3_128: str | None = None,
     map_files: bool = True,
     zero_copy: bool = False,
+    log: MemberLog | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield WebDataset samples ``{"__key__": key, "__url__": url, field: bytes, ...}``
     (``memoryview`` fields with ``zero_copy``; see :func:`iter_members`).
 
     ``start`` skips that many samples first without keeping their data (resuming a lease at the
     offset the master recorded). Errors are :class:`~loader.errors.CorruptShard`.
+
+    ``log`` (a fresh :class:`MemberLog`): filled with where each sample's members lie, complete
+    once the whole shard was read and checked (:mod:`loader.tarindex` keeps it).
     """
     if start < 0:
         raise ValueError("start must be >= 0")
+    if log is not None and start:
+        log.sliced = False  # the skipped samples' members are not logged
     index = -1  # index of the sample the current member belongs to
     current_key: str | None = None
     field = ""  # the field of the member want() accepted last, i.e. of the member yielded next
@@ -884,10 +925,11 @@ def iter_samples(
         want=want,
         map_files=map_files,
         zero_copy=zero_copy,
+        log=log,
     ):
         if data is None:
             continue
-        key = current_key  # want() has just split this member's name
+        key: str = current_key  # type: ignore[assignment]  # want() has just split this member's name
         if sample is None or sample["__key__"] != key:
             if sample is not None:
                 yield sample
@@ -895,5 +937,9 @@ def iter_samples(
         if field in sample:
             raise CorruptShard(f"member {name!r} repeats field {field!r} of sample {key!r}", url=url)
         sample[field] = data
+        if log is not None:
+            log.names.append((key, field))
+    if log is not None:
+        log.finished = True  # the end of the archive, the size and the checksum checked
     if sample is not None:
         yield sample

@@ -189,7 +189,9 @@ def test_epoch_through_handles_reads_no_byte_over_http(origin: tuple[str, Writte
     assert sorted(r["key"] for r in handle_server.requests) == sorted(by_key)
     assert all(r["op"] == "open" and r["bucket"] == "bkt" and r["xxh3_128"] == by_key[r["key"]] for r in handle_server.requests)
     assert not any(r.get("recheck") for r in handle_server.requests)
-    assert handle_server.connections == 1  # one kept-alive connection for the thread
+    # one kept-alive connection per thread: the loop's (the first shard) and the one that opens
+    # the next shard while the current one is read (loader.ahead)
+    assert handle_server.connections == 2
     reader = loader._source().open(loader.shards[0])
     try:
         assert type(reader).__name__ == "FileIO"

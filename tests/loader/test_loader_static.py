@@ -282,7 +282,7 @@ def test_local_shards_are_mapped_unless_turned_off(dataset: tuple[str, Written],
 
     url, written = dataset
     mapped: list[int] = []
-    real_map = loader.tar._map
+    real_map = loader.tar.map_source
 
     def counting_map(*args: Any) -> Any:
         found = real_map(*args)
@@ -290,7 +290,7 @@ def test_local_shards_are_mapped_unless_turned_off(dataset: tuple[str, Written],
             mapped.append(1)
         return found
 
-    monkeypatch.setattr(loader.tar, "_map", counting_map)
+    monkeypatch.setattr(loader.tar, "map_source", counting_map)
     assert delivered(list(ShardLoader(url, shuffle=False))) == written.samples
     assert len(mapped) == len(written.keys)
     mapped.clear()

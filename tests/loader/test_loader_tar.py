@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import random
 import tarfile
+import tempfile
 from typing import Any
 
 import pytest
@@ -14,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader import CorruptShard, iter_members, iter_samples, split_name
+from loader.tar import MemberLog
+from loader.tarindex import TarIndex, iter_indexed
 
 
 def webdataset_tar(samples: list[dict[str, Any]]) -> bytes:
@@ -67,13 +70,38 @@ def _outcome(source: Any, **kwargs: Any) -> tuple[str, Any]:
         return "error", (str(exc), exc.position)
 
 
+def _indexed_outcome(data: bytes, **kwargs: Any) -> tuple[str, Any]:
+    """The outcome of reading ``data`` from a file by the member table of a first, unchecked
+    parse of it (loader.tarindex); a parse where that parse could not make one."""
+    with tempfile.NamedTemporaryFile(suffix=".tar") as handle:
+        handle.write(data)
+        handle.flush()
+        members = MemberLog()
+        try:
+            with open(handle.name, "rb", buffering=0) as reader:
+                for _ in iter_samples(reader, log=members):
+                    pass
+        except CorruptShard:
+            pass
+        table = TarIndex.from_log(members, len(data))
+        with open(handle.name, "rb", buffering=0) as reader:
+            if table is None:
+                return _outcome(reader, **kwargs)
+            checks = {k: v for k, v in kwargs.items() if k in ("start", "expected_size", "expected_xxh3_128")}
+            try:
+                return "samples", list(iter_indexed(reader, table, url="mem://x.tar", **checks))
+            except CorruptShard as exc:
+                return "error", (str(exc), exc.position)
+
+
 def read_all(data: bytes, **kwargs: Any) -> list[dict[str, Any]]:
-    """The samples of ``data``, read both ways the reader has: streamed (as from a socket) and
-    sliced out of a buffer (as from a mapped file). Both must give the same samples, or the same
-    error at the same position."""
+    """The samples of ``data``, read every way the reader has: streamed (as from a socket),
+    sliced out of a buffer (as from a mapped file), and by the member table of an earlier read
+    (a warm epoch). All must give the same samples, or the same error at the same position."""
     streamed = _outcome(io.BytesIO(data), **kwargs)
     mapped = _outcome(data, **kwargs)
     assert streamed == mapped
+    assert _indexed_outcome(data, **kwargs) == streamed, "the member table's read disagrees with the parse"
     kind, value = streamed
     if kind == "error":
         raise CorruptShard(value[0], position=value[1])

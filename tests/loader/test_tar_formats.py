@@ -9,6 +9,7 @@ them must give the same samples or the same error.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -25,6 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader import CorruptShard, iter_samples
+from loader.tar import MemberLog
+from loader.tarindex import TarIndex, iter_indexed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,7 +76,23 @@ def read_every_way(data: bytes, tmp_path: Path, **kwargs: Any) -> list[dict[str,
         with open(path, "rb", buffering=0) as handle:
             return list(iter_samples(handle, url="mem://x.tar", **kwargs, **extra))
 
+    def indexed(**extra: Any) -> list[dict[str, Any]]:
+        # A warm epoch: the member table of a first read (loader.tarindex); where that read
+        # could make none (a sparse member, an error), the parse, as ShardLoader does.
+        members = MemberLog()
+        with contextlib.suppress(CorruptShard), open(path, "rb", buffering=0) as handle:
+            for _ in iter_samples(handle, log=members):
+                pass
+        table = TarIndex.from_log(members, len(data))
+        if table is None:
+            return from_file(**extra)
+        checks = {k: v for k, v in kwargs.items() if k in ("start", "expected_size", "expected_xxh3_128")}
+        with open(path, "rb", buffering=0) as handle:
+            return list(iter_indexed(handle, table, url="mem://x.tar", **checks, **extra))
+
     ways: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "file-indexed": indexed,
+        "file-indexed-zero-copy": lambda: indexed(zero_copy=True),
         "stream": lambda: list(iter_samples(io.BytesIO(data), url="mem://x.tar", **kwargs)),
         "trickle": lambda: list(iter_samples(Trickle(data, 7), url="mem://x.tar", chunk=4096, **kwargs)),
         "buffer": lambda: list(iter_samples(data, url="mem://x.tar", **kwargs)),
