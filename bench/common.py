@@ -63,6 +63,7 @@ __all__ = [
     "parse_size",
     "fmt_size",
     "TEST_CREDENTIALS",
+    "machine_busy_seconds",
     "SendfileServer",
     "cpu_seconds",
     "log_line",
@@ -609,6 +610,17 @@ class SendfileServer:
         if self.proc is not None:
             stop_process(self.proc)
             self.proc = None
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of this machine has spent busy so far, whoever ran (``/proc/stat``:
+    user, nice, system, irq and softirq; not idle, iowait or steal). Over a run, divided by its
+    wall time, it is how many cores were busy: at the machine's core count, the run was bound by
+    CPU, not by latency or a server, whatever its readers did."""
+    with open("/proc/stat", encoding="ascii") as handle:
+        fields = [int(x) for x in handle.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:

@@ -72,6 +72,7 @@ from bench.common import (
     fmt_size,
     free_port,
     http_ok,
+    machine_busy_seconds,
     machine_facts,
     make_samples,
     pack_shards,
@@ -139,6 +140,8 @@ class Run:
     cpu_s: dict[str, float] = field(default_factory=dict)
     """CPU seconds (user + system) each process spent during the run: client (this process),
     daemon, origin (moto), server (the loopback-ceiling server)."""
+    machine_busy_s: float = 0.0
+    """Every process's CPU on the machine over the run (``bench.common.machine_busy_seconds``)."""
 
     @property
     def mb_s(self) -> float:
@@ -358,14 +361,16 @@ def timed(method: str, expected: int, fn: Callable[[], int], pids: dict[str, int
     """Run a reader once; its wall time, and the CPU time of this process and of ``pids``."""
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     client_before = _self_cpu()
+    busy_before = machine_busy_seconds()
     began = time.perf_counter()
     got = fn()
     seconds = time.perf_counter() - began
+    busy = machine_busy_seconds() - busy_before
     cpu = {"client": _self_cpu() - client_before}
     cpu.update({name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()})
     if got != expected:
         raise BenchError(f"{method}: read {got} bytes, the dataset has {expected}")
-    return Run(method, seconds, got, {name: round(value, 3) for name, value in cpu.items()})
+    return Run(method, seconds, got, {name: round(value, 3) for name, value in cpu.items()}, round(busy, 3))
 
 
 def ask_latency_ms(port: int, key: str, count: int = 200) -> float:
@@ -585,6 +590,8 @@ def summarize(result: LayoutResult) -> dict[str, Any]:
             # CPU seconds per GB moved, per process: where the work goes on a 2-core machine.
             "cpu_s_per_gb": {name: round(statistics.median(r.cpu_s.get(name, 0.0) / (r.bytes / 1e9) for r in runs), 3)
                              for name in names},
+            # At the machine's core count, the method was bound by CPU (whoever spent it).
+            "machine_cores_busy": round(statistics.median(r.machine_busy_s / r.seconds for r in runs), 2),
         }
     med = result.median
     raw = med("raw")
@@ -644,7 +651,7 @@ def summarize(result: LayoutResult) -> dict[str, Any]:
 
 
 def print_table(summaries: dict[str, dict[str, Any]]) -> None:
-    rows = [("layout", "method", "median MB/s", "best MB/s", "vs", "ratio", "CPU s/GB")]
+    rows = [("layout", "method", "median MB/s", "best MB/s", "vs", "ratio", "cores busy", "CPU s/GB")]
     for label, summary in summaries.items():
         methods, ratios = summary["methods"], summary["ratios"]
         for method in (*WARM_METHODS, "raw_disk", *COLD_METHODS):
@@ -659,10 +666,11 @@ def print_table(summaries: dict[str, dict[str, Any]]) -> None:
                 vs, ratio = "get_object", ratios[f"{method}/origin_get_object"]
             cpu = " ".join(f"{name}={value:.2f}" for name, value in methods[method]["cpu_s_per_gb"].items())
             rows.append((label, method, f"{methods[method]['median_mb_s']:.0f}", f"{methods[method]['best_mb_s']:.0f}",
-                         vs, "" if ratio in ("", None) else f"{ratio:.2f}x", cpu))
+                         vs, "" if ratio in ("", None) else f"{ratio:.2f}x",
+                         f"{methods[method].get('machine_cores_busy', 0):.2f}", cpu))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for index, row in enumerate(rows):
-        print("  ".join(str(cell).ljust(width) if i < 2 or i == 6 else str(cell).rjust(width)
+        print("  ".join(str(cell).ljust(width) if i < 2 or i == 7 else str(cell).rjust(width)
                         for i, (cell, width) in enumerate(zip(row, widths, strict=True))))
         if index == 0:
             print("  ".join("-" * width for width in widths))

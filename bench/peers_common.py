@@ -92,6 +92,7 @@ class EpochStat:
     payload_bytes: int = 0
     cpu_s: float = 0.0
     server_cpu_s: float = 0.0
+    machine_busy_s: float = 0.0  # every process's CPU on this machine over the epoch (bench.common)
     stall_s: float | None = None
     paced_s: float | None = None
     daemon_before: dict[str, Any] = field(default_factory=dict)
@@ -112,9 +113,10 @@ class Meter:
     children such as curl), the CPU of server processes (the daemon) and daemon stats."""
 
     def __init__(self, server_pids: list[int], daemon_url: str | None, with_stats: bool) -> None:
-        from bench.common import cpu_seconds
+        from bench.common import cpu_seconds, machine_busy_seconds
 
         self._cpu_of = cpu_seconds
+        self._busy = machine_busy_seconds
         self.server_pids = server_pids
         self.daemon_url = daemon_url
         self.with_stats = with_stats
@@ -127,7 +129,7 @@ class Meter:
         stat = EpochStat(epoch)
         if self.with_stats:
             stat.daemon_before = daemon_stats(self.daemon_url)
-        cpu0, server0 = _cpu_self_children(), self._server_cpu()
+        cpu0, server0, busy0 = _cpu_self_children(), self._server_cpu(), self._busy()
         stat.start = time.monotonic()
         if pace:
             paced_consume(stat, samples, pace, cap_s, depth)
@@ -140,6 +142,7 @@ class Meter:
         stat.end = time.monotonic()
         stat.cpu_s = _cpu_self_children() - cpu0
         stat.server_cpu_s = self._server_cpu() - server0
+        stat.machine_busy_s = self._busy() - busy0
         if self.with_stats:
             stat.daemon_after = daemon_stats(self.daemon_url)
         return stat
@@ -293,6 +296,7 @@ def merge_epochs(per_worker: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
             "cpu_s": sum(p["cpu_s"] for p in parts),
             # every worker sees the same daemon: take the widest window, not the sum
             "server_cpu_s": max(p["server_cpu_s"] for p in parts),
+            "machine_busy_s": max(p.get("machine_busy_s", 0.0) for p in parts),  # the machine's: widest window
             "stall_fraction": (sum(stalls) / sum(paced)) if stalls and sum(paced) > 0 else None,
             "daemon_before": parts[0]["daemon_before"],
             "daemon_after": max((p["daemon_after"] for p in parts), key=lambda d: d.get("origin_read_bytes", 0), default={}),

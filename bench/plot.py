@@ -65,8 +65,12 @@ def markdown_table(result: dict[str, Any], chart: str | None) -> str:
     ]
     for name, check in head["targets"].items():
         value = check["value"]
-        shown = _pct(value) if "hit rate" in name or "stall" in name else _fmt(value, ".2f", "×")
-        target = _pct(check["target"]) if "hit rate" in name or "stall" in name else f"{check['target']:g}×"
+        if "hit rate" in name or "stall" in name:
+            shown, target = _pct(value), _pct(check["target"])
+        elif "s/GB" in name:
+            shown, target = _fmt(value, ".2f", " s/GB"), f"{check['target']:g} s/GB"
+        else:
+            shown, target = _fmt(value, ".2f", "×"), f"{check['target']:g}×"
         lines.append(f"| {name} | {shown} | {target} | {'yes' if check['met'] else '**no**'} |")
     lines += [
         "",
@@ -75,13 +79,13 @@ def markdown_table(result: dict[str, Any], chart: str | None) -> str:
         f"{LABELS.get(head['fastest_peer_cold'] or '', head['fastest_peer_cold'])}.",
         "",
         "| reader | cold MB/s | warm MB/s | warm samples/s | first sample cold / warm (ms) | CPU s/GB cold / warm "
-        "| peak RSS MB reader (+daemon) | stall cold / warm | epoch-2 byte hit rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| cores busy cold / warm | peak RSS MB reader (+daemon) | stall cold / warm | epoch-2 byte hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
         label = LABELS.get(name, name)
         if "error" in row:
-            lines.append(f"| {label} | failed: {row['error'][:80]} | | | | | | | |")
+            lines.append(f"| {label} | failed: {row['error'][:80]} | | | | | | | | |")
             continue
         cold, warm = row.get("cold", {}), row.get("warm", {})
         incomplete = [phase for phase in ("cold", "warm") if phase in row and not row[phase].get("complete")]
@@ -95,15 +99,17 @@ def markdown_table(result: dict[str, Any], chart: str | None) -> str:
             f"| {label}{' (incomplete: ' + ', '.join(incomplete) + ')' if incomplete else ''} "
             f"| {_fmt(cold.get('mb_s'))} | {_fmt(warm.get('mb_s'))} | {_fmt(warm.get('samples_s'))} "
             f"| {_fmt(cold.get('ttfs_ms'))} / {_fmt(warm.get('ttfs_ms'))} "
-            f"| {_fmt(cold.get('cpu_s_per_gb'), '.2f')} / {_fmt(warm.get('cpu_s_per_gb'), '.2f')} | {rss} "
+            f"| {_fmt(cold.get('cpu_s_per_gb'), '.2f')} / {_fmt(warm.get('cpu_s_per_gb'), '.2f')} "
+            f"| {_fmt(cold.get('machine_cores_busy'), '.2f')} / {_fmt(warm.get('machine_cores_busy'), '.2f')} | {rss} "
             f"| {_pct(stall_cold) if stall_cold is not None else '–'} / {_pct(stall_warm) if stall_warm is not None else '–'} "
             f"| {_pct(hit) if hit is not None else '–'} |")
     lines += [
         "",
         "MB/s: 10^6 bytes of tar shards per second, one epoch, wall clock. Cold: empty caches, data from the store "
         "through the proxy; warm: the second epoch (readers without a cache read the store again). CPU: reader "
-        "processes plus the shardcache daemon, per 10^9 bytes (store and proxy excluded). Raw: page cache dropped "
-        "(cold), then warm.",
+        "processes plus the shardcache daemon, per 10^9 bytes (store and proxy excluded). Cores busy: every "
+        f"process's CPU on the machine ({machine['cpu_count']} cores) over the epoch's wall time, store and proxy "
+        "included; at the core count the epoch was bound by CPU. Raw: page cache dropped (cold), then warm.",
     ]
     if chart:
         lines += ["", f"![throughput and stall per reader]({chart})"]

@@ -691,40 +691,38 @@ class ShardLoader:
             self._pos = _Position(self._pos.epoch + 1)
         pos = self._pos
         self._in_progress = True
+        # One generator, not two: every sample passes each layer (a warm epoch hands out 60,000 a second).
         try:
-            yield from self._static_epochs(pos, generation)
+            while True:
+                plan = self._plan(pos.epoch)
+                while pos.shard < len(plan):
+                    shard = plan[pos.shard]
+                    ahead = plan[pos.shard + 1 : pos.shard + 1 + self.settings.lease_ahead]
+                    self._hint(ahead, replace=True)
+                    try:
+                        for sample in self._samples(shard, pos.offset, ahead[0] if ahead else None):
+                            if self._generation != generation:
+                                return  # a newer iteration took over this loader
+                            pos.offset += 1
+                            yield sample
+                    except LoaderError as exc:
+                        if self.on_error == "raise":
+                            raise
+                        log.warning("skipping shard %s: %s", shard.key, exc)
+                    if self._generation != generation:
+                        return
+                    pos.shard += 1
+                    pos.offset = 0
+                log.debug("static epoch %d done: %d shards", pos.epoch, len(plan))
+                pos.epoch += 1
+                pos.shard = 0
+                pos.offset = 0
+                if not self.continuous:
+                    self._in_progress = False
+                    return
         finally:
             if self._generation == generation:  # not a newer iteration's
                 self._drop_ahead()
-
-    def _static_epochs(self, pos: _Position, generation: int) -> Iterator[dict[str, Any]]:
-        while True:
-            plan = self._plan(pos.epoch)
-            while pos.shard < len(plan):
-                shard = plan[pos.shard]
-                ahead = plan[pos.shard + 1 : pos.shard + 1 + self.settings.lease_ahead]
-                self._hint(ahead, replace=True)
-                try:
-                    for sample in self._samples(shard, pos.offset, ahead[0] if ahead else None):
-                        if self._generation != generation:
-                            return  # a newer iteration took over this loader
-                        pos.offset += 1
-                        yield sample
-                except LoaderError as exc:
-                    if self.on_error == "raise":
-                        raise
-                    log.warning("skipping shard %s: %s", shard.key, exc)
-                if self._generation != generation:
-                    return
-                pos.shard += 1
-                pos.offset = 0
-            log.debug("static epoch %d done: %d shards", pos.epoch, len(plan))
-            pos.epoch += 1
-            pos.shard = 0
-            pos.offset = 0
-            if not self.continuous:
-                self._in_progress = False
-                return
 
     # dynamic -------------------------------------------------------------------------------
 
