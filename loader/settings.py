@@ -117,6 +117,15 @@ class LoaderSettings:
     ``numpy.frombuffer``, ``PIL.Image.open(io.BytesIO(view))``). A view keeps its shard's mapping
     alive while it is held. ``bytes(view)`` where bytes are needed. Env ``SHARDCACHE_ZERO_COPY``."""
 
+    rehash_warm: bool = True
+    """With :attr:`verify`, hash every read of a shard, warm ones too. False: a shard this process
+    has read and checked before, from the same file (device, inode, size, mtime, ctime: any write
+    to it makes another), is not hashed again when it is read by its member table
+    (:mod:`loader.tarindex`); its size is. What is given up is the loader's own check of a byte
+    rotted on disk since (the daemon's scrubber re-hashes its files while idle; its stamp check on
+    every open catches a file changed by a write). The hash was 25-30% of a warm epoch's time on a
+    2-core VM: see the README's cold speed section. Env ``SHARDCACHE_REHASH_WARM``."""
+
     max_member_bytes: int = 1 << 31
     """Largest tar member accepted (it is held in memory as one sample field); a header claiming
     more is treated as corruption rather than an allocation to attempt."""
@@ -195,6 +204,7 @@ class LoaderSettings:
             ("SHARDCACHE_SHORT_CIRCUIT", "short_circuit"),
             ("SHARDCACHE_MAP_FILES", "map_files"),
             ("SHARDCACHE_ZERO_COPY", "zero_copy"),
+            ("SHARDCACHE_REHASH_WARM", "rehash_warm"),
         )
         for name, field_name in flags:
             raw = env.get(name)

@@ -620,6 +620,8 @@ class ShardLoader:
             members = MemberLog() if identity is not None and index is None and not position else None
             expected_size = shard.size if settings.verify else None
             expected_xxh3_128 = shard.xxh3_128 if settings.verify else None
+            if index is not None and not settings.rehash_warm and index.checked_xxh3_128 == expected_xxh3_128:
+                expected_xxh3_128 = None  # this very file was hashed and checked by an earlier read
             try:
                 count = position
                 if index is not None:
@@ -647,7 +649,7 @@ class ShardLoader:
                         raise CorruptShard(f"asked to resume at sample {start} but the shard ends earlier", url=url)
                     raise CorruptShard(f"holds {count} samples, the manifest says {shard.samples}", url=url)
                 if members is not None and identity is not None and (table := TarIndex.from_log(members, identity[2])):
-                    INDEXES.put(identity, table)
+                    INDEXES.put(identity, dataclasses.replace(table, checked_xxh3_128=expected_xxh3_128))
                 return
             except CorruptShard as exc:
                 if identity is not None:

@@ -39,8 +39,9 @@ __all__ = ["TarIndex", "FileIdentity", "file_identity", "iter_indexed", "IndexRe
 DEFAULT_BUDGET_BYTES = 64 << 20
 """Bytes of member tables one process keeps: about a million samples of two members."""
 
-FileIdentity = tuple[int, int, int, int]
-"""``(st_dev, st_ino, st_size, st_mtime_ns)`` of an open file."""
+FileIdentity = tuple[int, int, int, int, int]
+"""``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of an open file: any write to it, or a
+new file in its place, makes another (a ctime cannot be set back, an mtime can)."""
 
 
 def file_identity(reader: Any) -> FileIdentity | None:
@@ -60,7 +61,7 @@ def file_identity(reader: Any) -> FileIdentity | None:
 
     if not stat.S_ISREG(info.st_mode):
         return None
-    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class TarIndex:
     offsets: array
     sizes: array
     ends: array
+    checked_xxh3_128: str | None = None
+    """The checksum the read that made this table verified the whole file against (None: no
+    checksum checked); see ``LoaderSettings.rehash_warm``."""
 
     @property
     def samples(self) -> int:

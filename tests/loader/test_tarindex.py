@@ -72,9 +72,10 @@ def test_table_read_is_the_parse_from_every_sample(tmp_path: Path, zero_copy: bo
             assert all(isinstance(v, memoryview) for s in got for k, v in s.items() if not k.startswith("__"))
 
 
-def test_a_changed_byte_is_caught_by_the_checksum_even_with_the_same_identity(tmp_path: Path) -> None:
+def test_a_changed_byte_is_caught_by_the_checksum_even_with_the_same_table(tmp_path: Path) -> None:
     """The table is no promise about the bytes: the whole file is still hashed, headers included.
-    Here the file is changed in place and its mtime put back, so its identity is unchanged."""
+    Here the file is changed in place and its mtime put back: its identity changes all the same
+    (the ctime), and the old table, used regardless, fails the checksum."""
     path = _tar(tmp_path, SAMPLES)
     data = path.read_bytes()
     digest = xxhash.xxh3_128_hexdigest(data)
@@ -86,7 +87,8 @@ def test_a_changed_byte_is_caught_by_the_checksum_even_with_the_same_identity(tm
         path.write_bytes(bytes(changed))
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
         with open(path, "rb", buffering=0) as handle:
-            assert file_identity(handle) == (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns)
+            assert file_identity(handle) != (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns,
+                                             before.st_ctime_ns)
             with pytest.raises(CorruptShard, match="checksum mismatch"):
                 list(iter_indexed(handle, table, url="u", expected_size=len(data), expected_xxh3_128=digest))
 
@@ -203,5 +205,29 @@ def test_shardloader_detects_a_shard_changed_behind_its_table(tmp_path: Path, mo
     changed[len(changed) // 2] ^= 1
     path.write_bytes(bytes(changed))
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(CorruptShard, match="checksum mismatch"):
+        list(loader)
+
+
+@pytest.mark.parametrize("rehash", [True, False])
+def test_rehash_warm_off_skips_the_hash_of_a_file_already_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rehash: bool
+) -> None:
+    url, written = _dataset(tmp_path)
+    monkeypatch.setattr(shardloader_module, "INDEXES", IndexRegistry())
+    settings = LoaderSettings.from_env({"SHARDCACHE_REHASH_WARM": "1" if rehash else "0"})
+    assert settings.rehash_warm is rehash
+    loader = ShardLoader(url, shuffle=False, endpoint="", settings=settings)
+    first = _plain(list(loader))
+    hashers = []
+    real = xxhash.xxh3_128
+    monkeypatch.setattr(xxhash, "xxh3_128", lambda *a: hashers.append(1) or real(*a))
+    assert _plain(list(loader)) == first
+    assert len(hashers) == (len(written.keys) if rehash else 0)
+    # a file written since is another identity: parsed and hashed again, and its change caught
+    path = written.root / written.keys[0]
+    changed = bytearray(path.read_bytes())
+    changed[len(changed) // 2] ^= 1
+    path.write_bytes(bytes(changed))
     with pytest.raises(CorruptShard, match="checksum mismatch"):
         list(loader)
