@@ -47,6 +47,10 @@ class Reader(Protocol):
 
 
 class Source(Protocol):
+    # Whether the last open() was answered from bytes already in place (a cache hit, a local
+    # file): the next shard is then opened ahead of the loop (loader.ahead); see ShardLoader.
+    last_open_in_place: bool
+
     location: DatasetURL
     via: str  # "file", "s3" or the daemon's endpoint; shown in errors and logs
 
@@ -153,6 +157,7 @@ class FileSource:
     """``file:///root/bucket/prefix/`` read straight from the local file system."""
 
     via = "file"
+    last_open_in_place = True  # a local file
 
     def __init__(self, location: DatasetURL, settings: LoaderSettings) -> None:
         self.location = location
@@ -217,6 +222,7 @@ class S3Source:
     """``s3://bucket/prefix/`` through boto3: the standard credential chain, ``AWS_ENDPOINT_URL``."""
 
     via = "s3"
+    last_open_in_place = False  # a stream from the store
 
     def __init__(self, location: DatasetURL, settings: LoaderSettings) -> None:
         import boto3
@@ -346,6 +352,7 @@ class DaemonSource:
     def __init__(self, location: DatasetURL, endpoint: str, settings: LoaderSettings) -> None:
         self.location = location
         self.via = endpoint
+        self.last_open_in_place = False
         self._settings = settings
         self._client = DaemonClient(endpoint, settings)
         self._short_circuit = settings.short_circuit
@@ -384,6 +391,7 @@ class DaemonSource:
         # The manifest's checksum goes with every read, resumed ones too: the daemon answers only
         # bytes that hash to it (loader.daemon.DaemonClient.open_object).
         claim = shard.xxh3_128 if self._settings.verify else None
+        self.last_open_in_place = False
         if self._handles is not None:
             on_sent = _once(on_sent)
             if self._handles.available():
@@ -391,6 +399,7 @@ class DaemonSource:
                 if obj is not None:
                     handle = self._open_handle(obj, what)
                     if handle is not None:
+                        self.last_open_in_place = obj.cache == "hit"
                         return handle
             # No descriptor: over HTTP, with ``recheck`` again (the answer that is read is this one).
             return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent)
@@ -401,6 +410,7 @@ class DaemonSource:
             if obj.path is not None:
                 handle = self._open_short_circuit(obj.path, obj.size)
                 if handle is not None:
+                    self.last_open_in_place = obj.cache == "hit"
                     return handle
             elif obj.response is not None and obj.conn is not None:
                 return self._resuming(key, what, claim, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
