@@ -4,9 +4,8 @@ Opening a shard is a request to the daemon: 0.7 ms when both processes are busy,
 the 10-20 ms a warm 64 MiB shard takes to read, because the daemon's threads have gone idle and
 the machine takes that long to wake them (measured on a 2-core VM: 16% of a warm epoch). Made
 while the previous shard is read, it costs the loop nothing. The loader opens ahead only after an
-open answered from bytes in place (a cache hit, a local file): in a cold epoch, a shard opened
-while the daemon still filled it was read 10-25% slower, and its open would only wait for the
-fill its prefetch hint started anyway.
+open answered from bytes in place (a cache hit, a local file): a cold shard's open would only wait
+for the fill its prefetch hint started (and cold epochs measured the same with and without).
 
 One thread per loader (per process) makes every open ahead, so what a source keeps per thread
 (the handle socket's kept-alive connection) is made once, not once a shard.
