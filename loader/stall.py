@@ -18,7 +18,6 @@ iteration (the one that ends it) counts as waiting but is no step.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import threading
@@ -26,16 +25,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from wire.stall import WAIT_BUCKETS_S, WAIT_REPORT_INTERVAL_S, WaitReport, quantile_s
+from wire.stall import WAIT_BUCKETS_S, WAIT_REPORT_INTERVAL_S, WaitReport, bucket_index, quantile_s
 
 __all__ = ["WaitMeter", "WaitReporter"]
 
 log = logging.getLogger("loader.stall")
 
 T = TypeVar("T")
-
-# wire.stall.bucket_index, without the call around it (the same bounds, inclusive upper).
-_bisect = bisect.bisect_left
 
 # Below this much wall time with nothing waited, a report says nothing worth a request.
 _MIN_ELAPSED_S = 0.5
@@ -66,7 +62,7 @@ class WaitMeter:
     # -- the loop's side ---------------------------------------------------------------------
 
     # start() and stop() run twice per sample on the loop's thread (a warm epoch hands out
-    # 60,000 samples a second): plain comparisons instead of max(), no method lookups that repeat.
+    # 60,000 samples a second): plain comparisons instead of max().
 
     def start(self) -> int:
         """The loop asked for its next item."""
@@ -92,7 +88,7 @@ class WaitMeter:
             if waited > 0:
                 self._total_s += waited
             if step:
-                i = _bisect(WAIT_BUCKETS_S, waited)
+                i = bucket_index(waited)
                 self._steps += 1
                 self._buckets[i] += 1
                 self._total_steps += 1

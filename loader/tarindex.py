@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import threading
 from array import array
 from collections import OrderedDict
@@ -57,8 +58,6 @@ def file_identity(reader: Any) -> FileIdentity | None:
             return None
     except (OSError, ValueError):
         return None
-    import stat
-
     if not stat.S_ISREG(info.st_mode):
         return None
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
