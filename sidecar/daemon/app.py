@@ -24,13 +24,14 @@ from sidecar.daemon.auth import RENEW_HEADER, Authorizer
 from sidecar.daemon.auth import http as auth_http
 from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
-from sidecar.daemon.keys import CLAIMS, CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE
+from sidecar.daemon.keys import CLAIMS, CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, READS, SCRUBBER, SETTINGS, STARTED, STORE
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Boto3S3Origin, FileOrigin, Origin, S3Origin
 from sidecar.daemon.peers import http as peers_http
 from sidecar.daemon.peers.membership import Membership
 from sidecar.daemon.peers.origin import ClusterOrigin
 from sidecar.daemon.prefetch import Prefetcher
+from sidecar.daemon.reads import ReadService
 from sidecar.daemon.s3api import s3_handler
 from sidecar.daemon.s3xml import error_response
 from sidecar.daemon.scrub import Scrubber
@@ -169,10 +170,12 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
             app[METRICS].watch_store(store.stats)
         fetcher = Fetcher(store, origin, settings.fetch, app[METRICS])
         app[FETCHER] = fetcher
-        prefetcher = Prefetcher(store, fetcher, app[METRICS], settings.prefetch_workers, settings.prefetch_queue_max)
+        app[CLAIMS] = Claims(settings.claims)
+        reads = ReadService(store, fetcher, app[CLAIMS], app[METRICS])
+        app[READS] = reads
+        prefetcher = Prefetcher(reads, app[METRICS], settings.prefetch_workers, settings.prefetch_queue_max)
         prefetcher.start()
         app[PREFETCHER] = prefetcher
-        app[CLAIMS] = Claims(settings.claims)
         scrubber: Scrubber | None = None
         if store is not None:
             scrubber = Scrubber(store, fetcher, settings.scrub)

@@ -18,13 +18,14 @@ bytes are in and match. Until then a reader gets every byte of its range but the
 that fails its check cuts every answer short (the client sees an incomplete body and retries)
 and no answer ever completes with bytes the origin did not vouch for; nothing is published.
 Readers that bring a checksum of their own (a caller's claim) wait for the seal and compare
-before the first byte (:mod:`sidecar.daemon.s3api`).
+before the first byte (:mod:`sidecar.daemon.reads`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -38,7 +39,6 @@ from cache import Entry, IntegrityError, NoSpace, Store, Writer, aligned_buffer
 from sidecar.daemon.checksums import OriginChecksum, VerifySettings, vouched
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
-from sidecar.daemon.peers.context import current_source
 from sidecar.daemon.priority import DEMAND, PriorityLimiter
 from sidecar.daemon.splits import SplitJudge
 from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
@@ -130,10 +130,13 @@ class FillTimeline:
 class Fill:
     """One fetch of one object, shared by every reader that wants it."""
 
-    def __init__(self, bucket: str, key: str, priority: int, tenant: str = "") -> None:
+    def __init__(self, bucket: str, key: str, priority: int, tenant: str = "", origin_only: bool = False) -> None:
         self.bucket = bucket
         self.key = key
         self.priority = priority
+        # Started for a peer (or for an object never cached): reads the real origin only. Readers
+        # who join later change nothing, as with the tenant.
+        self.origin_only = origin_only
         # Whose request started the fill: the cached entry counts against that tenant's quota
         # (cache.StoreSettings.tenant_quota_bytes). Readers who join later change nothing.
         self.tenant = tenant
@@ -371,9 +374,11 @@ class _PartedFill:
         fill = self.fill
         origin = self.fetcher.origin
         async with self.fetcher.limiter.slot(fill.priority):
-            began = time.perf_counter()
-            body = await origin.call(origin.open, fill.bucket, fill.key, start + written, end, self.info.etag or None)
-            self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
+            with self.metrics.origin_request("get"):
+                body = await origin.call(
+                    functools.partial(origin.open, origin_only=fill.origin_only),
+                    fill.bucket, fill.key, start + written, end, self.info.etag or None,
+                )
             await self._sink(index, body)
 
     async def _sink(self, index: int, body: Body) -> None:
@@ -518,17 +523,20 @@ class Fetcher:
             for fill in self.inflight.values()
         )
 
-    def start(self, bucket: str, key: str, priority: int, tenant: str = "") -> tuple[Fill, bool]:
+    def start(
+        self, bucket: str, key: str, priority: int, tenant: str = "", origin_only: bool = False
+    ) -> tuple[Fill, bool]:
         """The fill of ``bucket/key``: the running one (``False``) or a new one (``True``).
 
         ``tenant`` is whose request this is ("" without auth); a new fill's entry counts for it,
-        while joining a running fill keeps the tenant that started it (whose quota holds its bytes)."""
+        while joining a running fill keeps the tenant that started it (whose quota holds its bytes).
+        ``origin_only``: a new fill reads no other daemon's copy (see :class:`Fill`)."""
         name = (bucket, key)
         fill = self.inflight.get(name)
         if fill is not None:
             fill.priority = min(fill.priority, priority)  # a demand read promotes a prefetch
             return fill, False
-        fill = Fill(bucket, key, priority, tenant)
+        fill = Fill(bucket, key, priority, tenant, origin_only)
         self.inflight[name] = fill
         fill.task = asyncio.create_task(self._run(fill), name=f"fill:{bucket}/{key}")
         return fill, True
@@ -579,10 +587,18 @@ class Fetcher:
 
     async def _open_first(self, fill: Fill) -> tuple[ObjectInfo, Body]:
         async with self.limiter.slot(fill.priority):
-            began = time.perf_counter()
-            result = await self.origin.call(self.origin.open_first, fill.bucket, fill.key)
-            self.metrics.origin_latency.labels(op="get").observe(time.perf_counter() - began)
-            return result
+            with self.metrics.origin_request("get"):
+                return await self.origin.call(
+                    functools.partial(self.origin.open_first, origin_only=fill.origin_only), fill.bucket, fill.key
+                )
+
+    async def call_origin(self, op: str, what: str, fn: Callable[..., Awaitable[T]], *args: object) -> T:
+        """``fn(*args)``, an origin request outside fills (a HEAD, a listing), retried and timed."""
+        async def timed(*inner: object) -> T:
+            with self.metrics.origin_request(op):
+                return await fn(*inner)
+
+        return await retrying(self.settings, self.metrics, what, timed, *args)
 
     async def _fill(self, fill: Fill) -> None:
         info, first_body = await retrying(
@@ -642,19 +658,21 @@ class Fetcher:
 
     # -- straight from the origin (nothing cached) --------------------------------------------
 
-    async def passthrough(self, bucket: str, key: str, start: int, end: int, etag: str | None) -> AsyncIterator[bytes | bytearray]:
-        """Stream ``[start, end)`` from the origin with resuming retries, caching nothing."""
+    async def passthrough(
+        self, bucket: str, key: str, start: int, end: int, etag: str | None, origin_only: bool = False
+    ) -> AsyncIterator[tuple[bytes | bytearray, str]]:
+        """Stream ``[start, end)`` from the origin with resuming retries, caching nothing: chunks
+        with where each came from (``origin``, or ``peer`` where a cluster routed the read to the
+        object's owner; a retry may land elsewhere)."""
         sent = start
         delays = self.settings.backoff.delays()
         while sent < end:
             try:
                 async with self.limiter.slot(DEMAND):
-                    async for chunk in self.origin.read(bucket, key, sent, end, etag=etag):
+                    async for chunk, source in self.origin.read(bucket, key, sent, end, etag=etag, origin_only=origin_only):
                         sent += len(chunk)
-                        # A ClusterOrigin may have routed this read to the object's owner.
-                        peer = current_source() == "peer"
-                        (self.metrics.peer_bytes_in if peer else self.metrics.origin_bytes).inc(len(chunk))
-                        yield chunk
+                        (self.metrics.peer_bytes_in if source == "peer" else self.metrics.origin_bytes).inc(len(chunk))
+                        yield chunk, source
                 if sent < end:
                     raise OriginBadResponse(f"{bucket}/{key}: origin ended at {sent} of {end}")
             except _TRANSIENT as exc:

@@ -42,13 +42,11 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 from aiohttp import web
 
-from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, ReadOnlyViewError, Store
+from cache import CacheError
 from sidecar.daemon.auth.http import AUTH
 from sidecar.daemon.forward import UPSTREAM
-from sidecar.daemon.keys import CLAIMS, FETCHER, METRICS, STORE
-from sidecar.daemon.peers.context import count_read, count_served, miss_source
-from sidecar.daemon.priority import DEMAND
-from sidecar.daemon.s3api import UNCACHED_NAMES, disputed, mismatch
+from sidecar.daemon.keys import READS
+from sidecar.daemon.reads import Hit, NotCached, ReadContext, Uncached
 from sidecar.daemon.settings import ServeSettings
 from sidecar.errors import BadRequest, OriginUnavailable, SidecarError, s3_error_for
 from wire.errors import WireError
@@ -72,14 +70,6 @@ _KNOWN_ERRORS = (SidecarError, WireError, CacheError)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 T = TypeVar("T")
 Reply = tuple[dict[str, Any], int | None]
-
-
-class NotCached(SidecarError):
-    """The daemon does not keep this object (uncached name, no room, the tenant's quota): no
-    descriptor to give; the client reads it over HTTP."""
-
-
-# -- requests and replies ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -384,76 +374,31 @@ class NodeHandles:
         return _NodeConnection(self, _peer(conn))
 
     async def open(self, request: HandleRequest, caller: str) -> Reply:
-        """The reply and descriptor for ``request``, checked as the HTTP GET (s3api._get)."""
+        """The reply and descriptor for ``request``, read as the HTTP GET is (:mod:`sidecar.daemon.reads`)."""
         app = self.app
-        bucket, key, claim = request.bucket, request.key, request.claim
         tenant = ""
         auth = app.get(AUTH)
         if auth is not None:
             # Before the cache is looked at: a cached object is refused like any other.
             session = auth.session(request.session)
-            await auth.authorize(session, request.proof, bucket, key)
+            await auth.authorize(session, request.proof, request.bucket, request.key)
             tenant = session.tenant
-        store = app.get(STORE)
-        if store is None or key.rsplit("/", 1)[-1] in UNCACHED_NAMES:
-            raise NotCached(f"{bucket}/{key} is never cached (the mutable index of its shards): read it over HTTP")
-        metrics = app[METRICS]
-        entry = store.lookup(bucket, key)
-        if entry is not None and claim and entry.xxh3_128 != claim:
-            entry = await disputed(app, store, entry, claim, caller)
-        if entry is not None:
-            # A reader that found the file's bytes wrong asks for a re-hash (bounded).
-            force = request.recheck and app[CLAIMS].may_recheck(entry)
-            fd = await _open_entry(store, entry, force)
-            if fd is not None:
-                metrics.cache_lookups.labels(result="hit").inc()
-                return _served(metrics, entry, fd, "hit", "local")
-
-        fill, created = app[FETCHER].start(bucket, key, DEMAND, tenant=tenant)
-        state = "miss" if created else "coalesced"
-        metrics.cache_lookups.labels(result=state).inc()
-        info = await fill.wait_info()
-        if not fill.cacheable:
-            raise NotCached(f"{bucket}/{key} cannot be cached now (no room, or the tenant's quota): read it over HTTP")
-        if claim:
-            digest = await fill.wait_sealed()
-            if digest is not None and digest != claim:
-                metrics.claim_outcomes.labels(outcome="mismatch").inc()
-                vouched = f"just fetched, verified against its {fill.check.algorithm}" if fill.check else "just fetched, unverified"
-                raise mismatch(f"{bucket}/{key}: the origin's bytes", info.etag, vouched, digest, claim)
-        try:
-            entry = await fill.wait_done()
-        except IntegrityError:
-            raise  # the origin's bytes failed their checksum: 502 BadDigest, as over HTTP
-        except CacheError as exc:  # the disk filled up underneath, ...: HTTP streams it from the origin
-            raise NotCached(f"{bucket}/{key} could not be cached ({exc}): read it over HTTP") from exc
-        fd = await _open_entry(store, entry, False) if entry is not None else None
-        if entry is None or fd is None:
-            raise NotCached(f"{bucket}/{key} is not in the cache after its fill: read it over HTTP")
-        return _served(metrics, entry, fd, state, miss_source(state, info.source))
-
-
-async def _open_entry(store: Store, entry: Entry, force: bool) -> int | None:
-    """The entry's file, open read-only and close-on-exec (``os.open``'s default), through the
-    read-only view when there is one, if it checks out: re-hashed when its stamp moved since the
-    last hash, or ``force``. ``None`` if it was corrupt (removed) or is gone: fetched again."""
-    with store.pinned(entry):
-        try:
-            fd, _ = await asyncio.to_thread(store.open_verified, entry, force, for_others=True)
-        except (CorruptEntry, EntryNotFound):
-            return None
-        except ReadOnlyViewError as exc:
-            # Never a writable descriptor instead: the pod reads this one over HTTP.
-            log.error("%s", exc)
-            raise NotCached(f"{entry.bucket}/{entry.key}: no descriptor can be handed out safely now; read it over HTTP") from exc
-    return fd
-
-
-def _served(metrics: Any, entry: Entry, fd: int, state: str, came_from: str) -> Reply:
-    # A descriptor is a whole read (a client's: peers never ask for one).
-    count_served(metrics, "short_circuit", entry.size, came_from=came_from)
-    count_read(metrics, came_from)
-    return {"status": 200, "size": entry.size, "etag": entry.etag, "xxh3_128": entry.xxh3_128, "cache": state}, fd
+        reads = app[READS]
+        ctx = ReadContext(request.bucket, request.key, caller=caller, tenant=tenant, claim=request.claim,
+                          recheck=request.recheck)
+        if reads.store is None or not ctx.cacheable:
+            raise NotCached(f"{ctx.bucket}/{ctx.key} is never cached (the mutable index of its shards): read it over HTTP")
+        result = await reads.read(ctx, for_others=True)
+        if isinstance(result, Uncached):
+            raise NotCached(f"{ctx.bucket}/{ctx.key} cannot be cached now (no room, or the tenant's quota): read it over HTTP")
+        hit = result if isinstance(result, Hit) else await reads.settle(result, for_others=True)
+        # A descriptor is a whole read (a client's: peers never ask for one).
+        tally = reads.tally(ctx)
+        tally.served("short_circuit", hit.entry.size, hit.came_from)
+        tally.read(hit.came_from)
+        entry = hit.entry
+        reply = {"status": 200, "size": entry.size, "etag": entry.etag, "xxh3_128": entry.xxh3_128, "cache": hit.state}
+        return reply, hit.fd
 
 
 # -- sidecar mode: relay to the node daemon ------------------------------------------------------

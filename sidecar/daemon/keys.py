@@ -14,11 +14,12 @@ from sidecar.daemon.fills import Fetcher
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Origin
 from sidecar.daemon.prefetch import Prefetcher
+from sidecar.daemon.reads import ReadService
 from sidecar.daemon.scrub import Scrubber
 from sidecar.daemon.settings import ServeSettings
 
 __all__ = [
-    "SETTINGS", "STORE", "ORIGIN", "FETCHER", "METRICS", "PREFETCHER", "CLAIMS", "SCRUBBER", "STARTED", "CONTROL",
+    "SETTINGS", "STORE", "ORIGIN", "FETCHER", "METRICS", "PREFETCHER", "CLAIMS", "READS", "SCRUBBER", "STARTED", "CONTROL",
     "file_root",
 ]
 
@@ -29,6 +30,7 @@ FETCHER = web.AppKey("fetcher", Fetcher)
 METRICS = web.AppKey("metrics", Metrics)
 PREFETCHER = web.AppKey("prefetcher", Prefetcher)
 CLAIMS = web.AppKey("claims", Claims)
+READS = web.AppKey("reads", ReadService)
 SCRUBBER = web.AppKey("scrubber", Scrubber)
 STARTED = web.AppKey("started", float)
 

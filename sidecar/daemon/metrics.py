@@ -4,6 +4,8 @@ storage engine stays free of any metrics library."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -216,6 +218,14 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
             registry=r,
         )
+
+    @contextlib.contextmanager
+    def origin_request(self, op: str) -> Iterator[None]:
+        """Times one origin request (``op``: get, head, list, ...) from its sending to its response
+        headers, when it succeeds: the one place the origin's latency is measured."""
+        began = time.perf_counter()
+        yield
+        self.origin_latency.labels(op=op).observe(time.perf_counter() - began)
 
     def watch_store(self, stats: Callable[[], dict[str, object]]) -> None:
         self.registry.register(_StoreCollector(stats))

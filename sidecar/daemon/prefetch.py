@@ -13,10 +13,10 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from cache import Store
-from sidecar.daemon.fills import Fetcher
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.priority import PRIORITIES
+from sidecar.daemon.reads import ReadContext, ReadService
+from sidecar.errors import SidecarError
 
 __all__ = ["Prefetcher", "PrefetchItem", "QueueFull"]
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 _NAMES = {value: name for name, value in PRIORITIES.items()}
 
 
-class QueueFull(Exception):
+class QueueFull(SidecarError):
     pass
 
 
@@ -43,9 +43,9 @@ class PrefetchItem:
 class Prefetcher:
     DEMAND_YIELD_MAX_S = 5.0
 
-    def __init__(self, store: Store | None, fetcher: Fetcher, metrics: Metrics, workers: int, max_queued: int) -> None:
-        self.store = store
-        self.fetcher = fetcher
+    def __init__(self, reads: ReadService, metrics: Metrics, workers: int, max_queued: int) -> None:
+        self.reads = reads
+        self.fetcher = reads.fetcher
         self.metrics = metrics
         self.max_queued = max_queued
         self._queue: asyncio.PriorityQueue[tuple[int, int, PrefetchItem]] = asyncio.PriorityQueue()
@@ -76,7 +76,7 @@ class Prefetcher:
         accepted = 0
         for item in items:
             name = (item.bucket, item.key)
-            if self.store is not None and self.store.lookup(item.bucket, item.key):
+            if self.reads.cached(item.bucket, item.key):
                 continue
             if name in self.fetcher.inflight:
                 self.fetcher.inflight[name].priority = min(self.fetcher.inflight[name].priority, priority)
@@ -123,9 +123,9 @@ class Prefetcher:
             self._update_gauge()
             try:
                 await self._yield_to_demand()
-                if self.store is not None and self.store.lookup(item.bucket, item.key):
-                    continue
-                fill, _ = self.fetcher.start(item.bucket, item.key, priority, item.tenant)
+                fill = self.reads.prefetch(ReadContext(item.bucket, item.key, tenant=item.tenant, priority=priority))
+                if fill is None:
+                    continue  # cached meanwhile, or never cached
                 await fill.wait_done()
                 self.done += 1
             except asyncio.CancelledError:

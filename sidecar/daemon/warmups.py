@@ -31,15 +31,14 @@ from typing import Any
 
 from aiohttp import web
 
-from cache import CorruptEntry, Entry, EntryNotFound, IntegrityError, NoSpace, Store
+from cache import Entry, IntegrityError, NoSpace
 from sidecar.daemon.auth.http import AUTH, caller
 from sidecar.daemon.auth.proofs import InvalidProof, ProofBatch
-from sidecar.daemon.claims import Claims
-from sidecar.daemon.fills import Fetcher
-from sidecar.daemon.keys import CLAIMS, FETCHER, SETTINGS, STORE, file_root
+from sidecar.daemon.keys import READS, SETTINGS, file_root
 from sidecar.daemon.priority import PRIORITIES, WARMUP, priority_value
 from sidecar.daemon.ratelimit import TokenBucket
-from sidecar.errors import BadRequest, Busy, NoSuchWarmup, ObjectNotFound, OriginError, WarmupConflict
+from sidecar.daemon.reads import Filling, Hit, ReadContext, ReadService
+from sidecar.errors import BadRequest, Busy, ChecksumMismatch, NoSuchWarmup, ObjectNotFound, OriginError, WarmupConflict
 from wire.names import ID_RULE, is_id, parse_object_url, validate_bucket, validate_key, validate_xxh3_128, warmup_id
 from wire.web import decode_json_object, read_body
 
@@ -183,6 +182,8 @@ class WarmupJob:
 
 def _reason(exc: BaseException) -> str:
     """One line a user can act on, for a failed object."""
+    if isinstance(exc, ChecksumMismatch):  # the manifest's checksum is not the object's
+        return f"checksum mismatch: {exc}"
     if isinstance(exc, IntegrityError):
         return f"checksum mismatch: {exc} (the object differs from the manifest; re-run `shardcache index`?)"
     if isinstance(exc, ObjectNotFound):
@@ -197,10 +198,9 @@ def _reason(exc: BaseException) -> str:
 class WarmupManager:
     """Owns the jobs of one daemon and their tasks."""
 
-    def __init__(self, store: Store | None, fetcher: Fetcher, default_concurrency: int, claims: Claims) -> None:
-        self.store = store
-        self.fetcher = fetcher
-        self.claims = claims
+    def __init__(self, reads: ReadService, default_concurrency: int) -> None:
+        self.reads = reads
+        self.store = reads.store
         self.default_concurrency = default_concurrency
         self.jobs: dict[tuple[str, str], WarmupJob] = {}  # by (owner, id): tenants never share ids
 
@@ -327,61 +327,48 @@ class WarmupManager:
                 "(warm less, use `shardcache warmup --spread`, or raise --cache-size)"
             )
 
-    async def _verified(self, entry: Entry) -> bool:
-        assert self.store is not None
-        with self.store.pinned(entry):
-            try:
-                fd, _ = await asyncio.to_thread(self.store.open_verified, entry)
-            except (CorruptEntry, EntryNotFound):
-                return False  # removed: fetch it again
-            await asyncio.to_thread(os.close, fd)
-        return True
-
     async def _warm(self, job: WarmupJob, item: WarmupItem, bucket: TokenBucket | None) -> None:
         name = (item.bucket, item.key)
         if self.store is None:
             job.failures[name] = "this daemon runs without a cache"
             return
-        entry = self.store.lookup(item.bucket, item.key)
-        if entry is not None and item.xxh3_128 and entry.xxh3_128 != item.xxh3_128:
-            # The manifest's checksum is a claim (sidecar/daemon/claims.py): it refetches only an
-            # unverified copy, once; a copy the origin vouched for stays, and the item fails.
-            if not self.claims.may_refetch(entry, item.xxh3_128, f"warm-up {job.id}"):
-                vouched = f"verified against the origin's {entry.verified}" if entry.verified else "unverified, fetched again"
-                job.failures[name] = (
-                    f"checksum mismatch: the cached copy ({vouched}) has xxh3_128 {entry.xxh3_128}, "
-                    f"the manifest says {item.xxh3_128} (re-run `shardcache index`?)"
-                )
-                return
-            entry = None
-        if entry is not None and await self._verified(entry):
-            job.cached_before += 1
-            self._done(job, item, entry, fetched=False)
+        # The manifest's checksum is a claim (sidecar/daemon/claims.py): it refetches only an
+        # unverified (or damaged) copy, once; a copy the origin vouched for stays, and the item fails.
+        ctx = ReadContext(item.bucket, item.key, caller=f"warm-up {job.id}", tenant=job.owner,
+                          claim=item.xxh3_128.lower() if item.xxh3_128 else None, priority=job.priority,
+                          counted=False)
+        if not ctx.cacheable:
+            job.failures[name] = "never cached: the mutable index of a dataset's shards is read from the origin"
             return
-        if bucket is not None and item.size is not None:
-            await bucket.acquire(item.size)
-        fill, _ = self.fetcher.start(item.bucket, item.key, job.priority, tenant=job.owner)
-        job.inflight[name] = fill
+
+        async def rate_limited() -> None:
+            if bucket is not None and item.size is not None:
+                await bucket.acquire(item.size)
+
         try:
-            entry = await fill.wait_done()
+            result = await self.reads.read(ctx, before_fill=rate_limited)
+            if isinstance(result, Hit):
+                await asyncio.to_thread(os.close, result.fd)
+                job.cached_before += 1
+                self._done(job, item, result.entry, fetched=False)
+                return
+            if isinstance(result, Filling):
+                job.inflight[name] = result.fill
+                try:
+                    entry = await result.fill.wait_done()
+                finally:
+                    job.inflight.pop(name, None)
+            else:
+                entry = None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever failed the fill fails this object, with its reason
             job.failures[name] = _reason(exc)
             return
-        finally:
-            job.inflight.pop(name, None)
         if entry is None:
             job.failures[name] = (
                 "not cached: the cache had no room for it (cache full under --eviction hold, "
                 "every entry in use, or the disk is full)"
-            )
-            return
-        if item.xxh3_128 and entry.xxh3_128 != item.xxh3_128.lower():
-            # Joined a fill that did not know the checksum: the origin's bytes are not the manifest's.
-            job.failures[name] = (
-                f"checksum mismatch: the origin object has xxh3_128 {entry.xxh3_128}, the manifest says "
-                f"{item.xxh3_128.lower()} (re-run `shardcache index`?)"
             )
             return
         if bucket is not None and item.size is None:
@@ -546,9 +533,9 @@ def setup(app: web.Application) -> None:
     """Register the warm-up routes and the job manager's lifecycle on the daemon's app."""
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        # Runs after the daemon's own resources context (cleanup_ctx order): FETCHER exists, and
+        # Runs after the daemon's own resources context (cleanup_ctx order): READS exists, and
         # on shutdown the jobs stop before the fetcher and store close.
-        manager = WarmupManager(app.get(STORE), app[FETCHER], app[SETTINGS].prefetch_workers, app[CLAIMS])
+        manager = WarmupManager(app[READS], app[SETTINGS].prefetch_workers)
         app[WARMUPS] = manager
         try:
             yield

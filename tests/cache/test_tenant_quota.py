@@ -231,11 +231,13 @@ def test_settings_refuse_a_quota_that_is_not_positive(tmp_path: Path) -> None:
 
 
 def test_fills_and_prefetches_carry_their_tenant(tmp_path: Path) -> None:
+    from sidecar.daemon.claims import Claims, ClaimSettings
     from sidecar.daemon.fills import Fetcher, FetchSettings
     from sidecar.daemon.metrics import Metrics
     from sidecar.daemon.origins import FileOrigin
     from sidecar.daemon.prefetch import Prefetcher, PrefetchItem
     from sidecar.daemon.priority import DEMAND, LEASE
+    from sidecar.daemon.reads import ReadService
 
     bucket = tmp_path / "root" / "bkt"
     bucket.mkdir(parents=True)
@@ -250,7 +252,8 @@ def test_fills_and_prefetches_carry_their_tenant(tmp_path: Path) -> None:
         origin = FileOrigin(tmp_path / "root")
         await origin.start()
         fetcher = Fetcher(store, origin, FetchSettings(), metrics)
-        prefetcher = Prefetcher(store, fetcher, metrics, workers=1, max_queued=10)
+        reads = ReadService(store, fetcher, Claims(ClaimSettings()), metrics)
+        prefetcher = Prefetcher(reads, metrics, workers=1, max_queued=10)
         prefetcher.start()
         try:
             fill, created = fetcher.start("bkt", "one.tar", DEMAND, ALICE)

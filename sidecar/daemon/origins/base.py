@@ -18,6 +18,7 @@ import asyncio
 import base64
 import contextlib
 import errno
+import functools
 import os
 import stat as stat_mod
 import threading
@@ -139,17 +140,29 @@ class Origin(abc.ABC):
         """A fill of ``bucket/key`` failed its check: an origin that chose between sources
         (:class:`sidecar.daemon.peers.origin.ClusterOrigin`) reads it from the real one next time."""
 
+    def fetching_from_peer(self, bucket: str, key: str) -> bool:
+        """Whether this origin is reading ``bucket/key`` from another daemon now (a peer asking
+        this daemon for it would then wait on itself). Only a cluster's origin ever is."""
+        return False
+
+    # ``origin_only``: the read must not be routed to another cache daemon (a peer asked for it,
+    # or the object is never cached). Only an origin that routes (a cluster's) looks at it; it is
+    # an argument, not a context variable, so every caller says what it wants.
+
     @abc.abstractmethod
-    async def head(self, bucket: str, key: str) -> ObjectInfo:
+    async def head(self, bucket: str, key: str, *, origin_only: bool = False) -> ObjectInfo:
         """Size and ETag of an object."""
 
     @abc.abstractmethod
-    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+    def open(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None, *, origin_only: bool = False
+    ) -> Body:
         """Blocking: bytes ``[start, end)`` (``end=None``: to the end) as a body. Raises if the
-        object is no longer the version ``etag``. Does not retry."""
+        object is no longer the version ``etag``. Does not retry. ``Body.source`` says where
+        its bytes come from."""
 
     @abc.abstractmethod
-    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+    def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         """Blocking: one request that returns the object's info and a body of all its bytes, so
         a fill needs no separate HEAD round trip."""
 
@@ -171,10 +184,12 @@ class Origin(abc.ABC):
         """A GetBucketLocation XML document, as S3 would answer it."""
 
     async def read(
-        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None
-    ) -> AsyncIterator[bytes | bytearray]:
-        """Bytes ``[start, end)`` as chunks of up to 1 MiB, for streaming without caching."""
-        body = await self.call(self.open, bucket, key, start, end, etag)
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None, *, origin_only: bool = False
+    ) -> AsyncIterator[tuple[bytes | bytearray, str]]:
+        """Bytes ``[start, end)`` as chunks of up to 1 MiB, for streaming without caching, each
+        with where it came from (:attr:`Body.source`)."""
+        body = await self.call(functools.partial(self.open, origin_only=origin_only), bucket, key, start, end, etag)
+        source = body.source
         try:
             left = None if end is None else end - start
             while left is None or left > 0:
@@ -184,7 +199,7 @@ class Origin(abc.ABC):
                     break
                 if left is not None:
                     left -= count
-                yield buf if count == len(buf) else bytes(memoryview(buf)[:count])
+                yield (buf if count == len(buf) else bytes(memoryview(buf)[:count])), source
         finally:
             self.release(body)
 
@@ -418,7 +433,7 @@ class FileOrigin(Origin):
             headers=(("Content-Type", DEFAULT_CONTENT_TYPE),),
         )
 
-    async def head(self, bucket: str, key: str) -> ObjectInfo:
+    async def head(self, bucket: str, key: str, *, origin_only: bool = False) -> ObjectInfo:
         st = await self.call(self._stat, bucket, key)
         return self._info(st)
 
@@ -429,7 +444,9 @@ class FileOrigin(Origin):
             raise ObjectNotFound(f"{bucket}/{key} changed while it was being read")
         return fd, st
 
-    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+    def open(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None, *, origin_only: bool = False
+    ) -> Body:
         fd, st = self._open(bucket, key, etag)
         stop = st.st_size if end is None else min(end, st.st_size)
         if start > st.st_size or (start == st.st_size and st.st_size > 0):
@@ -437,7 +454,7 @@ class FileOrigin(Origin):
             raise InvalidRange(f"range start {start} beyond object size {st.st_size}", st.st_size)
         return _FileBody(fd, start, stop)
 
-    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+    def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         fd, st = self._open(bucket, key, None)
         return self._info(st), _FileBody(fd, 0, st.st_size)
 

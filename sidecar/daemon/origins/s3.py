@@ -191,7 +191,7 @@ class S3Origin(Origin):
         )
         return exc_type(message)
 
-    async def head(self, bucket: str, key: str) -> ObjectInfo:
+    async def head(self, bucket: str, key: str, *, origin_only: bool = False) -> ObjectInfo:
         return await self.call(self._head, bucket, key)
 
     def _head(self, bucket: str, key: str) -> ObjectInfo:
@@ -203,7 +203,9 @@ class S3Origin(Origin):
         finally:
             resp.close()
 
-    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+    def open(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None, *, origin_only: bool = False
+    ) -> Body:
         params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
         headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
         if etag:
@@ -218,7 +220,7 @@ class S3Origin(Origin):
                 raise OriginBadResponse(f"{bucket}/{key}: origin sent {expected} bytes for a range of {end - start}")
         return _HTTPBody(resp, expected, f"{bucket}/{key}")
 
-    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+    def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         # Not ranged: S3 answers the full-object checksum only to a GET of the whole object, with
         # x-amz-checksum-mode (signed: botocore lists it in the presigned URL's signed headers).
         # Content-Length is then the size; a fill that splits closes this stream at a part boundary.
@@ -453,7 +455,9 @@ class Boto3S3Origin(S3Origin):
         # datetime there, and metadata keys lose their prefix).
         return _info(resp["ResponseMetadata"]["HTTPHeaders"].items(), int(resp["ContentLength"]), f"{bucket}/{key}")
 
-    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+    def open(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None, *, origin_only: bool = False
+    ) -> Body:
         params: dict[str, Any] = {"Bucket": validate_bucket(bucket), "Key": validate_key(key),
                                   "Range": f"bytes={start}-{'' if end is None else end - 1}"}
         if etag:
@@ -461,7 +465,7 @@ class Boto3S3Origin(S3Origin):
         resp = self._call("get_object", **params)
         return _Boto3Body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
 
-    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+    def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         # Not ranged, with the checksum mode, as S3Origin.open_first (botocore validates the
         # checksum too, as it streams: a mismatch there is a body error, retried).
         resp = self._call("get_object", Bucket=validate_bucket(bucket), Key=validate_key(key), ChecksumMode="ENABLED")

@@ -7,7 +7,6 @@ header (:mod:`.signing`), and the owner fills it from the origin once for the wh
 - :mod:`.config`: the settings (``--peer``, ``--peers-dns``, ``--advertise-url``, ``--peer-secret-file``).
 - :mod:`.membership`: who is in the ring (static peers, DNS re-resolution, health checks).
 - :mod:`.origin`: :class:`ClusterOrigin`, the origin the fetcher reads through (peer, then origin).
-- :mod:`.context`: what a request handler tells the fills it starts (a peer's request reads the origin only).
 - :mod:`.http`: the owner's side (checking the peer header) and ``GET /_shardcache/peers``.
 """
 

@@ -1,9 +1,10 @@
 """The owner's side of a peer read, and ``GET /_shardcache/peers``.
 
 :func:`peer_request` is the S3 API's hook: a request with the peer header is checked here
-(``403 AccessDenied`` "not a peer" when it proves nothing), and a valid one marks its handler's
-context (:mod:`.context`): it skips ``--auth`` tenant checks (the asking daemon checked its own
-caller), its bytes count as served to peers, and any fill it starts reads the origin only.
+(``403 AccessDenied`` "not a peer" when it proves nothing), and a valid one names the asking
+member, which the S3 API puts in its :class:`~sidecar.daemon.reads.ReadContext`: the read skips
+``--auth`` tenant checks (the asking daemon checked its own caller), its bytes count as served to
+peers, and any fill it starts reads the origin only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.daemon.keys import CONTROL, SETTINGS
-from sidecar.daemon.peers.context import ORIGIN_ONLY, PEER_CALLER
 from sidecar.daemon.peers.membership import Membership
 from sidecar.daemon.peers.signing import PEER_HEADER, PeerRefused, verify
 from sidecar.daemon.s3xml import error_response
@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 MEMBERSHIP = web.AppKey("membership", Membership)
 
 
-def peer_request(request: web.Request) -> web.Response | None:
-    """``None`` when the request is a client's or a valid peer's (then marked as such), else the
-    403 answer to send."""
+def peer_request(request: web.Request) -> str | web.Response | None:
+    """``None`` when the request is a client's, the asking member's id when it is a valid peer's,
+    else the 403 answer to send."""
     value = request.headers.get(PEER_HEADER)
     if value is None:
         return None
@@ -40,9 +40,7 @@ def peer_request(request: web.Request) -> web.Response | None:
     except PeerRefused as exc:
         log.warning("refused a peer request for %s: %s", request.raw_path[:200], exc)
         return error_response(403, "AccessDenied", f"not a peer: {exc}", request.path)
-    PEER_CALLER.set(member)
-    ORIGIN_ONLY.set(True)
-    return None
+    return member
 
 
 def cluster_stats(app: web.Application) -> dict[str, Any] | None:

@@ -13,23 +13,21 @@ from the origin. When a member joins it takes over objects the one ranked after 
 move over the peer links instead of leaving the object store again; when none holds it (a cold
 read, or its holder left), the cost is one refused request.
 
-A request that a peer sent (:data:`~sidecar.daemon.peers.context.ORIGIN_ONLY`) reads the real
-origin only; :meth:`ClusterOrigin.call` carries the caller's context onto the worker thread,
-where the route is chosen. Bytes from a peer are checked like the origin's (its checksums travel
-with them, and its xxh3-128 on a hit); a fill that fails its check makes that object come from
-the origin for a while (:meth:`ClusterOrigin.refused`). Where a body came from is noted for
-the request that opened it (:func:`~sidecar.daemon.peers.context.note_source`): a read streamed
-without caching counts its bytes as the peer's or the origin's by it.
+A read for a peer (``origin_only``: the caller says so, :class:`sidecar.daemon.reads.ReadContext`)
+reads the real origin only, so two daemons whose views of the ring differ can never forward a
+read to each other in a loop. Bytes from a peer are checked like the origin's (its checksums
+travel with them, and its xxh3-128 on a hit); a fill that fails its check makes that object come
+from the origin for a while (:meth:`ClusterOrigin.refused`). A body says where it came from
+(:attr:`~sidecar.daemon.origins.base.Body.source`): its bytes count as the peer's or the origin's by it.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -37,7 +35,6 @@ from sidecar.daemon.origins.base import Body, ObjectInfo, Origin
 from sidecar.daemon.origins.httppool import HTTPPool, Response
 from sidecar.daemon.origins.s3 import S3Origin, S3Settings
 from sidecar.daemon.peers.config import ClusterSettings
-from sidecar.daemon.peers.context import ORIGIN_ONLY, note_source
 from sidecar.daemon.peers.membership import Membership
 from sidecar.daemon.peers.signing import IF_CACHED_HEADER, PEER_HEADER, sign
 from sidecar.errors import AccessDenied, OriginBadResponse, OriginThrottled, OriginUnavailable
@@ -98,12 +95,14 @@ class PeerOrigin(S3Origin):
         self._local.headers = resp.headers  # open_first reads the xxh3-128 of a hit from it
         return resp
 
-    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
+    def open(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None, *, origin_only: bool = False
+    ) -> Body:
         body = super().open(bucket, key, start, end, etag)
         body.source = "peer"
         return body
 
-    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
+    def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         info, body = super().open_first(bucket, key)
         body.source = "peer"
         digest = self._local.headers.get("x-shardcache-xxh3-128")
@@ -148,25 +147,22 @@ class ClusterOrigin(Origin):
             self._pool = None
         await self.real.close()
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        # The caller's context goes with it: a peer's request reads the origin only (ORIGIN_ONLY).
-        return await super().call(contextvars.copy_context().run, fn, *args)
-
     # -- routing --------------------------------------------------------------------------------
 
-    def _route(self, bucket: str, key: str, handoff: bool = True) -> tuple[list[PeerOrigin], bool]:
+    def _route(self, bucket: str, key: str, origin_only: bool, handoff: bool = True) -> tuple[list[PeerOrigin], bool]:
         """The peers to try for ``bucket/key``, best first, and whether another member owns it;
-        for the owner, the hand-off (unless not ``handoff``: a HEAD asks the origin what it is)."""
+        for the owner, the hand-off (unless not ``handoff``: a HEAD asks the origin what it is).
+        ``origin_only`` (a read for a peer): no other member's copy but the hand-off's."""
         name = f"{bucket}/{key}"
         live = self.membership.live
         order = ranked(live, name) if len(live) > 1 else [self.membership.self_id]
         borrowed = order[0] != self.membership.self_id
         if not borrowed:
             # The owner: the member ranked next may hold it (it owned it before this one joined).
-            # Asked from its cache only, so even a fill for a peer (ORIGIN_ONLY) may: it cannot loop.
+            # Asked from its cache only, so even a fill for a peer (origin_only) may: it cannot loop.
             peer = self._peer(order[1], if_cached=True) if handoff and len(order) > 1 and not self._distrusted(name) else None
             return ([peer] if peer is not None else []), borrowed
-        if ORIGIN_ONLY.get() or self._distrusted(name):
+        if origin_only or self._distrusted(name):
             return [], borrowed
         peers: list[PeerOrigin] = []
         for ident in order:
@@ -233,8 +229,8 @@ class ClusterOrigin(Origin):
 
     # -- the Origin interface -------------------------------------------------------------------
 
-    async def head(self, bucket: str, key: str) -> ObjectInfo:
-        peers, borrowed = self._route(bucket, key, handoff=False)
+    async def head(self, bucket: str, key: str, *, origin_only: bool = False) -> ObjectInfo:
+        peers, borrowed = self._route(bucket, key, origin_only, handoff=False)
         for peer in peers:
             try:
                 return dataclasses.replace(await peer.head(bucket, key), source="peer", borrowed=True)
@@ -242,8 +238,10 @@ class ClusterOrigin(Origin):
                 self._tried(peer, f"head {bucket}/{key}", exc)
         return dataclasses.replace(await self.real.head(bucket, key), borrowed=borrowed)
 
-    def open(self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None) -> Body:
-        peers, _ = self._route(bucket, key)
+    def open(
+        self, bucket: str, key: str, start: int, end: int | None, etag: str | None = None, *, origin_only: bool = False
+    ) -> Body:
+        peers, _ = self._route(bucket, key, origin_only)
         for peer in peers:
             try:
                 body = peer.open(bucket, key, start, end, etag)
@@ -251,14 +249,11 @@ class ClusterOrigin(Origin):
                 self._tried(peer, f"{bucket}/{key} from {start}", exc)
                 continue
             self._note(f"{bucket}/{key}", peer.member)
-            note_source("peer")  # a read streamed uncached counts these bytes as the peer's
             return body
-        body = self.real.open(bucket, key, start, end, etag)
-        note_source("origin")  # a retry may land here after a peer's body broke off
-        return body
+        return self.real.open(bucket, key, start, end, etag)
 
-    def open_first(self, bucket: str, key: str) -> tuple[ObjectInfo, Body]:
-        peers, borrowed = self._route(bucket, key)
+    def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
+        peers, borrowed = self._route(bucket, key, origin_only)
         name = f"{bucket}/{key}"
         for peer in peers:
             self._borrow(name, 1)
@@ -270,10 +265,8 @@ class ClusterOrigin(Origin):
             finally:
                 self._borrow(name, -1)
             self._note(name, peer.member)
-            note_source("peer")
             return result
         info, body = self.real.open_first(bucket, key)
-        note_source("origin")
         return dataclasses.replace(info, borrowed=borrowed), body
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
