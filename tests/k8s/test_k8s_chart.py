@@ -149,7 +149,8 @@ def test_objects_are_valid_and_labelled(rendered: dict[str, list[dict[str, Any]]
         if obj["kind"] in BUILTIN_KINDS:
             for version in ("1.25", "1.30"):
                 validate_k8s(without_newer_fields(obj) if version == "1.25" else obj, version)
-        if obj["kind"] not in ("MutatingWebhookConfiguration", "PriorityClass"):
+        if obj["kind"] not in ("MutatingWebhookConfiguration", "PriorityClass", "ValidatingAdmissionPolicy",
+                               "ValidatingAdmissionPolicyBinding"):  # cluster-scoped
             assert obj["metadata"]["namespace"] == NS
     for workload, template in pod_specs(objects):
         selector = workload["spec"]["selector"]["matchLabels"]

@@ -531,7 +531,7 @@ def policy(renderer: Renderer) -> Policy:
     return Policy(admission_policy(renderer)[0])
 
 
-def test_the_policy_is_rendered_only_where_the_cluster_has_the_api(renderer: Renderer) -> None:
+def test_the_policy_is_rendered_where_the_cluster_has_the_api(renderer: Renderer) -> None:
     vap, binding = admission_policy(renderer)
     for obj in (vap, binding):
         validate_k8s(obj, "1.30")
@@ -541,19 +541,43 @@ def test_the_policy_is_rendered_only_where_the_cluster_has_the_api(renderer: Ren
     assert binding["spec"]["validationActions"] == ["Deny"] and vap["spec"]["failurePolicy"] == "Fail"
     rules = vap["spec"]["matchConstraints"]["resourceRules"]
     assert [(r["operations"], r["resources"]) for r in rules] == [(["CREATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
+    # helm template without --api-versions: Kubernetes 1.30+ is assumed, where the API is GA.
+    # (Before, the policy was skipped there, silently: a GitOps install had none.)
     kinds = {o["kind"] for o in render(renderer, {})}
-    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # a cluster before 1.30
+    assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= kinds
     off = {o["kind"] for o in render(renderer, {"admissionPolicy": {"enabled": False}}, api_versions=(VAP_API,))}
     assert not off & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
-    # The group/version alone (every cluster since 1.16 serves it for webhooks) is not enough.
-    older = {o["kind"] for o in render(renderer, {}, api_versions=("admissionregistration.k8s.io/v1",))}
-    assert "ValidatingAdmissionPolicy" not in older
     with_policy = render(renderer, {}, api_versions=(VAP_API,))
     text = dump_documents([o for o in with_policy if o["kind"].startswith("ValidatingAdmissionPolicy")])
     assert {o["kind"] for o in kubectl_parse(text)} == {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     notes = render_files(renderer, {}, api_versions=(VAP_API,))["shardcache/templates/NOTES.txt"]
     assert "ValidatingAdmissionPolicy sc-shardcache-hostpath-policy (Deny)" in notes
-    assert "ValidatingAdmissionPolicy" not in render_files(renderer, {})["shardcache/templates/NOTES.txt"]
+    assert "nor run privileged, add capabilities" in notes
+    off_notes = render_files(renderer, {"admissionPolicy": {"enabled": False}})["shardcache/templates/NOTES.txt"]
+    assert "ValidatingAdmissionPolicy" not in off_notes
+
+
+def test_the_chart_fails_loudly_on_a_cluster_without_the_policy_api(renderer: Renderer) -> None:
+    """A cluster before 1.30 serves no ValidatingAdmissionPolicy: the chart refuses to render
+    (install) without it, saying what to do, rather than skip it; unless it is turned off."""
+    from helm_python import _native
+
+    def render_at(kube_version: str, values: dict[str, Any], api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+        # helm template --kube-version (Renderer.files exposes --api-versions only).
+        opts = {"name": "sc", "namespace": NS, "is_install": True, "kube_version": kube_version,
+                "api_versions": list(api_versions)}
+        rendered: dict[str, str] = json.loads(
+            _native.call_string("helm_render", renderer.chart._raw(), json.dumps(values), json.dumps(opts)))
+        return rendered
+
+    with pytest.raises(renderer.helm.HelmRenderError) as info:
+        render_at("v1.29.0", {})
+    assert "Kubernetes v1.29.0 serves no ValidatingAdmissionPolicy" in str(info.value)
+    assert "set admissionPolicy.enabled=false" in str(info.value)
+    assert "kind: ValidatingAdmissionPolicy" not in "".join(render_at("v1.29.0", {"admissionPolicy": {"enabled": False}}).values())
+    # Discovery listing the API is enough (a 1.28 cluster with the beta feature promoted by a vendor).
+    assert "kind: ValidatingAdmissionPolicy" in render_at("v1.28.0", {}, (VAP_API,))["shardcache/templates/admission-policy.yaml"]
+    assert "kind: ValidatingAdmissionPolicy" in render_at("v1.30.0", {})["shardcache/templates/admission-policy.yaml"]
 
 
 def test_the_policy_guards_the_injected_namespaces(renderer: Renderer) -> None:
@@ -698,3 +722,55 @@ def test_the_injected_pod_is_what_the_policy_and_the_chart_agree_on(renderer: Re
                 assert policy.refusals(pod_obj) == [], (obj["kind"], mode)
     text = (CHART / "templates" / "admission-policy.yaml").read_text()
     assert "cel-python" in text and "join" in text  # the constraint on the CEL is written where it is kept
+
+
+def _with_context(obj: dict[str, Any], container: str, kind: str = "containers", **context: Any) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    for c in out["spec"].get(kind, []):
+        if c["name"] == container:
+            c.setdefault("securityContext", {}).update(context)
+    return out
+
+
+@pytest.mark.parametrize("kind, container", [("containers", "train"), ("initContainers", "setup"), ("ephemeralContainers", "debugger")])
+def test_the_policy_refuses_privileged_and_added_capabilities(policy: Policy, kind: str, container: str) -> None:
+    """In a hostpath namespace (Pod Security privileged, for the socket's hostPath) a privileged or
+    SYS_ADMIN container could remount the read-only socket directory writable and replace the
+    socket: the policy applies baseline's rules there, in every kind of container."""
+    base = injected(pod(), HOSTPATH)
+    base["spec"].setdefault("initContainers", []).append({"name": "setup", "image": "busybox"})
+    base["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox", "targetContainerName": "train"}]
+    assert policy.refusals(base) == []
+    (message,) = policy.refusals(_with_context(base, container, kind, privileged=True))
+    assert message.startswith(f"shardcache: container {container} is privileged: remove securityContext.privileged")
+    for caps, first in ((["SYS_ADMIN"], "SYS_ADMIN"), (["NET_BIND_SERVICE", "NET_ADMIN", "SYS_ADMIN"], "NET_ADMIN"),
+                        (["SYS_PTRACE"], "SYS_PTRACE")):
+        (message,) = policy.refusals(_with_context(base, container, kind, capabilities={"add": caps}))
+        assert message.startswith(f"shardcache: container {container} adds {first} in securityContext.capabilities.add"), message
+    # The runtime's default set (what Pod Security baseline allows) and dropping stay admitted.
+    allowed = _with_context(base, container, kind, privileged=False,
+                            capabilities={"add": ["NET_BIND_SERVICE", "CHOWN", "SETUID"], "drop": ["ALL"]})
+    assert policy.refusals(allowed) == []
+
+
+def test_the_policy_refuses_host_namespaces_and_ports(policy: Policy) -> None:
+    base = injected(pod(), HOSTPATH)
+    for field in ("hostPID", "hostIPC", "hostNetwork"):
+        obj = copy.deepcopy(base)
+        obj["spec"][field] = True
+        (message,) = policy.refusals(obj)
+        assert message.startswith(f"shardcache: spec.{field} is true: remove it"), message
+        obj["spec"][field] = False
+        assert policy.refusals(obj) == []
+    for kind, name in (("containers", "train"), ("initContainers", SIDECAR_NAME)):
+        obj = copy.deepcopy(base)
+        target = next(c for c in obj["spec"][kind] if c["name"] == name)
+        target.setdefault("ports", []).append({"containerPort": 8080, "hostPort": 8080})
+        (message,) = policy.refusals(obj)
+        assert message.startswith(f"shardcache: container {name} sets a hostPort"), message
+        target["ports"][-1]["hostPort"] = 0
+        assert policy.refusals(obj) == []
+    # Several at once: every rule answers.
+    worst = _with_context(copy.deepcopy(base), "train", privileged=True, capabilities={"add": ["SYS_ADMIN"]})
+    worst["spec"]["hostPID"] = True
+    assert len(policy.refusals(worst)) == 3

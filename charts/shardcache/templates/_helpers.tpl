@@ -140,6 +140,22 @@ never kube-system nor the release's own (the node daemon's hostPath volumes live
 {{- else if $v }}true{{ else }}false{{ end }}
 {{- end }}
 
+{{/*
+Whether the admission policy is rendered: "true" when admissionPolicy.enabled and the cluster
+serves ValidatingAdmissionPolicy (discovery says so, or Kubernetes 1.30+, where it is GA: what
+`helm template` assumes without --api-versions). Enabled on an older cluster, rendering fails and
+says what to do, rather than install the chart without the policy that keeps pods in injected
+namespaces away from the node's host paths and privileges.
+*/}}
+{{- define "shardcache.admissionPolicy.rendered" -}}
+{{- if .Values.admissionPolicy.enabled }}
+{{- if or (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version) }}true
+{{- else }}
+{{- fail (printf "admissionPolicy.enabled is true but Kubernetes %s serves no ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, 1.30+): without it a pod in an injected namespace could mount the node cache by hostPath, run privileged or add capabilities. Upgrade the cluster to 1.30+, or set admissionPolicy.enabled=false and enforce the same rules with your own policy engine (docs: the chart README, Multi-tenant clusters)" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "shardcache.webhook.serviceName" -}}
 {{- include "shardcache.componentName" (dict "ctx" . "component" "webhook") }}
 {{- end }}
