@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["StoreSettings", "EVICTION_POLICIES"]
+from cache.eviction import EVICTION_POLICIES
 
-EVICTION_POLICIES = ("lru", "hold")
+__all__ = ["StoreSettings", "EVICTION_POLICIES"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class StoreSettings:
     """``lru`` evicts the least recently used entry to admit a new one. ``hold`` admits until
     full and then serves misses without caching: with shuffled epochs over a dataset larger than
     the cache, LRU evicts each shard just before it is needed again and gets almost no hits,
-    while ``hold`` keeps a fixed cache/dataset fraction of hits every epoch."""
+    while ``hold`` keeps a fixed cache/dataset fraction of hits every epoch. Each name is a policy of
+    :mod:`cache.eviction` (``POLICIES``)."""
 
     namespace: str = ""
     """Identity of the origin (e.g. ``s3`` + endpoint, or ``file:///root``). Part of every entry id,

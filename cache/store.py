@@ -16,15 +16,16 @@ never modified in place: a reader holding one open (the daemon's sendfile, or a 
 short-circuit read) keeps valid bytes even if the entry is evicted, because unlink only drops the
 name.
 
+Eviction (:mod:`cache.eviction`): the store accounts for capacity (bytes, items, free disk) and
+pins; which entries go to make room is its policy's choice (``StoreSettings.eviction``), told of
+every entry indexed, touched and removed. Under ``lru`` borrowed entries (:attr:`Entry.borrowed`:
+copies of objects another daemon of the cluster owns, read from that peer) go first, least recently
+used first, then the least recently used owned ones; ``hold`` evicts nothing for room.
+
 Tenants (``StoreSettings.tenant_quota_bytes``): an entry counts for the tenant whose request
 caused its fill. A fill that would take that tenant past its quota first evicts the tenant's own
-least recently used entries, from a per-tenant LRU kept in step with the global one, so the cost
-is per eviction and not a scan of the index; entries of tenant "" count for nobody.
-
-Borrowed entries (:attr:`Entry.borrowed`): copies of objects another daemon of the cluster owns
-(read from that peer). Under ``lru`` the oldest unpinned borrowed entry is evicted before any
-owned one, from a second LRU kept in step with the global one: a node's share of the cluster's
-dataset stays while its disk holds borrowed copies it could read again from a peer.
+least recently used entries (:class:`cache.eviction.TenantQuota`), under either policy; entries of
+tenant "" count for nobody.
 
 Integrity: the xxh3-128 of every entry is computed while it is filled and checked against the
 expected checksum when the caller knows it (manifest). A published file is re-hashed before it is
@@ -49,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import itertools
 import json
 import logging
 import mmap
@@ -60,20 +60,21 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import xxhash
 
+from cache.entry import LAYOUT, Entry
 from cache.errors import CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace, ReadOnlyViewError
+from cache.eviction import TenantQuota, policy_for
 from cache.settings import StoreSettings
 
 __all__ = ["Store", "Entry", "Writer", "Verifier", "ReadOnlyViewError", "entry_id", "hash_file"]
 
 log = logging.getLogger(__name__)
 
-_LAYOUT = "v1"
 _HASH_CHUNK = 4 * 1024 * 1024
 _DIRECT_ALIGN = 4096  # offset and length of an O_DIRECT write: a multiple of any logical block size in use
 # An entry's object headers, as a sanity bound on what a meta file may hold (the daemon refuses
@@ -114,45 +115,6 @@ def hash_file(fd: int, size: int) -> str:
     if offset != size:
         raise IntegrityError(f"file is {offset} bytes, expected {size}")
     return hasher.hexdigest()
-
-
-@dataclass
-class Entry:
-    """One published object version."""
-
-    id: str
-    bucket: str
-    key: str
-    etag: str
-    size: int
-    xxh3_128: str
-    created: float
-    last_access: float = 0.0
-    pins: int = field(default=0, compare=False)
-    # What the origin answered with the bytes, answered again on every hit: its Last-Modified
-    # (an HTTP date) and the headers S3 stores with an object (Content-Type, x-amz-meta-*, ...).
-    # Meta files written before the daemon kept them have neither: such entries load with
-    # ``None`` and ``()``, and are answered without them until they are refetched.
-    last_modified: str | None = None
-    headers: tuple[tuple[str, str], ...] = ()
-    # How the origin vouched for the bytes when they were filled: the checksum algorithm they
-    # were verified against (``crc32``, ``md5``, ...), or "" when the origin vouched for nothing
-    # checkable (the entry is *unverified*), and the checksum headers it sent, answered again to
-    # clients that ask. Older meta files have neither: unverified.
-    verified: str = ""
-    checksums: tuple[tuple[str, str], ...] = ()
-    # Whose request caused the fill (an IAM principal ARN, ``key:AKIA...``): the entry's bytes
-    # count against that tenant's quota. "" (no auth, or a meta file older than tenants): nobody's.
-    tenant: str = ""
-    # A copy of an object another daemon of the cluster owned when it was filled: evicted first.
-    borrowed: bool = False
-
-    def meta(self) -> dict[str, object]:
-        data = asdict(self)
-        data.pop("pins")
-        data.pop("last_access")
-        data["layout"] = _LAYOUT
-        return data
 
 
 class Verifier(Protocol):
@@ -358,56 +320,6 @@ class Writer:
                 os.close(self._direct)
 
 
-class _Tenants:
-    """Per-tenant figures behind the quota; the store's lock guards every call.
-
-    For each tenant (never ""): its entries' ids in LRU order, oldest first, moved in step with
-    the store's own LRU (so quota eviction takes the oldest without scanning), the bytes of those
-    entries, and the bytes its fills in progress reserve. A tenant with nothing left is dropped,
-    so the maps hold only tenants with something in the cache."""
-
-    def __init__(self) -> None:
-        self.lru: dict[str, OrderedDict[str, int]] = {}  # tenant -> {entry id: size}, oldest first
-        self.used: dict[str, int] = {}
-        self.reserved: dict[str, int] = {}
-
-    def add(self, entry: Entry) -> None:
-        if entry.tenant:
-            self.lru.setdefault(entry.tenant, OrderedDict())[entry.id] = entry.size
-            self.used[entry.tenant] = self.used.get(entry.tenant, 0) + entry.size
-
-    def discard(self, entry: Entry) -> None:
-        ids = self.lru.get(entry.tenant)
-        if ids is None or ids.pop(entry.id, None) is None:
-            return
-        self.used[entry.tenant] -= entry.size
-        if not ids:
-            del self.lru[entry.tenant]
-            del self.used[entry.tenant]
-
-    def touch(self, entry: Entry) -> None:
-        ids = self.lru.get(entry.tenant)
-        if ids is not None and entry.id in ids:
-            ids.move_to_end(entry.id)
-
-    def reserve(self, tenant: str, delta: int) -> None:
-        if not tenant:
-            return
-        left = self.reserved.get(tenant, 0) + delta
-        if left:
-            self.reserved[tenant] = left
-        else:
-            self.reserved.pop(tenant, None)
-
-    def charged(self, tenant: str) -> int:
-        """What counts against the tenant's quota: its entries plus its fills in progress."""
-        return self.used.get(tenant, 0) + self.reserved.get(tenant, 0)
-
-    def over(self, quota: int) -> int:
-        """How many tenants are past ``quota`` (possible after a restart with a smaller one)."""
-        return sum(1 for tenant in self.used.keys() | self.reserved.keys() if self.charged(tenant) > quota)
-
-
 class Store:
     """A byte-capacity-bounded directory of immutable objects. See the module docstring."""
 
@@ -415,16 +327,16 @@ class Store:
 
     def __init__(self, settings: StoreSettings) -> None:
         self.settings = settings
-        self.base = Path(settings.root) / _LAYOUT
+        self.base = Path(settings.root) / LAYOUT
         self._tmp_dir = self.base / "tmp"
         self._data_dir = self.base / "data"
         self._meta_dir = self.base / "meta"
         view = settings.read_only_view
-        self._view_data_dir = Path(view) / _LAYOUT / "data" if view is not None else None
+        self._view_data_dir = Path(view) / LAYOUT / "data" if view is not None else None
         self._data_dev: int | None = None  # st_dev of the data directory, once the view is checked
         self._lock = threading.RLock()
-        self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
-        self._borrowed: OrderedDict[str, None] = OrderedDict()  # the borrowed ones, in the same order
+        self._entries: dict[str, Entry] = {}  # the index; recency is the policy's to keep
+        self._policy = policy_for(settings.eviction)
         self._by_name: dict[tuple[str, str], str] = {}
         self._verified: dict[str, _Stamp] = {}
         # When each entry's bytes were last hashed in full (monotonic), oldest first, and the
@@ -433,8 +345,9 @@ class Store:
         self._never_hashed: set[str] = set()
         self._used = 0
         self._unverified = [0, 0]  # entries and bytes with Entry.verified == ""
+        self._borrowed_items = 0  # entries with Entry.borrowed
         self._reserved = 0
-        self._tenants = _Tenants()
+        self._tenants = TenantQuota(settings.tenant_quota_bytes)
         self._writers: set[Writer] = set()
         self._lock_fd: int | None = None
         self._no_space_until = 0.0
@@ -495,7 +408,7 @@ class Store:
         if any((a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) for a, b in zip(seen, own, strict=True)):
             raise ReadOnlyViewError(
                 f"the read-only view {view} is another directory than the cache {self.settings.root} "
-                f"(its {_LAYOUT}/LOCK or {_LAYOUT}/data is another file): {self._view_hint()}"
+                f"(its {LAYOUT}/LOCK or {LAYOUT}/data is another file): {self._view_hint()}"
             )
         if not os.statvfs(self._view_data_dir).f_flag & os.ST_RDONLY:
             raise ReadOnlyViewError(
@@ -557,7 +470,7 @@ class Store:
         for data_path in self._data_dir.glob("*/*"):
             if data_path.name not in meta_ids:
                 data_path.unlink(missing_ok=True)
-        found.sort(key=lambda e: e.last_access)
+        found.sort(key=lambda e: e.last_access)  # indexed (and told to the policy) oldest first
         with self._lock:
             for entry in found:
                 self._entries[entry.id] = entry
@@ -646,6 +559,7 @@ class Store:
             return entry
 
     def entries(self) -> list[Entry]:
+        """Every indexed entry, in no particular order (recency is the policy's)."""
         with self._lock:
             return list(self._entries.values())
 
@@ -760,10 +674,8 @@ class Store:
         with self._lock:
             current = self._entries.get(entry.id)
             if current is not None:
-                self._entries.move_to_end(entry.id)
-                if current.borrowed:
-                    self._borrowed.move_to_end(entry.id)
-                self._tenants.touch(current)
+                self._policy.on_touch(current)
+                self._tenants.on_touch(current)
 
     def touch(self, entry: Entry) -> None:
         now = time.time()
@@ -818,26 +730,28 @@ class Store:
             if size > self.settings.capacity_bytes or time.monotonic() < self._no_space_until:
                 self._counters["rejected_full"] += 1
                 return None
-            quota = self.settings.tenant_quota_bytes
-            if tenant and quota is not None:
-                victims = self._quota_victims(tenant, size, quota)
-                if victims is None:
-                    self._tenant_counters["rejected_quota"] += 1
-                    return None
-                freed = sum(entry.size for entry in victims)
-                if victims and self.settings.eviction != "lru" and not self._fits(size, freed, len(victims)):
-                    # Under hold nothing else makes room: evicting the tenant's entries would
-                    # lose them and still cache nothing.
-                    self._counters["rejected_full"] += 1
-                    return None
-                for entry in victims:
-                    self._tenant_counters["quota_evictions"] += 1
-                    self._tenant_counters["quota_evicted_bytes"] += entry.size
-                    self._remove_locked(entry)
+            victims = self._tenants.victims(tenant, size)
+            if victims is None:
+                self._tenant_counters["rejected_quota"] += 1
+                return None
+            if (victims and not self._policy.evicts_for_room
+                    and not self._fits(size, sum(entry.size for entry in victims), len(victims))):
+                # Under hold nothing else makes room: evicting the tenant's entries would lose
+                # them and still cache nothing.
+                self._counters["rejected_full"] += 1
+                return None
+            for entry in victims:
+                self._tenant_counters["quota_evictions"] += 1
+                self._tenant_counters["quota_evicted_bytes"] += entry.size
+                self._remove_locked(entry)
             while not self._fits(size):
-                if self.settings.eviction != "lru" or not self._evict_one():
+                victim = self._policy.victim()
+                if victim is None:
                     self._counters["rejected_full"] += 1
                     return None
+                self._counters["evictions"] += 1
+                self._counters["evicted_bytes"] += victim.size
+                self._remove_locked(victim)
             try:
                 writer = Writer(
                     self, bucket, key, etag, size, expected_xxh3, last_modified, headers, verifier, checksums, tenant,
@@ -854,45 +768,20 @@ class Store:
             self._writers.add(writer)
             return writer
 
-    def _quota_victims(self, tenant: str, size: int, quota: int) -> list[Entry] | None:
-        """The tenant's unpinned entries, least recently used first, whose eviction brings its
-        entries plus fills in progress plus ``size`` within ``quota``; ``None`` if they cannot."""
-        if size > quota:
-            return None
-        excess = self._tenants.charged(tenant) + size - quota
-        victims: list[Entry] = []
-        for ident in self._tenants.lru.get(tenant, ()):
-            if excess <= 0:
-                break
-            entry = self._entries[ident]
-            if entry.pins == 0:
-                victims.append(entry)
-                excess -= entry.size
-        return victims if excess <= 0 else None
-
     def _account(self, entry: Entry, sign: int) -> None:
         """Add (1) or take away (-1) an indexed entry's bytes; the caller holds the lock."""
         self._used += sign * entry.size
         if sign > 0:
-            self._tenants.add(entry)
-            if entry.borrowed:
-                self._borrowed[entry.id] = None
+            self._policy.on_add(entry)
+            self._tenants.on_add(entry)
         else:
-            self._tenants.discard(entry)
-            self._borrowed.pop(entry.id, None)
+            self._policy.on_remove(entry)
+            self._tenants.on_remove(entry)
+        if entry.borrowed:
+            self._borrowed_items += sign
         if not entry.verified:
             self._unverified[0] += sign
             self._unverified[1] += sign * entry.size
-
-    def _evict_one(self) -> bool:
-        # Borrowed copies first (oldest first), then the owned ones: see the module docstring.
-        for entry in itertools.chain((self._entries[ident] for ident in self._borrowed), self._entries.values()):
-            if entry.pins == 0:
-                self._counters["evictions"] += 1
-                self._counters["evicted_bytes"] += entry.size
-                self._remove_locked(entry)
-                return True
-        return False
 
     def _release(self, writer: Writer) -> None:
         with self._lock:
@@ -987,23 +876,21 @@ class Store:
         """What ``tenant`` has brought into the cache, for that tenant's own eyes (its name is in
         it). ``quota_bytes`` is ``None`` without a quota, and for tenant "" (never subject to one)."""
         with self._lock:
-            ids = self._tenants.lru.get(tenant) if tenant else None
             return {
                 "tenant": tenant,
-                "used_bytes": self._tenants.used.get(tenant, 0) if tenant else 0,
-                "reserved_bytes": self._tenants.reserved.get(tenant, 0) if tenant else 0,
-                "items": len(ids) if ids else 0,
-                "quota_bytes": self.settings.tenant_quota_bytes if tenant else None,
+                "used_bytes": self._tenants.used(tenant),
+                "reserved_bytes": self._tenants.reserved(tenant),
+                "items": self._tenants.items(tenant),
+                "quota_bytes": self._tenants.quota if tenant else None,
             }
 
     def _tenant_stats(self) -> dict[str, object]:
         """The tenants block of :meth:`stats`: figures only, never a name (every tenant reads
         /stats); the caller holds the lock."""
-        quota = self.settings.tenant_quota_bytes
         return {
-            "quota_bytes": quota,
-            "count": len(self._tenants.lru),
-            "over_quota": self._tenants.over(quota) if quota is not None else 0,
+            "quota_bytes": self._tenants.quota,
+            "count": self._tenants.count,
+            "over_quota": self._tenants.over(),
             **self._tenant_counters,
         }
 
@@ -1021,7 +908,7 @@ class Store:
                 "used_bytes": self._used,
                 "reserved_bytes": self._reserved,
                 "items": len(self._entries),
-                "borrowed_items": len(self._borrowed),
+                "borrowed_items": self._borrowed_items,
                 # Entries the origin vouched for in no checkable way (see Entry.verified).
                 "unverified_items": self._unverified[0],
                 "unverified_bytes": self._unverified[1],
