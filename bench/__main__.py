@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from bench.common import RESULTS_DIR, STORES, parse_size
+from bench.common import RESULTS_DIR, parse_size
+from bench.servers import STORES
 from bench.suite import PEERS, SHARDCACHE_RUNS, SuiteConfig, publish, run_suite
 
 RUN_NAMES = ("raw", *PEERS, *SHARDCACHE_RUNS, "half_cache_lru", "half_cache_hold")

@@ -48,11 +48,11 @@ from bench.common import (
     parse_size,
     spawn,
     stop_process,
-    store_server,
     write_results,
 )
 from bench.latency_proxy import LatencyProxy
 from bench.peers_common import MB
+from bench.servers import store_server
 
 __all__ = ["AccelConfig", "READERS", "run_trial", "run", "main"]
 

@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import itertools
-import json
 import os
 import random
 import shutil
@@ -61,27 +60,21 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from bench.common import (
     RESULTS_DIR,
-    STORE_DESCRIPTIONS,
-    MotoServer,
     cpu_seconds,
     fmt_size,
-    free_port,
-    http_ok,
     in_workdir,
     machine_facts,
     parse_size,
-    spawn,
-    stop_process,
     wait_until,
     write_results,
 )
+from bench.servers import STORE_DESCRIPTIONS, MotoServer, ServeProcess, ServerExited
 from sidecar.daemon.auth.proofs import Target, prove
 from sidecar.daemon.auth.sigv4 import Credentials, amz_date
 
@@ -135,41 +128,29 @@ POD_CREDENTIALS = {
 }
 
 
-class Serve:
+class Serve(ServeProcess):
     """``python -m sidecar.cli serve`` as a subprocess on a fresh cache dir, with a TCP listener
-    (``url``) besides whatever ``extra`` adds."""
+    (``url``) besides whatever ``extra`` adds; launched when made, :meth:`wait_ready` waits for it."""
 
     def __init__(self, workdir: Path, name: str, origin: str, cache_size: int, extra: list[str],
                  env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.cache_dir = workdir / f"cache-{name}"
         shutil.rmtree(self.cache_dir, ignore_errors=True)
-        self.log = workdir / f"{name}.log"
-        args = [sys.executable, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{self.port}",
-                "--origin", "s3", "--s3-endpoint", origin, "--cache-dir", str(self.cache_dir),
-                "--cache-size", str(cache_size), "--min-free", "0", *extra]
-        self.proc = spawn(args, self.log, env)
+        super().__init__(workdir / f"{name}.log", [
+            "--origin", "s3", "--s3-endpoint", origin, "--cache-dir", str(self.cache_dir),
+            "--cache-size", str(cache_size), "--min-free", "0", *extra,
+        ], env)
+        self.name = name
+        self.launch()
 
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise BenchError(f"{self.log.stem} exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            return http_ok(self.url + "/readyz")
+    def wait_ready(self) -> Self:
+        try:
+            return super().wait_ready()
+        except ServerExited as exc:
+            raise BenchError(str(exc)) from None
 
-        wait_until(ready, timeout=60, what=f"{self.log.stem} to be ready (log: {self.log})")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def get_json(self, path: str) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + path, timeout=10) as resp:
-            answer: dict[str, Any] = json.loads(resp.read())
-        return answer
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+    def stop(self, timeout: float = 15.0) -> None:
+        super().stop(timeout)
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 

@@ -47,8 +47,9 @@ from typing import Any
 
 from bench.common import REPO, RESULTS_DIR, machine_facts, write_results
 from bench.locality_bench import MODES as BED_MODES
+from loader.master.server.events import Complete, CreateJob, Lease, Placement, Release
 from loader.master.server.spec import JobSpec
-from loader.master.server.state import Complete, CreateJob, Lease, MasterState, Placement, Release
+from loader.master.server.state import MasterState
 from wire.rendezvous import best, prefixed, score
 
 __all__ = [

@@ -53,9 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from bench.common import MotoServer, machine_facts, spawn, stop_process, wait_until
+from bench.common import machine_facts, spawn, stop_process, wait_until
 from bench.netbed import TBF_BURST, TBF_LATENCY, FarHostUnavailable, link_exists, netns_exists, run_ip, used_networks
 from bench.netbed import check_available as _netbed_check_available
+from bench.servers import MotoServer
 
 __all__ = [
     "ClusterUnavailable",

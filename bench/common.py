@@ -1,5 +1,5 @@
-"""What the benchmarks share: the generated dataset, the moto S3 origin, machine facts, RSS
-sampling, page-cache dropping and result files.
+"""What the benchmarks share: the generated dataset, processes, machine facts, RSS sampling,
+page-cache dropping and result files (the servers they start are in :mod:`bench.servers`).
 
 The dataset is deterministic for a seed: WebDataset tar shards of "JPEG-sized" random samples
 (``000123.jpg`` of 80-140 KB, as ImageNet JPEGs average ~110 KB, plus ``000123.cls``), written
@@ -27,10 +27,10 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -41,14 +41,7 @@ __all__ = [
     "make_samples",
     "pack_shards",
     "write_dataset_dir",
-    "ServerProcess",
-    "S3Server",
-    "MotoServer",
-    "S3rverServer",
     "port_open",
-    "STORES",
-    "STORE_DESCRIPTIONS",
-    "store_server",
     "RssSampler",
     "s3_client",
     "free_port",
@@ -207,9 +200,12 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """A process in its own session (so stopping it takes its children too), output to ``log``."""
-    full_env = {**os.environ, **TEST_CREDENTIALS, "NO_PROXY": "127.0.0.1,localhost", **(env or {})}
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None, *,
+          credentials: Mapping[str, str] = TEST_CREDENTIALS) -> subprocess.Popen[bytes]:
+    """A process in its own session (so stopping it takes its children too), output to ``log``.
+    Its environment is this one's with ``credentials`` (the benchmarks' test pair; the tests pass
+    ``{}``: their session's own), loopback reached without a proxy, and ``env`` over all."""
+    full_env = {**os.environ, **credentials, "NO_PROXY": "127.0.0.1,localhost", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     full_env.pop("AWS_PROFILE", None)
     handle = open(log, "ab")  # noqa: SIM115 - the child owns it
@@ -220,11 +216,12 @@ def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subp
         handle.close()
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to the process's group, then SIGKILL if it is still there after ``timeout``."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -237,148 +234,6 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
     """Whether something accepts connections on ``host:port`` (raises when nothing does)."""
     with socket.create_connection((host, port), timeout=1):
         return True
-
-
-class ServerProcess:
-    """A server in its own process on a free loopback port: ``__enter__`` starts it (with
-    :func:`spawn`) and waits until :meth:`ready`, ``__exit__`` stops it and its children.
-
-    :meth:`listen_on` moves it elsewhere before it starts: another address (the far end of a
-    ``bench.netbed.FarHost`` link) and a command prefix that runs it there (``ip netns exec``)."""
-
-    name = "server"
-
-    def __init__(self, log: Path) -> None:
-        self.host = "127.0.0.1"
-        self.port = free_port()
-        self.endpoint = f"http://{self.host}:{self.port}"
-        self.log = log
-        self.launcher: list[str] = []
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def listen_on(self, host: str, launcher: list[str]) -> Self:
-        """Listen on ``host`` and start through ``launcher``; call before ``__enter__``. The port
-        stays the one :func:`free_port` found here: a fresh network namespace has every port free."""
-        if self.proc is not None:
-            raise RuntimeError(f"the {self.name} is already running")
-        self.host = host
-        self.endpoint = f"http://{host}:{self.port}"
-        self.launcher = list(launcher)
-        return self
-
-    def command(self) -> list[str]:
-        raise NotImplementedError
-
-    def env(self) -> dict[str, str] | None:
-        return None
-
-    def ready(self) -> bool:
-        return port_open(self.port, self.host)
-
-    def __enter__(self) -> Self:
-        self.proc = spawn(self.launcher + self.command(), self.log, self.env())
-        try:
-            wait_until(self.ready, timeout=60, what=f"the {self.name} at {self.endpoint} (log: {self.log})")
-        except BaseException:
-            # ``with`` does not call __exit__ when __enter__ raises: a server that never became
-            # ready would otherwise outlive the run.
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-
-class S3Server(ServerProcess):
-    """An S3 endpoint for the benchmarks."""
-
-    def client(self, max_pool: int = 16) -> Any:
-        return s3_client(self.endpoint, max_pool)
-
-
-class MotoServer(S3Server):
-    """A moto S3 server in its own process, holding every object in memory.
-
-    moto spools objects above ~5 MiB to temp files by default; ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``
-    keeps them in RAM, so the origin is not the disk the cache also sits on."""
-
-    name = "moto server"
-
-    def __init__(self, workdir: Path, in_memory: bool = True) -> None:
-        super().__init__(workdir / "moto.log")
-        self.in_memory = in_memory
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
-
-    def env(self) -> dict[str, str] | None:
-        return {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)} if self.in_memory else None
-
-    def ready(self) -> bool:
-        return http_ok(self.endpoint + "/moto-api/")
-
-
-class S3rverServer(S3Server):
-    """s3rver (Node.js, npm ``s3rver``) in its own process: a second, independent S3 server for
-    the benchmarks, objects in files under the work dir.
-
-    Why a second store: moto answers a ranged GET by copying the whole object in Python first
-    (``moto/s3/responses.py``, ``_handle_range_header``), so every part of a parallel ranged
-    download costs it a full object: ``download_fileobj`` and the daemon's split fills measure
-    moto, not the transfer. s3rver streams a range from its file, as S3, MinIO and Ceph do.
-    It is installed on first use with npm into ``~/.cache/shardcache-bench`` (the machine needs
-    ``node`` and ``npm``); signatures are accepted when well-formed, so the benchmark's test
-    credentials (s3rver's own key pair) work unchanged."""
-
-    name = "s3rver server"
-    VERSION = "3.7.1"
-
-    def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir / "s3rver.log")
-        self.data = workdir / "s3rver-data"
-
-    @classmethod
-    def executable(cls) -> Path:
-        prefix = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardcache-bench" / f"s3rver-{cls.VERSION}"
-        binary = prefix / "node_modules" / ".bin" / "s3rver"
-        if not binary.exists():
-            if not shutil.which("npm") or not shutil.which("node"):
-                raise RuntimeError("--store s3rver needs node and npm (apt-get install -y nodejs npm)")
-            prefix.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix),
-                            f"s3rver@{cls.VERSION}"], check=True, timeout=600)
-        return binary
-
-    def command(self) -> list[str]:
-        self.data.mkdir(parents=True, exist_ok=True)
-        return [str(self.executable()), "--directory", str(self.data), "--address", self.host,
-                "--port", str(self.port), "--silent", "--allow-mismatched-signatures"]
-
-
-STORES = ("moto", "s3rver")
-
-
-def store_server(kind: str, workdir: Path) -> S3Server:
-    """The S3 server a benchmark reads from: ``moto`` (objects in RAM) or ``s3rver`` (in files)."""
-    if kind == "moto":
-        return MotoServer(workdir)
-    if kind == "s3rver":
-        return S3rverServer(workdir)
-    raise ValueError(f"unknown store {kind!r}; known: {', '.join(STORES)}")
-
-
-STORE_DESCRIPTIONS = {
-    "moto": "moto server (own process, objects in RAM)",
-    "s3rver": f"s3rver {S3rverServer.VERSION} (Node.js, own process, objects in files)",
-}
 
 
 def s3_client(endpoint: str, max_pool: int = 16) -> Any:

@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import http.client
 import io
-import json
 import os
 import shutil
 import socket
@@ -50,7 +49,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,30 +59,21 @@ import xxhash
 
 from bench.common import (
     RESULTS_DIR,
-    STORE_DESCRIPTIONS,
-    STORES,
     RssSampler,
-    S3Server,
     SendfileServer,
-    ServerProcess,
     cpu_seconds,
     drop_caches,
     fmt_size,
-    free_port,
-    http_ok,
     machine_busy_seconds,
     machine_facts,
     make_samples,
     pack_shards,
     parse_size,
     s3_client,
-    spawn,
-    stop_process,
-    store_server,
-    wait_until,
     write_results,
 )
 from bench.latency_proxy import LatencyProxy
+from bench.servers import STORE_DESCRIPTIONS, STORES, S3Server, ServeProcess, ServerProcess, store_server
 from cache import aligned_buffer
 
 BUCKET = "bench"
@@ -167,41 +156,25 @@ class LayoutResult:
 # -- the daemon under test --------------------------------------------------------------------
 
 
-class Daemon:
-    """``python -m sidecar.cli serve`` as a subprocess on a fresh cache dir."""
+class Daemon(ServeProcess):
+    """``python -m sidecar.cli serve`` as a subprocess on a fresh cache dir, started (and ready)
+    when made."""
 
     def __init__(self, workdir: Path, name: str, origin: str, cache_size: int, extra: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.cache_dir = workdir / f"cache-{name}"
         shutil.rmtree(self.cache_dir, ignore_errors=True)
-        self.log = workdir / f"daemon-{name}.log"
-        self.args = [
-            sys.executable, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{self.port}",
+        super().__init__(workdir / f"daemon-{name}.log", [
             "--origin", "s3", "--s3-endpoint", origin, "--cache-dir", str(self.cache_dir),
             "--cache-size", str(cache_size), "--min-free", "0", *extra,
-        ]
-        self.proc = spawn(self.args, self.log)
-        try:
-            wait_until(lambda: http_ok(self.url + "/readyz"), timeout=60, what=f"the daemon (log: {self.log})")
-        except BaseException:
-            self.stop()
-            raise
+        ])
+        self.start()
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/_shardcache/stats", timeout=10) as resp:
-            return json.loads(resp.read())
-
-    def settle(self) -> None:
+    def settle(self, timeout: float = 120.0) -> None:
         """A reader can finish before its fill is published (fsync, rename): wait for that."""
-        wait_until(lambda: self.stats()["fills_in_flight"] == 0, timeout=120, what="daemon fills to finish")
+        super().settle(timeout)
 
-    def stop(self) -> None:
-        stop_process(self.proc)
+    def stop(self, timeout: float = 15.0) -> None:
+        super().stop(timeout)
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 

@@ -41,10 +41,9 @@ import os
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import xxhash
 
@@ -52,18 +51,14 @@ from bench.common import (
     RESULTS_DIR,
     cpu_seconds,
     fmt_size,
-    free_port,
-    http_ok,
     in_workdir,
     machine_facts,
     make_samples,
     pack_shards,
     parse_size,
-    spawn,
-    stop_process,
-    wait_until,
     write_results,
 )
+from bench.servers import ServeProcess, ServerExited
 from loader import LoaderSettings, ShardLoader
 from loader.dataset import parse_dataset_url
 from loader.sources import DaemonSource
@@ -119,48 +114,39 @@ def write_dataset(root: Path, total_bytes: int, shard_bytes: int, seed: int) -> 
 # -- the daemon ---------------------------------------------------------------------------------
 
 
-class Daemon:
+class Daemon(ServeProcess):
     """``python -m sidecar.cli serve --mode node`` on the dataset's origin: TCP loopback for HTTP,
-    ``--handles`` on a unix socket in ``workdir``."""
+    ``--handles`` on a unix socket in ``workdir``. Launched when made; :meth:`wait_ready` waits for
+    it and its handle socket."""
 
     def __init__(self, workdir: Path, origin: str, cache_size: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.handles = workdir / "handles.sock"
         self.cache_dir = workdir / "cache"
-        self.log = workdir / "daemon.log"
-        self.args = [sys.executable, "-m", "sidecar.cli", "serve", "--mode", "node",
-                     "--listen", f"tcp://127.0.0.1:{self.port}", "--handles", f"unix://{self.handles}",
-                     "--origin", origin, "--cache-dir", str(self.cache_dir), "--cache-size", str(cache_size),
-                     "--min-free", "0"]
-        self.proc = spawn(self.args, self.log)
+        super().__init__(workdir / "daemon.log", [
+            "--handles", f"unix://{self.handles}", "--origin", origin, "--cache-dir", str(self.cache_dir),
+            "--cache-size", str(cache_size), "--min-free", "0",
+        ], mode="node")
+        self.launch()
 
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            return self.proc.poll() is not None or (http_ok(self.url + "/readyz") and self.handles.exists())
+    def ready(self) -> bool:
+        return super().ready() and self.handles.exists()
 
-        wait_until(ready, timeout=60, what=f"the daemon and its handle socket (log: {self.log})")
-        if self.proc.poll() is not None:
-            raise BenchError(f"the daemon exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+    def wait_ready(self) -> Self:
+        try:
+            return super().wait_ready()
+        except ServerExited as exc:
+            raise BenchError(str(exc)) from None
 
     @property
-    def command(self) -> str:
-        return " ".join(str(a) for a in self.args[1:])
-
-    def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/_shardcache/stats", timeout=10) as resp:
-            answer: dict[str, Any] = json.loads(resp.read())
-        return answer
+    def command_line(self) -> str:
+        return " ".join(str(a) for a in self.command()[1:])
 
     def served(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.stats()["served_bytes"].items()}
 
-    def settle(self) -> None:
+    def settle(self, timeout: float = 120.0) -> None:
         """A reader can finish before its fill is published (fsync, rename): wait for that."""
-        wait_until(lambda: self.stats()["fills_in_flight"] == 0, timeout=120, what="the daemon's fills")
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+        super().settle(timeout)
 
 
 def settings_for(variant: str, daemon: Daemon) -> LoaderSettings:
@@ -461,7 +447,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         daemon.stop()
     return {**summaries, "dataset": {"shards": len(dataset.keys), "bytes": dataset.bytes, "samples": dataset.samples,
                                      "shard_bytes_max": max(dataset.sizes)},
-            "cold_fill_s": round(cold_s, 3), "daemon_served_bytes": stats["served_bytes"], "daemon_command": daemon.command}
+            "cold_fill_s": round(cold_s, 3), "daemon_served_bytes": stats["served_bytes"], "daemon_command": daemon.command_line}
 
 
 def main(argv: list[str] | None = None) -> int:

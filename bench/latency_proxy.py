@@ -29,7 +29,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from bench.common import ServerProcess
+from bench.servers import ServerProcess
 
 __all__ = ["LatencyProxy", "SharedRate", "serve", "main"]
 
@@ -162,7 +162,7 @@ async def serve(port: int, upstream: tuple[str, int], delay_s: float, bytes_per_
 
 
 class LatencyProxy(ServerProcess):
-    """:func:`serve` in its own process (a ``bench.common.spawn`` child), in front of ``upstream``."""
+    """:func:`serve` in its own process (a ``bench.servers.ServerProcess``), in front of ``upstream``."""
 
     name = "latency proxy"
 

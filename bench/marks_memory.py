@@ -51,8 +51,10 @@ from typing import Any
 
 from bench.common import REPO, RESULTS_DIR, machine_facts, write_results
 from bench.master_memory import make_spec
+from loader.master.server.events import Complete, CreateJob, Lease, Mark, Renew, Rewind
 from loader.master.server.marks import MAX_HISTORY, MAX_MARKS, RETAIN_S, JobMarks
-from loader.master.server.state import Complete, CreateJob, EpochState, JobSpec, Lease, Mark, MasterState, Renew, Rewind
+from loader.master.server.spec import JobSpec
+from loader.master.server.state import EpochState, MasterState
 
 __all__ = ["main"]
 

@@ -35,11 +35,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, free_port, http_ok, machine_facts, spawn, stop_process, wait_until, write_results
+from bench.common import RESULTS_DIR, machine_facts, write_results
+from bench.servers import ETCD, EtcdServer, MasterProcess
 
 __all__ = ["main"]
-
-ETCD = "/usr/bin/etcd"
 
 
 class _RawConnection:
@@ -160,40 +159,12 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class _Etcd:
-    def __init__(self, workdir: Path) -> None:
-        self.port, self.peer = free_port(), free_port()
-        self.workdir = workdir
-        self.proc: Any = None
-
-    def __enter__(self) -> _Etcd:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
-        self.proc = spawn(
-            [ETCD, "--data-dir", str(self.workdir / "etcd"), "--listen-client-urls", client,
-             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"default={peer}", "--log-level", "warn"],
-            self.workdir / "etcd.log",
-        )
-        wait_until(lambda: http_ok(client + "/health"), timeout=30, what="etcd")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        stop_process(self.proc)
-
-
 def run_config(name: str, state: str, extra: list[str], client: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import urllib.request
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    master = spawn(
-        [sys.executable, "-m", "sidecar.cli", "--log-level", "WARNING", "master", "--listen", f"tcp://127.0.0.1:{port}",
-         "--state", state, "--advertise-url", url, *extra],
-        workdir / f"master-{name}.log",
-    )
-    try:
-        wait_until(lambda: http_ok(url + "/readyz"), timeout=60, what=f"master ({name})")
+    master = MasterProcess(workdir / f"master-{name}.log", state, extra, cli_args=["--log-level", "WARNING"], advertise=True)
+    url = master.url
+    with master:
         job = "bench-" + uuid.uuid4().hex[:6]
         spec = {"name": job, "dataset": "s3://bench/train/", "seed": 1, "lease_ttl_s": 60,
                 "shards": [{"key": f"train-{i:06d}.tar", "size": 1 << 20, "samples": 100} for i in range(args.shards)]}
@@ -220,8 +191,6 @@ def run_config(name: str, state: str, extra: list[str], client: str, args: argpa
         latencies = [x for r in results for x in r["latencies"]]
         with urllib.request.urlopen(f"{url}/v1/jobs/{job}", timeout=10) as resp:
             status = json.load(resp)
-    finally:
-        stop_process(master)
     return {
         "config": name,
         "client": client,
@@ -277,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not os.path.exists(ETCD):
                         skipped[config] = f"{ETCD} missing (apt-get install etcd-server)"
                         continue
-                    with _Etcd(workdir / client) as etcd:
+                    with EtcdServer(workdir / client, binary=ETCD, data_dir="etcd") as etcd:
                         rows.append(run_config(config, f"etcd://127.0.0.1:{etcd.port}/bench", ["--max-batch", "512"],
                                                client, args, workdir))
                 else:

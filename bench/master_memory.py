@@ -299,8 +299,9 @@ def measure_state_in_process(body: bytes, batch: int) -> dict[str, Any]:
     import base64
     import secrets
 
+    from loader.master.server.events import Complete, CreateJob, Lease
     from loader.master.server.spec_stream import SpecStream
-    from loader.master.server.state import Complete, CreateJob, Lease, MasterState
+    from loader.master.server.state import MasterState
 
     def ids(count: int) -> tuple[str, ...]:
         raw = base64.urlsafe_b64encode(secrets.token_bytes(12 * count)).decode()

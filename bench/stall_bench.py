@@ -36,10 +36,7 @@ from typing import Any
 
 from bench.common import (
     RESULTS_DIR,
-    MotoServer,
     fmt_size,
-    free_port,
-    http_ok,
     log_line,
     machine_facts,
     make_samples,
@@ -47,10 +44,10 @@ from bench.common import (
     parse_size,
     spawn,
     stop_process,
-    wait_until,
     write_results,
 )
 from bench.latency_proxy import LatencyProxy
+from bench.servers import MasterProcess, MotoServer, ServeProcess
 
 __all__ = ["StallConfig", "main"]
 
@@ -250,40 +247,15 @@ def build_dataset(cfg: StallConfig, moto: MotoServer, workdir: Path) -> Dataset:
     return Dataset(shards, samples, size)
 
 
-class Server:
-    """A ``python -m sidecar.cli`` subcommand as a subprocess, ready when ``/readyz`` answers."""
-
-    def __init__(self, args: list[str], url: str, log: Path, ready_path: str) -> None:
-        self.url = url
-        self.log = log
-        self.proc = spawn([sys.executable, "-m", "sidecar.cli", *args], log)
-        try:
-            wait_until(lambda: http_ok(url + ready_path), timeout=60, what=f"{args[0]} (log: {log})")
-        except BaseException:
-            self.stop()
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-
-
-def start_daemon(workdir: Path, name: str, origin: str, cache_size: int, extra: tuple[str, ...] = ()) -> Server:
-    port = free_port()
+def start_daemon(workdir: Path, name: str, origin: str, cache_size: int, extra: tuple[str, ...] = ()) -> ServeProcess:
     cache = workdir / f"cache-{name}"
     shutil.rmtree(cache, ignore_errors=True)
-    return Server(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--origin", "s3", "--s3-endpoint", origin,
-                   "--cache-dir", str(cache), "--cache-size", str(cache_size), "--min-free", "0", *extra],
-                  f"http://127.0.0.1:{port}", workdir / f"daemon-{name}.log", "/readyz")
+    return ServeProcess(workdir / f"daemon-{name}.log", ["--origin", "s3", "--s3-endpoint", origin, "--cache-dir", str(cache),
+                                                         "--cache-size", str(cache_size), "--min-free", "0", *extra]).start()
 
 
-def start_master(workdir: Path, name: str) -> Server:
-    port = free_port()
-    return Server(["master", "--listen", f"tcp://127.0.0.1:{port}", "--state", f"sqlite:///{workdir / (name + '.db')}"],
-                  f"http://127.0.0.1:{port}", workdir / f"master-{name}.log", "/healthz")
+def start_master(workdir: Path, name: str) -> MasterProcess:
+    return MasterProcess(workdir / f"master-{name}.log", f"sqlite:///{workdir / (name + '.db')}", ready_path="/healthz").start()
 
 
 def run_mode(cfg: StallConfig, mode: str, workdir: Path, dataset: Dataset, proxy: LatencyProxy) -> dict[str, Any]:

@@ -45,25 +45,20 @@ from typing import Any
 
 from bench.common import (
     RESULTS_DIR,
-    STORE_DESCRIPTIONS,
-    S3Server,
     drop_caches,
     fmt_size,
-    free_port,
-    http_ok,
     log_line,
     machine_facts,
     make_samples,
     pack_shards,
     spawn,
     stop_process,
-    store_server,
-    wait_until,
     write_results,
 )
 from bench.latency_proxy import LatencyProxy
 from bench.netbed import FarHost
 from bench.peers_common import MB, convert_to_mds, ratio, upload_dir
+from bench.servers import STORE_DESCRIPTIONS, MasterProcess, S3Server, store_server
 
 __all__ = ["SuiteConfig", "run_suite", "PEERS", "SHARDCACHE_RUNS"]
 
@@ -114,7 +109,7 @@ class SuiteConfig:
     request's throughput (``bench.netbed``); None: the link's rate only."""
     store: str = "moto"
     """The S3 server behind the proxy: ``moto`` (objects in RAM) or ``s3rver`` (objects in files,
-    ranges streamed from them; see ``bench.common.S3rverServer``)."""
+    ranges streamed from them; see ``bench.servers.S3rverServer``)."""
     trainer_rate: float = 1000.0
     """Samples/s the simulated trainer consumes (ResNet-50 on one modern GPU: ~1,000-3,000)."""
     stall_cap_s: float = 10.0
@@ -186,22 +181,9 @@ def build_dataset(cfg: SuiteConfig, store: S3Server, workdir: Path) -> Dataset:
     return dataset
 
 
-class Master:
-    def __init__(self, workdir: Path, name: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / f"master-{name}.log"
-        self.state = workdir / f"master-{name}.db"
-        self.proc = spawn([sys.executable, "-m", "sidecar.cli", "master", "--listen", f"tcp://127.0.0.1:{self.port}",
-                           "--state", f"sqlite:///{self.state}"], self.log)
-        try:
-            wait_until(lambda: http_ok(self.url + "/healthz"), timeout=60, what=f"the master (log: {self.log})")
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+def start_master(workdir: Path, name: str) -> MasterProcess:
+    """``shardcache master`` on SQLite state in ``workdir``, ready."""
+    return MasterProcess(workdir / f"master-{name}.log", f"sqlite:///{workdir / f'master-{name}.db'}", ready_path="/healthz").start()
 
 
 # -- running readers ---------------------------------------------------------------------------
@@ -297,7 +279,7 @@ class Runner:
             return
         for kind in ("throughput", "cold_stall") if stall else ("throughput",):
             daemon = self.daemon(name, 4 * self.dataset.bytes)
-            master = Master(self.workdir, name) if how.get("master") else None
+            master = start_master(self.workdir, name) if how.get("master") else None
             try:
                 if kind == "throughput":
                     warm = WARM_PASSES if name in REPEATED_WARM else 1

@@ -2,11 +2,15 @@
 
 Third-party errors (botocore, http.client, OSError from the file system) are wrapped at the
 boundary with ``raise ... from`` so a training script needs to know only these. Errors of the
-master protocol live in :mod:`loader.master.errors` (root ``MasterError``) and pass through.
+master protocol live in :mod:`loader.master.errors`, under their own ``MasterError``, itself a
+:class:`LoaderError`. What both sides mean alike is defined once in :mod:`wire.errors`; the
+classes here of the same name (``ManifestError``, ``AccessDenied``) are those, under
+:class:`LoaderError` too.
 """
 
 from __future__ import annotations
 
+from wire.errors import AccessDenied as WireAccessDenied
 from wire.errors import ManifestError as WireManifestError
 
 __all__ = [
@@ -22,7 +26,7 @@ __all__ = [
 
 
 class LoaderError(Exception):
-    """Root of every error raised by :mod:`loader` (outside the master protocol)."""
+    """Root of every error raised by :mod:`loader`, the master protocol's included."""
 
 
 class ConfigError(LoaderError, ValueError):
@@ -58,5 +62,5 @@ class SourceError(LoaderError, OSError):
     """Reading from the origin or the cache daemon failed after the bounded retries."""
 
 
-class AccessDenied(SourceError, PermissionError):
+class AccessDenied(SourceError, WireAccessDenied):
     """The origin or the daemon refused access (credentials, bucket policy, file permissions)."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything the tests need on a fresh Debian machine (Python 3.11, root), run the static
 # checks (import layering, types, lint), then run every test.
-# Usage: scripts/test.sh [pytest args...]
+# Usage: scripts/test.sh [--fast] [pytest args...]
+#   --fast: the fast tier only (pytest -m "not slow"): what a developer runs while working.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,4 +73,12 @@ python3 -m ruff check .
 
 # The peers were just installed: the benchmark smoke test must run, not skip.
 export SHARDCACHE_BENCH_PEERS=required
-exec python3 -m pytest "$@"
+args=()
+for arg in "$@"; do
+    if [ "$arg" = "--fast" ]; then
+        args+=(-m "not slow")
+    else
+        args+=("$arg")
+    fi
+done
+exec python3 -m pytest "${args[@]+"${args[@]}"}"

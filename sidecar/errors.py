@@ -2,11 +2,14 @@
 
 Origin errors inherit the matching builtin (``ObjectNotFound`` is a ``FileNotFoundError``) so
 callers that only know the builtins still handle them; third-party errors (botocore, aiohttp)
-are wrapped with ``raise ... from`` at the origin boundary and never leak past it.
+are wrapped with ``raise ... from`` at the origin boundary and never leak past it. What both sides
+mean alike (a malformed request, access refused) is defined once in :mod:`wire.errors`; the
+classes here of the same name are those, under :class:`SidecarError` too.
 """
 
 from __future__ import annotations
 
+from wire import errors as wire_errors
 from wire.errors import BodyTooLarge, InvalidBody, InvalidName
 
 __all__ = [
@@ -35,7 +38,7 @@ class SidecarError(Exception):
     """Root of every error raised by :mod:`sidecar`."""
 
 
-class BadRequest(SidecarError, ValueError):
+class BadRequest(SidecarError, wire_errors.BadRequest):
     """The request is malformed or hostile (traversal, NUL, bad JSON); nothing was touched."""
 
 
@@ -94,8 +97,8 @@ class BucketNotFound(OriginError, FileNotFoundError):
     pass
 
 
-class AccessDenied(OriginError, PermissionError):
-    pass
+class AccessDenied(OriginError, wire_errors.AccessDenied):
+    """The origin refused access (credentials, bucket policy, file permissions)."""
 
 
 class InvalidRange(OriginError, ValueError):

@@ -4,14 +4,11 @@ AWS test credentials, and the guard that fails a test which blocks an event loop
 from __future__ import annotations
 
 import os
-import subprocess
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
+from tests.support.s3 import S3Server
 
 # No test may reach a real AWS account, whatever the developer's environment holds.
 os.environ["AWS_ACCESS_KEY_ID"] = "testing"
@@ -26,57 +23,18 @@ for _name in [n for n in os.environ if n.startswith("SHARDCACHE_") and n not in 
     os.environ.pop(_name)
 
 
-class S3Server:
-    """A moto S3 server in its own process; ``restart`` and ``kill`` make real faults."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = spawn([PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)], self.log)
-        wait_until(lambda: http_ok(self.endpoint + "/moto-api/"), timeout=30, what="moto server")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc)
-            self.proc = None
-
-    def client(self):  # type: ignore[no-untyped-def]
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint, config=Config(retries={"max_attempts": 1, "mode": "standard"})
-        )
-
-    def new_bucket(self) -> str:
-        name = "b-" + uuid.uuid4().hex[:12]
-        self.client().create_bucket(Bucket=name)
-        return name
-
-
-def _running_s3(log: Path) -> Iterator[S3Server]:
-    server = S3Server(log)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    yield from _running_s3(tmp_path_factory.mktemp("moto") / "moto.log")
+    with S3Server(tmp_path_factory.mktemp("moto")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def second_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """Another S3 endpoint, with buckets and objects of its own (tests of a cache reused with
     another origin)."""
-    yield from _running_s3(tmp_path_factory.mktemp("moto2") / "moto.log")
+    with S3Server(tmp_path_factory.mktemp("moto2")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import sys
 
 import grimp
 
-from tests.helpers import REPO
+from tests.support.processes import REPO
 
 PACKAGES = ("cache", "wire", "sidecar", "loader")
 
@@ -40,6 +40,11 @@ def test_cache_imports_no_upper_layer_and_no_http():
 
 def test_loader_never_imports_sidecar():
     assert "sidecar" not in imported_modules("loader")
+
+
+def test_bench_never_imports_the_tests():
+    # tests/support builds the tests' servers on bench.servers; never the other way round.
+    assert "tests" not in imported_modules("bench")
 
 
 def test_import_cache_is_light():

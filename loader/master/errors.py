@@ -4,11 +4,18 @@ trainer-side client (which maps HTTP answers back to them): one table, one place
 Every error has a stable ``code`` (the ``"error"`` field of the JSON answer) and an HTTP
 ``status``. Subclasses also inherit the matching builtin, so callers that only know Python's
 exceptions still catch them sensibly (``except ConnectionError`` catches ``MasterUnavailable``).
+The root, :class:`MasterError`, is a :class:`~loader.errors.LoaderError`: ``except LoaderError``
+catches everything the loader raises. A malformed request and a body too large are
+:mod:`wire.errors`' (what the daemon means by them too); the classes here are those, with the
+master's root, code and status.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from loader.errors import LoaderError
+from wire import errors as wire_errors
 
 __all__ = [
     "MasterError",
@@ -31,7 +38,7 @@ __all__ = [
 ]
 
 
-class MasterError(Exception):
+class MasterError(LoaderError):
     """Root of every error raised by :mod:`loader.master`."""
 
     code: str = "InternalError"
@@ -46,14 +53,14 @@ class MasterError(Exception):
         return {"error": self.code, "message": self.message, **self.details}
 
 
-class BadRequest(MasterError, ValueError):
+class BadRequest(MasterError, wire_errors.BadRequest):
     """The request is malformed (bad JSON, missing or out-of-range field)."""
 
     code = "BadRequest"
     status = 400
 
 
-class BodyTooLarge(BadRequest):
+class BodyTooLarge(BadRequest, wire_errors.BodyTooLarge):
     """The request body is larger than the master accepts."""
 
     code = "BodyTooLarge"

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Self
 
+from sidecar.errors import SidecarError
 from wire import jsontext
 from wire.httpclient import UnixHTTPConnection, exchange
 from wire.names import DAEMON_PORT, Address, parse_connect
@@ -39,7 +40,7 @@ DEFAULT_DAEMON = "http://127.0.0.1:8600"
 _MAX_ANSWER = 64 << 20
 
 
-class DaemonClientError(Exception):
+class DaemonClientError(SidecarError):
     """Root of the errors of this client."""
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 
 import xxhash
 
+from sidecar.cli.util import EXIT_FAILED, EXIT_UNAVAILABLE, UserError
 from sidecar.errors import SidecarError
 from wire.dataset import MANIFEST_FORMAT, MANIFEST_VERSION, MAX_MANIFEST_BYTES, DatasetURL, ManifestShard, check_key
 from wire.s3errors import S3ErrorKind, from_client_error
@@ -34,8 +36,10 @@ __all__ = [
     "Counter",
     "DatasetAccessDenied",
     "DatasetError",
-    "DatasetNotFound",
+    "DatasetMissing",
     "DatasetUnavailable",
+    "dataset_errors",
+    "quiet_libraries",
     "ListedObject",
     "Mismatch",
     "ObjectStore",
@@ -59,8 +63,8 @@ class DatasetError(SidecarError):
     """Root of the errors reaching a dataset from the CLI."""
 
 
-class DatasetNotFound(DatasetError, FileNotFoundError):
-    pass
+class DatasetMissing(DatasetError, FileNotFoundError):
+    """The dataset, or an object of it, is not at the origin."""
 
 
 class DatasetAccessDenied(DatasetError, PermissionError):
@@ -69,6 +73,27 @@ class DatasetAccessDenied(DatasetError, PermissionError):
 
 class DatasetUnavailable(DatasetError, ConnectionError):
     pass
+
+
+@contextlib.contextmanager
+def dataset_errors() -> Iterator[None]:
+    """Dataset access errors as one line with what to do, and the matching exit code."""
+    try:
+        yield
+    except DatasetMissing as exc:
+        raise UserError(f"{exc} (check the URL)") from None
+    except DatasetAccessDenied as exc:
+        raise UserError(str(exc), EXIT_FAILED) from None
+    except DatasetUnavailable as exc:
+        raise UserError(str(exc), EXIT_UNAVAILABLE) from None
+
+
+def quiet_libraries() -> None:
+    """boto3's INFO lines ("Found credentials in environment variables") are noise to an operator
+    reading a progress bar; keep them for --log-level DEBUG."""
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("boto3", "botocore", "urllib3", "s3transfer"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # -- object access --------------------------------------------------------------------------------
@@ -103,7 +128,7 @@ class FileObjects:
 
     def list(self) -> list[ListedObject]:
         if not self.root.is_dir():
-            raise DatasetNotFound(f"{self.dataset.url}: no such directory")
+            raise DatasetMissing(f"{self.dataset.url}: no such directory")
         found: list[ListedObject] = []
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames.sort()
@@ -117,7 +142,7 @@ class FileObjects:
         try:
             return open(self._path(key), "rb", buffering=0)
         except FileNotFoundError as exc:
-            raise DatasetNotFound(f"{self.dataset.url}{key}: no such file") from exc
+            raise DatasetMissing(f"{self.dataset.url}{key}: no such file") from exc
         except PermissionError as exc:
             raise DatasetAccessDenied(f"{self.dataset.url}{key}: permission denied") from exc
 
@@ -134,8 +159,8 @@ class FileObjects:
 # What S3's error answers become for the CLI, with a hint for the operator; every other kind is
 # DatasetUnavailable.
 _S3_ERRORS: dict[S3ErrorKind, tuple[type[DatasetError], str]] = {
-    S3ErrorKind.NOT_FOUND_KEY: (DatasetNotFound, ""),
-    S3ErrorKind.NOT_FOUND_BUCKET: (DatasetNotFound, ""),
+    S3ErrorKind.NOT_FOUND_KEY: (DatasetMissing, ""),
+    S3ErrorKind.NOT_FOUND_BUCKET: (DatasetMissing, ""),
     S3ErrorKind.ACCESS_DENIED: (DatasetAccessDenied, "; check the AWS credentials"),
 }
 
@@ -194,7 +219,7 @@ class S3Objects:
     def read_small(self, key: str, limit: int) -> bytes | None:
         try:
             body = self.open(key)
-        except DatasetNotFound:
+        except DatasetMissing:
             return None
         try:
             return body.read(limit + 1)
@@ -388,7 +413,7 @@ def write_object(target: str, data: bytes, s3_endpoint: str | None = None) -> st
         return target
     path = Path(urllib.parse.unquote(target[len("file://"):]) if target.startswith("file://") else target)
     if not path.parent.is_dir():
-        raise DatasetNotFound(f"cannot write {target}: directory {path.parent} does not exist")
+        raise DatasetMissing(f"cannot write {target}: directory {path.parent} does not exist")
     try:
         atomic_write(path, data)
     except PermissionError as exc:

@@ -7,6 +7,8 @@ import os
 import re
 from typing import Any
 
+from sidecar.errors import SidecarError
+
 __all__ = [
     "EXIT_OK",
     "EXIT_FAILED",
@@ -28,7 +30,7 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: a daemon, master or origin could not be
 EXIT_INTERRUPTED = 130  # Ctrl-C
 
 
-class UserError(Exception):
+class UserError(SidecarError):
     """An error the user can fix; printed as one line without a traceback."""
 
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:

@@ -40,8 +40,8 @@ the pod's first app container that has any (:data:`AWS_CREDENTIAL_ENV`, ``envFro
 the read-only mounts holding the token and credential files those point at), converging like the
 rest: only what the sidecar does not already set, never ``AWS_ENDPOINT_URL``.
 
-:func:`json_patch` turns (before, after) into the RFC 6902 patch the webhook answers with;
-:func:`load_documents` / :func:`dump_documents` are the multi-document YAML helpers of the CLI.
+:func:`inject_documents` injects what :func:`sidecar.k8s.yamldocs.load_documents` read; the webhook
+answers with the patch of :func:`sidecar.k8s.patch.json_patch` between an object and its injection.
 """
 
 from __future__ import annotations
@@ -55,9 +55,8 @@ from decimal import Decimal, InvalidOperation
 from importlib import metadata
 from typing import Any, Literal
 
-import yaml
-
 from sidecar.errors import SidecarError
+from sidecar.k8s.patch import json_equal
 
 __all__ = [
     "INJECT_LABEL",
@@ -88,11 +87,9 @@ __all__ = [
     "inject",
     "guard_ephemeral_containers",
     "is_supported",
-    "json_patch",
-    "load_documents",
-    "dump_documents",
     "inject_documents",
     "image_allowed",
+    "shown",
 ]
 
 
@@ -356,27 +353,27 @@ class InjectConfig:
                 f"invalid image pull policy {self.image_pull_policy!r}: use Always, IfNotPresent or Never"
             )
         if self.mode not in MODES:
-            raise InjectionError(f"invalid mode {_shown(self.mode)}: use {' or '.join(MODES)}")
+            raise InjectionError(f"invalid mode {shown(self.mode)}: use {' or '.join(MODES)}")
         if not isinstance(self.socket_host_dir, str) or not self.socket_host_dir.startswith("/") or "\0" in self.socket_host_dir:
-            raise InjectionError(f"socket host dir {_shown(self.socket_host_dir)} must be an absolute path")
+            raise InjectionError(f"socket host dir {shown(self.socket_host_dir)} must be an absolute path")
         upstream = _TCP_UPSTREAM_RE.fullmatch(self.restricted_upstream) if isinstance(self.restricted_upstream, str) else None
         if upstream is None or not 1 <= int(upstream.group(1)) <= 65535:
             raise InjectionError(
-                f"invalid restricted upstream {_shown(self.restricted_upstream)}: expected tcp://HOST:PORT, e.g. "
+                f"invalid restricted upstream {shown(self.restricted_upstream)}: expected tcp://HOST:PORT, e.g. "
                 f"{DEFAULT_RESTRICTED_UPSTREAM} (the chart's node-local Service)"
             )
         if not 1 <= self.startup_timeout_seconds <= 3600:
             raise InjectionError("startup timeout must be between 1 and 3600 seconds")
         for name, _ in self.env:
             if not isinstance(name, str) or not _ENV_NAME_RE.fullmatch(name):
-                raise InjectionError(f"invalid sidecar environment variable name {_shown(name)}")
+                raise InjectionError(f"invalid sidecar environment variable name {shown(name)}")
         for entry in self.allowed_sidecar_images:
             _check_allowed_image(entry)
         if self.master_token_secret is not None and (
             not isinstance(self.master_token_secret, str) or not _SECRET_NAME_RE.fullmatch(self.master_token_secret)
         ):
             raise InjectionError(
-                f"invalid master token Secret name {_shown(self.master_token_secret)}: expected a Kubernetes "
+                f"invalid master token Secret name {shown(self.master_token_secret)}: expected a Kubernetes "
                 "object name like shardcache-master-token (lower case letters, digits, '-' and '.')"
             )
 
@@ -460,7 +457,7 @@ def inject(obj: Any, config: InjectConfig, *, require_label: bool = True) -> tup
         labels = _string_map(template_meta, "labels", f"{where}metadata")
         value = labels.get(INJECT_LABEL, owner_labels.get(INJECT_LABEL) if where else None)
         if value != "true" and (require_label or value is not None):
-            skipped.append(f"label {INJECT_LABEL} is {_shown(value)}" if value is not None else f"no {INJECT_LABEL}=true label")
+            skipped.append(f"label {INJECT_LABEL} is {shown(value)}" if value is not None else f"no {INJECT_LABEL}=true label")
             continue
         if _inject_template(template, config, where, warnings):
             changed += 1
@@ -486,7 +483,7 @@ def _controller(meta: Mapping[str, Any]) -> str | None:
 
 
 def _printable_name(value: Any) -> str:
-    return value if isinstance(value, str) and value.isprintable() and len(value) <= 253 else _shown(value)
+    return value if isinstance(value, str) and value.isprintable() and len(value) <= 253 else shown(value)
 
 
 def _has_sidecar(pod: Mapping[str, Any]) -> bool:
@@ -562,7 +559,7 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str, w
     prefix = f"{where}metadata.annotations[{{}}]"
 
     def bad(key: str, expected: str) -> InjectionError:
-        return InjectionError(f"{prefix.format(key)}: invalid value {_shown(annotations[key])}: {expected}")
+        return InjectionError(f"{prefix.format(key)}: invalid value {shown(annotations[key])}: {expected}")
 
     if ANN_IMAGE in annotations:
         image = annotations[ANN_IMAGE]
@@ -573,7 +570,7 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str, w
         else:
             # Not an error: the pod still gets a working sidecar, only not the image it asked for.
             warnings.append(
-                f"{where}annotation {ANN_IMAGE} {_shown(image)} ignored: not on the allow-list "
+                f"{where}annotation {ANN_IMAGE} {shown(image)} ignored: not on the allow-list "
                 f"(webhook.allowedSidecarImages, --allow-sidecar-image); the sidecar runs {config.image}"
             )
     if ANN_PORT in annotations:
@@ -590,7 +587,7 @@ def _resolve(config: InjectConfig, annotations: Mapping[str, str], where: str, w
     if config.hostpath_forbidden and mode != "restricted":
         if ANN_MODE in annotations:
             warnings.append(
-                f"{where}annotation {ANN_MODE} {_shown(annotations[ANN_MODE])} ignored: this namespace enforces Pod "
+                f"{where}annotation {ANN_MODE} {shown(annotations[ANN_MODE])} ignored: this namespace enforces Pod "
                 "Security baseline or restricted, which refuse the hostPath that hostpath mode needs, so the sidecar "
                 f"runs in restricted mode; remove the annotation, or inject where {ANN_MODE}: hostpath is allowed"
             )
@@ -733,14 +730,14 @@ def _check_conflicts(containers: list[dict[str, Any]], volumes: list[dict[str, A
     for volume in volumes:
         if volume.get("name") in OUR_VOLUMES:
             raise InjectionError(
-                f"{where}spec.volumes: a volume named {_shown(volume['name'])} exists but the {SIDECAR_NAME!r} "
+                f"{where}spec.volumes: a volume named {shown(volume['name'])} exists but the {SIDECAR_NAME!r} "
                 "sidecar does not: rename the volume (the shardcache-* names are reserved)"
             )
     for container in containers:
         for port in container.get("ports") or []:
             if isinstance(port, Mapping) and port.get("containerPort") == config.port:
                 raise InjectionError(
-                    f"{where}container {_shown(container.get('name'))} uses port {config.port}, the sidecar's port: "
+                    f"{where}container {shown(container.get('name'))} uses port {config.port}, the sidecar's port: "
                     f"set the annotation {ANN_PORT} to a free port"
                 )
 
@@ -762,7 +759,7 @@ def _read_only_ours(containers: list[tuple[str, dict[str, Any]]], warnings: list
             if name in OUR_VOLUMES and mount.get("readOnly") is not True:
                 mount["readOnly"] = True
                 warnings.append(
-                    f"{label} ({_shown(container.get('name'))}) mounts the volume {name} writable: made read-only (it is "
+                    f"{label} ({shown(container.get('name'))}) mounts the volume {name} writable: made read-only (it is "
                     f"the {SIDECAR_NAME} sidecar's{', the node daemon socket directory' if name == VOLUME_SOCKET else ''}; "
                     "reading needs no write access)"
                 )
@@ -843,7 +840,7 @@ def _share_credentials(sidecar: dict[str, Any], apps: list[tuple[str, dict[str, 
     if secrets:
         sidecar_from = _named_list(sidecar, "envFrom", f"{where}container {SIDECAR_NAME}")
         for entry in secrets:
-            if not any(_same(entry, have) for have in sidecar_from):
+            if not any(json_equal(entry, have) for have in sidecar_from):
                 sidecar_from.append(copy.deepcopy(entry))
         sidecar["envFrom"] = sidecar_from
 
@@ -1086,7 +1083,7 @@ def _type_name(value: Any) -> str:
 
 def _check_image(value: str, what: str) -> None:
     if not isinstance(value, str) or not _IMAGE_RE.fullmatch(value):
-        raise InjectionError(f"invalid {what} {_shown(value)}: expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
+        raise InjectionError(f"invalid {what} {shown(value)}: expected an image reference like ghcr.io/shardcache/shardcache:0.1.0")
 
 
 def image_allowed(image: str, config: InjectConfig) -> bool:
@@ -1108,10 +1105,10 @@ def image_allowed(image: str, config: InjectConfig) -> bool:
 
 def _check_allowed_image(entry: str) -> None:
     if not isinstance(entry, str) or not entry:
-        raise InjectionError(f"invalid allowed sidecar image {_shown(entry)}: expected an image reference")
+        raise InjectionError(f"invalid allowed sidecar image {shown(entry)}: expected an image reference")
     if "*" in entry[:-1] or entry == "*" or (entry.endswith("*") and entry[-2:-1] not in ("/", ":", "@")):
         raise InjectionError(
-            f"invalid allowed sidecar image {_shown(entry)}: '*' is allowed only at the end, after '/', ':' or '@' "
+            f"invalid allowed sidecar image {shown(entry)}: '*' is allowed only at the end, after '/', ':' or '@' "
             "(registry.example.com/shardcache/*, ghcr.io/shardcache/shardcache:*); to allow any image, list "
             "the registries instead"
         )
@@ -1125,10 +1122,10 @@ def _check_port(value: int, what: str) -> None:
 
 def _check_quantity(value: str, pattern: re.Pattern[str], what: str) -> None:
     if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise InjectionError(f"invalid {what} {_shown(value)}: expected a Kubernetes quantity like 500m, 2 or 10Gi")
+        raise InjectionError(f"invalid {what} {shown(value)}: expected a Kubernetes quantity like 500m, 2 or 10Gi")
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A value quoted in an error: ASCII and one line (newlines and foreign digits visible as
     escapes), cut short so a hostile value is not echoed back whole."""
     text = ascii(value)
@@ -1145,199 +1142,7 @@ def _memory_bytes(quantity: str) -> int:
         raise InjectionError(f"invalid size {quantity!r}") from exc
 
 
-# ----------------------------------------------------------------------------- JSON patch
-
-
-def json_patch(before: Any, after: Any, path: str = "") -> list[dict[str, Any]]:
-    """RFC 6902 operations that turn ``before`` into ``after``.
-
-    Objects are diffed key by key, lists of equal length element by element, a list that only
-    grew gets ``add`` at the end, any other list change replaces the whole list (small patches
-    for what injection does: append env vars and volumes, prepend one init container).
-
-    Not ``jsonpatch.make_patch`` (1.33), because its patches were wrong in a measured
-    run of tests/k8s/test_k8s_inject.py's property; tests/k8s/test_json_patch_cases.py
-    keeps the cases:
-    ``[[[], None], {"a": None}] -> [[], {"a": None, "b": []}]`` gives ``remove /0/0`` then
-    ``move /0/0 -> /1/b``, which applies and sets ``b`` to ``None``;
-    ``[None, None, None, []] -> [None, [], [], [None, None]]`` gives a ``move`` whose path does not
-    resolve, so the API server would refuse it; ``[False] -> [0]`` inside an object gives no op.
-    Prepending our init container to ``[{"name": "a"}]`` made it rename the user's container
-    ``a`` in place and add ``a`` again at index 1. That patch reaches the right object, but it
-    says something the change never meant.
-    """
-    if isinstance(before, dict) and isinstance(after, dict):
-        ops: list[dict[str, Any]] = []
-        for key in before:
-            if key not in after:
-                ops.append({"op": "remove", "path": f"{path}/{_escape(key)}"})
-        for key, value in after.items():
-            child = f"{path}/{_escape(key)}"
-            if key not in before:
-                ops.append({"op": "add", "path": child, "value": value})
-            else:
-                ops.extend(json_patch(before[key], value, child))
-        return ops
-    if isinstance(before, list) and isinstance(after, list):
-        if len(before) == len(after):
-            return [op for index in range(len(after)) for op in json_patch(before[index], after[index], f"{path}/{index}")]
-        if len(after) > len(before) and _same(after[: len(before)], before):
-            return [{"op": "add", "path": f"{path}/{index}", "value": after[index]} for index in range(len(before), len(after))]
-    if _same(before, after):
-        return []
-    return [{"op": "replace", "path": path, "value": after}]
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equality that, unlike ``==``, tells JSON ``true`` from ``1``."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-def _escape(key: str) -> str:
-    return str(key).replace("~", "~0").replace("/", "~1")
-
-
-# ----------------------------------------------------------------------------- YAML documents
-
-
-# Bounds of what a document may make the loader build. Kubernetes objects nest a few dozen levels
-# at most (CRD schemas included); deeper input only exhausts the recursive composer, deepcopy and
-# dumper. Anchors and aliases are shared when loaded but written out in full (kubectl users read
-# the output, and the API server would expand them too), so a few hundred bytes of nested aliases
-# ("billion laughs") become megabytes: what aliases add is counted and bounded. Helm and kustomize
-# output with a few anchors adds hundreds of units, far below the bound.
-MAX_YAML_DEPTH = 100
-MAX_ALIAS_EXPANSION = 100_000
-"""Nodes plus scalar characters that aliases may add to one document."""
-MAX_INT_CHARS = 100
-"""Kubernetes integers are 64-bit; a longer literal is a mistake (or a CPU bomb for int())."""
-
-
-class _Refused(yaml.composer.ComposerError):
-    """A document the loader will not build (past a bound above); valid YAML, so not "invalid"."""
-
-    def __init__(self, problem: str, mark: Any) -> None:
-        super().__init__(None, None, problem, mark)
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that keeps timestamps as strings (Kubernetes fields are strings, not dates) and
-    refuses documents past the bounds above, with the line and column of where it stopped."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-        self._expanded = 0
-        # Expanded size of each node composed so far in this document (keyed by identity: nodes
-        # do not define equality). An anchor missing here is still open: a recursive alias.
-        self._sizes: dict[yaml.Node, int] = {}
-
-    def compose_document(self) -> yaml.Node | None:
-        self._expanded = 0
-        self._sizes = {}
-        return super().compose_document()
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            target = self.anchors.get(event.anchor)
-            if target is not None:  # an undefined alias is PyYAML's own error
-                size = self._sizes.get(target)
-                if size is None:
-                    raise _Refused(
-                        f"alias *{_shown(event.anchor)[1:-1]} is used inside its own anchor (a recursive "
-                        "structure no Kubernetes object has): write the value out",
-                        event.start_mark,
-                    )
-                self._expanded += size
-                if self._expanded > MAX_ALIAS_EXPANSION:
-                    raise _Refused(
-                        f"YAML aliases expand this document past {MAX_ALIAS_EXPANSION} nodes and characters "
-                        "(an alias bomb?): if it is meant to be this large, expand its aliases first "
-                        "(yq 'explode(.)') and inject the result",
-                        event.start_mark,
-                    )
-            return super().compose_node(parent, index)
-        if self._depth >= MAX_YAML_DEPTH:
-            raise _Refused(
-                f"collections nested more than {MAX_YAML_DEPTH} levels deep: no Kubernetes object is; "
-                "check the document",
-                event.start_mark,
-            )
-        self._depth += 1
-        try:
-            node = super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-        if node is not None:
-            self._sizes[node] = self._size(node)
-        return node
-
-    def _size(self, node: yaml.Node) -> int:
-        # Children (aliases included) were composed first, so their sizes are known.
-        if isinstance(node, yaml.ScalarNode):
-            return 1 + len(node.value)
-        if isinstance(node, yaml.MappingNode):
-            return 1 + sum(self._sizes[key] + self._sizes[value] for key, value in node.value)
-        return 1 + sum(self._sizes[item] for item in node.value)
-
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        if len(node.value) > MAX_INT_CHARS:
-            raise yaml.constructor.ConstructorError(
-                None, None,
-                f"integer of {len(node.value)} characters (Kubernetes integers are 64-bit): "
-                'quote it ("...") if it is meant as a string',
-                node.start_mark,
-            )
-        return super().construct_yaml_int(node)
-
-
-# A private copy: the inherited table is SafeLoader's, shared by every yaml.safe_load in the process.
-_Loader.yaml_implicit_resolvers = {
-    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
-
-
-class _Dumper(yaml.SafeDumper):
-    """Block style for multi-line strings (scripts in args), so the output stays readable."""
-
-    def ignore_aliases(self, data: Any) -> bool:  # never emit &anchors: kubectl users read this
-        return True
-
-
-def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _represent_str)
-
-
-def load_documents(text: str, source: str = "<stdin>") -> list[Any]:
-    """Parse multi-document YAML (or JSON); empty documents are dropped."""
-    try:
-        return [doc for doc in yaml.load_all(text, Loader=_Loader) if doc is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        what = "refused YAML" if isinstance(exc, _Refused) else "invalid YAML"
-        raise InjectionError(f"{where}: {what}: {' '.join(str(problem).split())}") from exc
-
-
-def dump_documents(docs: list[Any]) -> str:
-    """Write documents back as multi-document YAML, keys in their original order."""
-    if not docs:
-        return ""
-    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, explicit_start=True, default_flow_style=False, width=120)
+# ----------------------------------------------------------------------------- documents
 
 
 def inject_documents(docs: list[Any], config: InjectConfig, *, require_label: bool = False) -> tuple[list[Any], list[Outcome]]:

@@ -49,7 +49,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from sidecar.errors import SidecarError
-from sidecar.k8s.inject import MODES, InjectConfig, InjectionError, Mode, Outcome, guard_ephemeral_containers, inject, json_patch
+from sidecar.k8s.inject import MODES, InjectConfig, InjectionError, Mode, Outcome, guard_ephemeral_containers, inject
+from sidecar.k8s.patch import json_patch
 from wire.errors import BodyTooLarge, InvalidBody
 from wire.web import ConnectionGuard, ConnectionLimits, GuardedSite, decode_json_object, error_middleware, read_body
 

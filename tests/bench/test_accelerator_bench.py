@@ -16,6 +16,8 @@ import pytest
 
 from bench.common import REPO
 
+pytestmark = pytest.mark.slow
+
 __all__: list[str] = []
 
 PEERS = ("s3fs", "webdataset", "streaming", "s3torchconnector", "matplotlib")

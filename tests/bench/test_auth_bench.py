@@ -14,6 +14,8 @@ import pytest
 
 from bench.common import REPO
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(180)
 def test_quick_auth_bench_writes_both_variants_and_sane_ratios(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """``python -m bench --smoke`` end to end, reduced further: every reader of the suite runs on a
 small dataset, reads every sample of both epochs, and the results (JSON, table, chart) are written.
-Speed is measured, never asserted: these checks are about completeness and accounting."""
+Speed is measured, never asserted: these checks are about completeness and accounting. The table
+goes to pytest's terminal summary: CI's log shows it from this run, the suite's only one in CI."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,11 @@ if MISSING and os.environ.get("SHARDCACHE_BENCH_PEERS") != "required":
                 "(pip install -c constraints.txt -e '.[bench]')", allow_module_level=True)
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.mark.timeout(240)
-def test_smoke_suite_runs_every_reader_end_to_end(tmp_path: Path) -> None:
+def test_smoke_suite_runs_every_reader_end_to_end(tmp_path: Path, summary: Callable[[str, str], None]) -> None:
     assert not MISSING, f"benchmark peers not installed: {MISSING}"
     results = tmp_path / "results"
     proc = subprocess.run(
@@ -33,6 +38,9 @@ def test_smoke_suite_runs_every_reader_end_to_end(tmp_path: Path) -> None:
          "--results-dir", str(results), "--workdir", str(tmp_path / "work")],
         cwd=REPO, capture_output=True, text=True, timeout=230,
     )
+    table = results / "suite-smoke.md"
+    if table.exists():
+        summary("benchmark suite, smoke run (python -m bench --smoke, reduced; speed is not asserted)", table.read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((results / "suite-smoke.json").read_text())
     rows = result["rows"]

@@ -176,6 +176,7 @@ def test_compare_sets_the_bed_model_next_to_measured_figures(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_the_quick_run_writes_results_and_a_table(tmp_path: Path) -> None:
     out = tmp_path / "cluster_sim.json"
     proc = subprocess.run([sys.executable, "-m", "bench.cluster_sim", "--quick", "--out", str(out), "--locality",

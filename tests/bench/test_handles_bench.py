@@ -16,6 +16,8 @@ import pytest
 from bench.common import REPO
 from bench.handles_bench import MODES, VARIANTS
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(180)
 def test_quick_handles_bench_writes_every_variant_and_sane_ratios(tmp_path: Path) -> None:

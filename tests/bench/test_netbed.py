@@ -15,6 +15,8 @@ from bench import netbed
 from bench.common import wait_until
 from bench.netbed import FarHost, FarHostUnavailable, link_exists, listening, measure_mb_s, netns_exists, sender_command
 
+pytestmark = pytest.mark.slow
+
 MBPS = 200.0
 CAP_MB_S = MBPS / 8  # tbf counts frames; TCP payload gets ~95% of this
 PORT = 9000

@@ -296,7 +296,7 @@ def test_fills_and_prefetches_carry_their_tenant(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ["0", "lots"])
 def test_serve_refuses_a_bad_tenant_quota(tmp_path: Path, value: str) -> None:
-    from tests.cli.support import run_cli
+    from tests.support.cli import run_cli
 
     result = run_cli(["serve", "--origin", f"file://{tmp_path}", "--cache-dir", str(tmp_path / "c"),
                       "--tenant-quota", value])

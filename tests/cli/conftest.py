@@ -1,27 +1,16 @@
-"""Fixtures of the CLI tests: real daemon subprocesses, datasets on the moto S3 server and on disk."""
+"""Fixtures of the CLI tests: real daemon subprocesses, datasets on the moto S3 server and on disk
+(helpers: tests/support/cli.py, daemons.py, datasets.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.cli.support import Daemon, make_shards, put_dataset, write_dataset
-
-
-@dataclass
-class Dataset:
-    url: str
-    bucket: str
-    prefix: str
-    shards: dict[str, bytes]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(len(data) for data in self.shards.values())
+from tests.support.daemons import Daemon
+from tests.support.datasets import Dataset, make_shards, put_dataset, write_dataset
 
 
 @pytest.fixture

@@ -8,7 +8,11 @@ import signal
 import time
 from pathlib import Path
 
-from tests.cli.support import run_cli, start_cli
+import pytest
+
+from tests.support.cli import run_cli, start_cli
+
+pytestmark = pytest.mark.slow
 
 SMALL = ["--shards", "8", "--samples-per-shard", "40", "--image-size", "48", "--step-ms", "5", "--lease-ttl", "2"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli.support import run_cli
+from tests.support.cli import run_cli
 
 
 @pytest.mark.parametrize("command", ["index", "warmup", "status", "demo"])

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from loader import parse_manifest as loader_parse_manifest
-from tests.cli.conftest import Dataset
-from tests.cli.support import make_tar, run_cli, run_pty, xxh3
-from tests.helpers import free_port
+from tests.support.cli import run_cli, run_pty
+from tests.support.datasets import Dataset, make_tar, xxh3
+from tests.support.processes import free_port
 
 
 def samples_by_tarfile(data: bytes) -> int:
@@ -75,6 +75,7 @@ def test_index_file_origin_writes_atomically_elsewhere(file_dataset: Dataset, tm
     assert json.loads((tmp_path / "root/bkt/train/manifest.json").read_text()) == expected_manifest(file_dataset.shards)
 
 
+@pytest.mark.slow
 def test_index_counts_samples_like_the_webdataset_package(tmp_path: Path):
     import webdataset as wds
 
@@ -91,6 +92,7 @@ def test_index_counts_samples_like_the_webdataset_package(tmp_path: Path):
     assert sum(1 for _ in wds.WebDataset(str(directory / "s-000000.tar"), shardshuffle=False)) == 9
 
 
+@pytest.mark.slow
 def test_verify_reports_every_mismatch(s3_dataset: Dataset, s3_server: Any, cli_env: dict[str, str]):
     assert run_cli(["index", s3_dataset.url], env=cli_env).returncode == 0
     ok = run_cli(["index", s3_dataset.url, "--verify"], env=cli_env)
@@ -149,6 +151,7 @@ def test_a_corrupt_shard_fails_indexing_and_writes_nothing(file_dataset: Dataset
         (["index", "s3://bucket/train/", "--s3-endpoint", "http://127.0.0.1:{port}"], 69, "cannot reach S3"),
     ],
 )
+@pytest.mark.slow
 def test_errors_are_one_clear_line(args: list[str], code: int, needle: str, cli_env: dict[str, str]):
     args = [a.replace("{port}", str(free_port())) for a in args]
     result = run_cli(args, env=cli_env)
@@ -185,6 +188,7 @@ def test_progress_bar_on_a_terminal(file_dataset: Dataset):
     assert "indexed 5 shards" in drawn
 
 
+@pytest.mark.slow
 def test_output_to_another_s3_key_and_verify_it(s3_dataset: Dataset, s3_server: Any, cli_env: dict[str, str]):
     target = f"s3://{s3_dataset.bucket}/manifests/train.json"
     result = run_cli(["index", s3_dataset.url, "--output", target], env=cli_env)

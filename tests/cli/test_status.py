@@ -10,21 +10,16 @@ from typing import Any
 
 import pytest
 
-from tests.cli.conftest import Dataset
-from tests.cli.support import Daemon, run_cli
-from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
+from tests.support.cli import run_cli
+from tests.support.daemons import Daemon
+from tests.support.datasets import Dataset
+from tests.support.masters import MasterProcess
+from tests.support.processes import free_port
 
 
-class Master:
+class Master(MasterProcess):
     def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = spawn(
-            [PYTHON, "-m", "sidecar.cli", "master", "--listen", f"tcp://127.0.0.1:{self.port}",
-             "--state", f"sqlite://{tmp}/master.db"],
-            tmp / "master.log",
-        )
-        wait_until(lambda: http_ok(self.url + "/readyz"), timeout=30, what="master readiness")
+        super().__init__(tmp, f"sqlite://{tmp}/master.db", advertise=False)
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
@@ -35,11 +30,11 @@ class Master:
 
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[Master]:
-    m = Master(tmp_path)
+    m = Master(tmp_path).start()
     try:
         yield m
     finally:
-        stop(m.proc)
+        m.stop()
 
 
 def test_status_of_daemon_and_master(master: Master, file_dataset: Dataset, daemon_factory: Any, tmp_path: Path) -> None:
@@ -78,6 +73,7 @@ def test_status_of_daemon_and_master(master: Master, file_dataset: Dataset, daem
     assert job["failed_shards"][0]["key"] == lease[1]["key"]
 
 
+@pytest.mark.slow
 def test_status_unreachable_and_unknown_job(master: Master) -> None:
     down = f"http://127.0.0.1:{free_port()}"
     result = run_cli(["status", "--daemon", down, "--interval", "0"])
@@ -95,6 +91,7 @@ def test_status_unreachable_and_unknown_job(master: Master) -> None:
     assert bad.returncode == 2 and "invalid master address" in bad.stderr
 
 
+@pytest.mark.slow
 def test_status_shows_the_tenant_quota(file_dataset: Dataset, daemon_factory: Any, tmp_path: Path) -> None:
     daemon: Daemon = daemon_factory(f"file://{tmp_path}/root", extra=("--tenant-quota", "5GiB"))
     result = run_cli(["status", "--daemon", daemon.url, "--interval", "0"])
@@ -150,6 +147,7 @@ def _report_wait(master: Master, job: str, body: dict[str, Any]) -> None:
         assert resp.status == 204
 
 
+@pytest.mark.slow
 def test_status_shows_the_trainers_wait_and_warns_above_the_threshold(master: Master) -> None:
     shards = [{"key": f"s-{i}.tar", "size": 10, "samples": 4} for i in range(4)]
     master.post("/v1/jobs", {"name": "slow", "dataset": "s3://b/p/", "shards": shards})

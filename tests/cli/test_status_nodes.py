@@ -18,13 +18,13 @@ import pytest
 
 from sidecar.cli.commands.status import MEMBER_TIMEOUT_S
 from sidecar.cli.progress import format_bytes
-from tests.cli.support import Daemon, run_cli
-from tests.daemon.conftest import put_objects
-from tests.daemon.test_peers import Cluster
-from tests.helpers import kill9
+from tests.support.cli import run_cli
+from tests.support.daemons import Cluster, Daemon
+from tests.support.processes import kill9
+from tests.support.s3 import put_objects
 from wire.rendezvous import ranked
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 HEADER = ["NODE", "MEMBER", "LIVE", "LOCAL", "PEER", "ORIGIN", "LOCAL HIT", "TO PEERS"]
 

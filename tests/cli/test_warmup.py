@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from tests.cli.conftest import Dataset
-from tests.cli.support import Daemon, read_json_lines, run_cli, run_pty, start_cli
-from tests.helpers import free_port
+from tests.support.cli import read_json_lines, run_cli, run_pty, start_cli
+from tests.support.daemons import Daemon
+from tests.support.datasets import Dataset
+from tests.support.processes import free_port
 
 
 def events(stdout: str) -> list[dict[str, Any]]:
@@ -30,6 +31,7 @@ def dataset_keys(dataset: Dataset) -> set[tuple[str, str]]:
     return {(dataset.bucket, dataset.prefix + key) for key in dataset.shards}
 
 
+@pytest.mark.slow
 def test_warms_every_daemon_over_tcp_and_unix_socket(
     s3_dataset: Dataset, daemon_factory: Callable[..., Daemon], s3_server: Any, cli_env: dict[str, str]
 ):
@@ -75,6 +77,7 @@ def test_default_daemon_comes_from_the_environment(
     assert flag_env.returncode == 0, flag_env.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_fetches_nothing_and_spread_places_each_shard_once(
     s3_dataset: Dataset, daemon_factory: Callable[..., Daemon], s3_server: Any, cli_env: dict[str, str]
 ):
@@ -99,6 +102,7 @@ def test_dry_run_fetches_nothing_and_spread_places_each_shard_once(
     assert all(row["fraction"] == 1.0 for row in events(check.stdout) if row["event"] == "check")
 
 
+@pytest.mark.slow
 def test_a_corrupt_shard_is_reported_and_the_rest_is_warmed(
     s3_dataset: Dataset, s3_daemon: Daemon, s3_server: Any, cli_env: dict[str, str]
 ):
@@ -129,6 +133,7 @@ def test_a_corrupt_shard_is_reported_and_the_rest_is_warmed(
     assert report["daemons"][0]["files"]["cached_before"] == 5
 
 
+@pytest.mark.slow
 def test_daemon_down(s3_dataset: Dataset, s3_daemon: Daemon, cli_env: dict[str, str]):
     down = f"http://127.0.0.1:{free_port()}"
     result = run_cli(["warmup", s3_dataset.url, "--daemon", down], env=cli_env)
@@ -161,6 +166,7 @@ def test_usage_errors(s3_dataset: Dataset, args: list[str], needle: str, cli_env
     assert needle in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_interrupt_then_reattach(
     big_s3_dataset: Dataset, s3_daemon: Daemon, cli_env: dict[str, str]
 ):
@@ -193,6 +199,7 @@ def test_interrupt_then_reattach(
     assert s3_daemon.cached_keys() == dataset_keys(big_s3_dataset)
 
 
+@pytest.mark.slow
 def test_detach_and_cancel(big_s3_dataset: Dataset, s3_daemon: Daemon, cli_env: dict[str, str]):
     args = ["warmup", big_s3_dataset.url, "--daemon", s3_daemon.url, "--bandwidth", "300KiB"]
     began = time.monotonic()
@@ -212,6 +219,7 @@ def test_detach_and_cancel(big_s3_dataset: Dataset, s3_daemon: Daemon, cli_env: 
     assert s3_daemon.get(f"/_shardcache/warmups/{job}")["state"] == "cancelled"
 
 
+@pytest.mark.slow
 def test_daemon_restart_while_watching_resubmits(
     big_s3_dataset: Dataset, s3_daemon: Daemon, cli_env: dict[str, str]
 ):
@@ -235,6 +243,7 @@ def test_daemon_restart_while_watching_resubmits(
     assert s3_daemon.cached_keys() == dataset_keys(big_s3_dataset)
 
 
+@pytest.mark.slow
 def test_progress_display_on_a_terminal(
     big_s3_dataset: Dataset, daemon_factory: Callable[..., Daemon], s3_server: Any, cli_env: dict[str, str]
 ):
@@ -264,6 +273,7 @@ def test_progress_display_on_a_terminal(
     assert "done: 6/6 shards verified in cache" in drawn
 
 
+@pytest.mark.slow
 def test_a_dataset_larger_than_the_cache_is_never_reported_done(
     file_dataset: Dataset, daemon_factory: Callable[..., Daemon], tmp_path: Any
 ):

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from sidecar.cli.commands.warmup import place
-from tests.cli.conftest import Dataset
-from tests.cli.support import run_cli
+from tests.support.cli import run_cli
+from tests.support.datasets import Dataset
 from wire.rendezvous import member_id, owner
+
+pytestmark = pytest.mark.slow
 
 
 class FakeDaemon:

@@ -16,14 +16,16 @@ import pytest
 from cache import StoreSettings
 from sidecar.daemon.fills import FetchSettings
 from sidecar.daemon.settings import ServeSettings
-from tests.cli.support import ThreadDaemon, make_shards, write_dataset, xxh3
-from tests.helpers import free_port, wait_until
+from tests.support.datasets import make_shards, write_dataset, xxh3
+from tests.support.processes import free_port
+from tests.support.threads import DaemonThread
+from tests.support.waits import wait_until
 
 SHARDS = make_shards(5, seed=11)
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[ThreadDaemon]:
+def daemon(tmp_path: Path) -> Iterator[DaemonThread]:
     write_dataset(tmp_path / "root" / "bkt" / "train", SHARDS)
     settings = ServeSettings(
         store=StoreSettings(root=tmp_path / "cache", capacity_bytes=1 << 30, min_free_ratio=0.0),
@@ -32,14 +34,14 @@ def daemon(tmp_path: Path) -> Iterator[ThreadDaemon]:
         fetch=FetchSettings(retries=1, backoff_base_s=0.01, backoff_max_s=0.02),
         prefetch_workers=2,
     )
-    d = ThreadDaemon(settings).start()
+    d = DaemonThread(settings).start()
     try:
         yield d
     finally:
         d.stop()
 
 
-def call(d: ThreadDaemon, method: str, path: str, body: Any = None, raw: bytes | None = None,
+def call(d: DaemonThread, method: str, path: str, body: Any = None, raw: bytes | None = None,
          headers: dict[str, str] | None = None) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
     try:
@@ -63,7 +65,7 @@ def objects(keys: list[str] | None = None, with_digest: bool = True) -> list[dic
     ]
 
 
-def wait_state(d: ThreadDaemon, ident: str, timeout: float = 20) -> dict[str, Any]:
+def wait_state(d: DaemonThread, ident: str, timeout: float = 20) -> dict[str, Any]:
     answer: dict[str, Any] = {}
 
     def finished() -> bool:
@@ -75,7 +77,7 @@ def wait_state(d: ThreadDaemon, ident: str, timeout: float = 20) -> dict[str, An
     return answer
 
 
-def test_job_lifecycle_and_idempotent_create(daemon: ThreadDaemon):
+def test_job_lifecycle_and_idempotent_create(daemon: DaemonThread):
     status, created = call(daemon, "POST", "/_shardcache/warmups", {"objects": objects()})
     assert status == 201
     ident = created["id"]
@@ -100,7 +102,7 @@ def test_job_lifecycle_and_idempotent_create(daemon: ThreadDaemon):
     assert status == 200 and deleted["state"] == "done"
 
 
-def test_wrong_checksum_and_missing_object_fail_with_reasons(daemon: ThreadDaemon):
+def test_wrong_checksum_and_missing_object_fail_with_reasons(daemon: DaemonThread):
     bad = objects(["train-000000.tar", "train-000001.tar"])
     bad[0]["xxh3_128"] = "0" * 32
     bad.append({"bucket": "bkt", "key": "train/nope.tar"})
@@ -115,7 +117,7 @@ def test_wrong_checksum_and_missing_object_fail_with_reasons(daemon: ThreadDaemo
     assert final["files"]["done"] == 1 and final["verified"] == 1
 
 
-def test_bandwidth_limit_slows_the_job(daemon: ThreadDaemon):
+def test_bandwidth_limit_slows_the_job(daemon: DaemonThread):
     total = sum(len(v) for v in SHARDS.values())
     rate = total // 2  # about two seconds' worth, less the one-second burst
     began = time.monotonic()
@@ -131,7 +133,7 @@ def test_bandwidth_limit_slows_the_job(daemon: ThreadDaemon):
     assert elapsed >= (total - rate - largest) / rate - 0.05
 
 
-def test_cancel_running_job(daemon: ThreadDaemon):
+def test_cancel_running_job(daemon: DaemonThread):
     rate = 1024  # bytes per second: the job cannot finish during this test
     status, _ = call(daemon, "POST", "/_shardcache/warmups",
                      {"objects": objects(), "bandwidth_bytes_per_s": rate, "concurrency": 1, "id": "slow"})
@@ -171,7 +173,7 @@ HOSTILE = [
 ]
 
 
-def test_hostile_requests_get_clear_4xx_and_change_nothing(daemon: ThreadDaemon):
+def test_hostile_requests_get_clear_4xx_and_change_nothing(daemon: DaemonThread):
     status, _ = call(daemon, "POST", "/_shardcache/warmups", {"objects": objects(), "id": "keep"})
     assert status == 201
     wait_state(daemon, "keep")
@@ -188,7 +190,7 @@ def test_hostile_requests_get_clear_4xx_and_change_nothing(daemon: ThreadDaemon)
     assert strip(after) == strip(before)
 
 
-def test_huge_body_is_refused_without_reading_it_all(daemon: ThreadDaemon):
+def test_huge_body_is_refused_without_reading_it_all(daemon: DaemonThread):
     from sidecar.daemon.warmups import MAX_BODY
 
     # Declared too large: refused from the header alone.

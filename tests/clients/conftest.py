@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.clients.dataset import Dataset, build_objects, upload
-from tests.daemon.conftest import DaemonProcess
+from tests.support.client_dataset import Dataset, build_objects, upload
+from tests.support.daemons import DaemonProcess
 
 
 @pytest.fixture(scope="package")

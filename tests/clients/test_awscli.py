@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.clients.compare import assert_same, scrub
-from tests.clients.dataset import MANY, Dataset, sha256
-from tests.helpers import PYTHON
+from tests.support.client_dataset import MANY, Dataset, sha256
+from tests.support.compare import assert_same, scrub
+from tests.support.processes import PYTHON
+
+pytestmark = pytest.mark.slow
 
 CONFIG = "[default]\nregion = us-east-1\ns3 =\n  addressing_style = path\n"
 

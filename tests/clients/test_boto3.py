@@ -13,9 +13,9 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
-from tests.clients.compare import assert_same
-from tests.clients.dataset import BIG_SIZES, MANY, NESTED_KEYS, ODD_KEYS, Dataset, MiB, sha256
-from tests.daemon.conftest import s3_client
+from tests.support.client_dataset import BIG_SIZES, MANY, NESTED_KEYS, ODD_KEYS, Dataset, MiB, sha256
+from tests.support.compare import assert_same
+from tests.support.s3 import s3_client
 
 # Keys whose answers are compared header by header: every kind of key and object in the data set.
 SAMPLE = (*ODD_KEYS, *NESTED_KEYS, "many/k-00000", "many/k-01049", *BIG_SIZES, "tables/part-0.parquet", "nested/marker/")
@@ -71,6 +71,7 @@ QUERIES = ({}, {"Prefix": "odd/"}, {"Delimiter": "/"}, {"Prefix": "nested/", "De
 
 
 @pytest.mark.parametrize("operation", ["list_objects_v2", "list_objects"])
+@pytest.mark.slow
 def test_listings_match_origin(dataset: Dataset, origin_url: str, cache_url: str, operation: str) -> None:
     def listings(url: str) -> dict[str, Any]:
         out = {}
@@ -87,6 +88,7 @@ def test_listings_match_origin(dataset: Dataset, origin_url: str, cache_url: str
     assert_same(direct, listings(cache_url))
 
 
+@pytest.mark.slow
 def test_listing_of_more_than_a_page(dataset: Dataset, cache_url: str) -> None:
     for operation in ("list_objects_v2", "list_objects"):
         got = listing(s3_client(cache_url), operation, Bucket=dataset.bucket, Prefix="many/")
@@ -200,6 +202,7 @@ def test_error_documents_match_origin(dataset: Dataset, origin_url: str, cache_u
 SMALL_PARTS = TransferConfig(multipart_threshold=1 * MiB, multipart_chunksize=1 * MiB, max_concurrency=4)
 
 
+@pytest.mark.slow
 def test_transfer_manager_download_file(dataset: Dataset, origin_url: str, cache_url: str, tmp_path: Path) -> None:
     for key in BIG_SIZES:
         for name, url in (("direct", origin_url), ("cold", cache_url), ("warm", cache_url)):
@@ -208,6 +211,7 @@ def test_transfer_manager_download_file(dataset: Dataset, origin_url: str, cache
             assert sha256(target.read_bytes()) == dataset.objects[key].sha, (key, name)
 
 
+@pytest.mark.slow
 def test_transfer_manager_download_fileobj(dataset: Dataset, origin_url: str, cache_url: str) -> None:
     for key in (*BIG_SIZES, "odd/ünïcödé-日本語.txt", "odd/%41%2F literal escapes.txt"):
         for url in (origin_url, cache_url):

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests.clients.compare import assert_same, scrub
-from tests.clients.dataset import Dataset
+from tests.support.client_dataset import Dataset
+from tests.support.compare import assert_same, scrub
+
+pytestmark = pytest.mark.slow
 
 duckdb = pytest.importorskip("duckdb", reason="duckdb is in the test extra")
 

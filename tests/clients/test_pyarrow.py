@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.clients.compare import assert_same
-from tests.clients.dataset import BIG_SIZES, MANY, Dataset, MiB, sha256
+from tests.support.client_dataset import BIG_SIZES, MANY, Dataset, MiB, sha256
+from tests.support.compare import assert_same
 
 pafs = pytest.importorskip("pyarrow.fs", reason="pyarrow is in the test extra")
 ds = pytest.importorskip("pyarrow.dataset")

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.clients.compare import assert_same, scrub
-from tests.clients.dataset import MANY, Dataset, sha256
+from tests.support.client_dataset import MANY, Dataset, sha256
+from tests.support.compare import assert_same, scrub
 
 RCLONE = shutil.which("rclone")
-pytestmark = pytest.mark.skipif(RCLONE is None, reason="rclone missing: scripts/test.sh installs the Debian package")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(RCLONE is None, reason="rclone missing: scripts/test.sh installs the Debian package")]
 
 
 def rclone(url: str, home: Path, *args: str) -> tuple[int, str, str]:

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
-from tests.clients.compare import assert_same
-from tests.clients.dataset import BIG_SIZES, MANY, Dataset, MiB, sha256
+from tests.support.client_dataset import BIG_SIZES, MANY, Dataset, MiB, sha256
+from tests.support.compare import assert_same
+
+pytestmark = pytest.mark.slow
 
 s3fs = pytest.importorskip("s3fs", reason="s3fs is in the test extra")
 

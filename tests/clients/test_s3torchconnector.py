@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.clients.compare import assert_same
-from tests.clients.dataset import MANY, Dataset, MiB, sha256
+from tests.support.client_dataset import MANY, Dataset, MiB, sha256
+from tests.support.compare import assert_same
+
+pytestmark = pytest.mark.slow
 
 s3tc = pytest.importorskip("s3torchconnector", reason="s3torchconnector is in the bench extra")
 

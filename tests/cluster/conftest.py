@@ -1,63 +1,22 @@
 """Cluster fixtures: the test bed of ``bench.clusterbed`` (three hosts and an origin as network
-namespaces on one bridge) with a WebDataset dataset on its origin, and helpers to run readers on
-every node and add up the daemons' counters. Root is required; without it every test here skips
-with the reason."""
+namespaces on one bridge) with a WebDataset dataset on its origin (helpers:
+tests/support/clusterbed.py). Root is required; without it every test here skips with the reason."""
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import xxhash
 
-from bench.clusterbed import Cluster, ClusterUnavailable, Daemon, Host, check_available, read_results
-from bench.common import make_samples, pack_shards
-from wire.rendezvous import member_id, owner
-
-__all__ = ["Bed", "BUCKET", "PREFIX", "origin_bytes", "owned_bytes", "run_readers", "wait_readers"]
-
-BUCKET = "cluster-data"
-PREFIX = "ds/"
-NODES = 3
-DATASET_BYTES = 24 << 20  # 24 shards of ~1 MiB: big enough to spread, small enough for 2 cores
-SHARD_BYTES = 1 << 20
-ORIGIN_MBPS = 400.0  # ~48 MB/s: an epoch of one node takes ~0.5 s of origin time
-
-
-@dataclass
-class Bed:
-    """The cluster with its dataset uploaded: ``objects`` are ``{"key", "size", "xxh3_128"}`` with
-    keys under the bucket (``ds/train-000000.tar``)."""
-
-    cluster: Cluster
-    objects: list[dict[str, Any]]
-    workdir: Path
-
-    @property
-    def dataset_bytes(self) -> int:
-        return sum(obj["size"] for obj in self.objects)
-
-    @property
-    def url(self) -> str:
-        return f"s3://{BUCKET}/{PREFIX}"
-
-
-def _dataset() -> dict[str, bytes]:
-    shards = {f"{PREFIX}{name}": data for name, data, _ in pack_shards(make_samples(DATASET_BYTES, seed=17), SHARD_BYTES)}
-    manifest = {"version": 1, "format": "webdataset", "shards": [
-        {"key": key.removeprefix(PREFIX), "size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
-        for key, data in shards.items()]}
-    return {**shards, f"{PREFIX}manifest.json": json.dumps(manifest).encode()}
+from bench.clusterbed import Cluster, ClusterUnavailable, check_available
+from tests.support.clusterbed import BUCKET, NODES, ORIGIN_MBPS, Bed, make_dataset
 
 
 @pytest.fixture(scope="session")
 def dataset() -> dict[str, bytes]:
-    return _dataset()
+    return make_dataset()
 
 
 @pytest.fixture
@@ -74,39 +33,3 @@ def bed(tmp_path: Path, dataset: dict[str, bytes]) -> Iterator[Bed]:
                    for key, data in sorted(dataset.items()) if key.endswith(".tar")]
         yield Bed(cluster, objects, tmp_path)
     assert cluster.gone(), "the test bed left namespaces or interfaces behind"
-
-
-def origin_bytes(daemons: list[Daemon]) -> int:
-    """Bytes the cluster read from the origin: the sum of the daemons' ``origin_read_bytes``."""
-    return sum(int(d.stats()["origin_read_bytes"]) for d in daemons)
-
-
-def owned_bytes(bed: Bed, host: Host) -> int:
-    """Bytes of the dataset ``host``'s daemon owns in the full ring (``wire.rendezvous``)."""
-    members = [member_id(d.url) for d in bed.cluster.daemons]
-    mine = member_id(f"http://{host.address}:8600")
-    return sum(obj["size"] for obj in bed.objects if owner(members, f"{BUCKET}/{obj['key']}") == mine)
-
-
-def run_readers(bed: Bed, name: str, delay_s: float = 0.0, retry_for: dict[str, float] | None = None,
-                epochs: int = 1) -> dict[str, Path]:
-    """A reader on every node through its own daemon, each in its own order; returns their outputs."""
-    outs = {}
-    for i, host in enumerate(bed.cluster.hosts):
-        out = bed.workdir / f"{name}-{host.role}.jsonl"
-        bed.cluster.start_reader(host, f"http://{host.address}:8600", BUCKET, bed.objects, out, epochs=epochs,
-                                 delay_s=delay_s, retry_for_s=(retry_for or {}).get(host.role, 0.0), seed=i)
-        outs[host.role] = out
-    return outs
-
-
-def wait_readers(outs: dict[str, Path], timeout: float) -> dict[str, list[dict[str, Any]]]:
-    """Wait (bounded) for every reader's ``done`` line; returns each reader's object rows."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = {role: read_results(out) for role, out in outs.items()}
-        if all(r and r[-1].get("done") for r in rows.values()):
-            return {role: r[:-1] for role, r in rows.items()}
-        time.sleep(0.1)
-    tails = {role: read_results(out)[-2:] for role, out in outs.items()}
-    raise TimeoutError(f"readers not done after {timeout:.0f}s: {tails}")

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench.clusterbed import ClusterUnavailable, check_available
-from tests.helpers import REPO
+from tests.support.processes import REPO
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(150)

@@ -15,16 +15,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from bench.clusterbed import DAEMON_PORT, read_results
-from bench.common import spawn
-from tests.cluster.conftest import NODES, Bed, origin_bytes, owned_bytes, run_readers, wait_readers
-from tests.helpers import PYTHON, free_port, http_ok, stop, wait_until
+from tests.support.clusterbed import NODES, Bed, origin_bytes, owned_bytes, run_readers, wait_readers
+from tests.support.masters import MasterProcess
+from tests.support.processes import PYTHON
+from tests.support.waits import wait_until
+
+pytestmark = pytest.mark.slow
 
 CACHE = "256MiB"  # the dataset fits every node: only the ring decides who reads the origin
 
@@ -111,10 +113,8 @@ def test_kill_9_of_one_daemon_mid_read_costs_only_its_share(bed: Bed) -> None:
     # reader on the victim's own host retries refused connections until the restart.
     outs = run_readers(bed, "kill", delay_s=0.35, retry_for={victim.host.role: 60.0})
     third = len(bed.objects) // 3
-    deadline = time.monotonic() + 60
-    while min(len(read_results(out)) for out in outs.values()) < third:
-        assert time.monotonic() < deadline, "readers made no progress"
-        time.sleep(0.05)
+    wait_until(lambda: min(len(read_results(out)) for out in outs.values()) >= third, timeout=60,
+               what="the readers to read a third of the dataset")
     before_kill = int(victim.stats()["origin_read_bytes"])
     victim.kill()
     read_at_kill = {role: len(read_results(out)) for role, out in outs.items()}
@@ -160,18 +160,16 @@ def test_closing_the_bed_removes_its_namespaces_and_what_runs_in_them(bed: Bed) 
 
 @pytest.mark.timeout(150)
 def test_kill_9_of_one_daemon_under_trainers_on_every_node_keeps_exactly_once(bed: Bed) -> None:
-    """Real trainers (``tests/loader/trainer_proc.py``: a dynamic ShardLoader) on every node, each
+    """Real trainers (``tests/support/trainer_proc.py``: a dynamic ShardLoader) on every node, each
     through its node's daemon, one lease master; the victim daemon is restarted at once, as its
     DaemonSet would."""
     cluster = bed.cluster
     daemons = cluster.start_daemons(CACHE)
     cluster.wait_members(NODES)
-    port = free_port()
-    master_url = f"http://{cluster.control_address}:{port}"
-    master = spawn([PYTHON, "-m", "sidecar.cli", "master", "--listen", f"tcp://{cluster.control_address}:{port}",
-                    "--state", f"sqlite://{bed.workdir / 'master.db'}"], bed.workdir / "master.log")
+    master = MasterProcess(bed.workdir, f"sqlite://{bed.workdir / 'master.db'}", advertise=False)
+    master.listen_on(cluster.control_address, []).start("healthz")
+    master_url = master.url
     try:
-        wait_until(lambda: http_ok(master_url + "/healthz"), timeout=30, what="the lease master")
         epochs, job = 2, "cluster-job"
         outs, trainers = {}, {}
         for host, daemon in zip(cluster.hosts, daemons, strict=True):
@@ -179,7 +177,7 @@ def test_kill_9_of_one_daemon_under_trainers_on_every_node_keeps_exactly_once(be
             cfg = {"url": bed.url, "job": job, "master": master_url, "trainer": host.role, "epochs": epochs,
                    "ttl": 3.0, "delay": 0.05, "out": str(outs[host.role]),
                    "log": str(bed.workdir / f"trainer-{host.role}.log"), "seed": 3}
-            trainers[host.role] = host.spawn([PYTHON, "-m", "tests.loader.trainer_proc", json.dumps(cfg)],
+            trainers[host.role] = host.spawn([PYTHON, "-m", "tests.support.trainer_proc", json.dumps(cfg)],
                                              bed.workdir / f"trainer-{host.role}.stdout",
                                              env={"SHARDCACHE_ENDPOINT": daemon.url})
         victim = daemons[-1]
@@ -200,7 +198,7 @@ def test_kill_9_of_one_daemon_under_trainers_on_every_node_keeps_exactly_once(be
         for epoch in range(epochs):
             assert {(epoch, s, k) for s, k in _samples(bed)} <= delivered, f"epoch {epoch}: samples missing"
     finally:
-        stop(master)
+        master.stop()
 
 
 def _samples(bed: Bed) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ import pytest
 
 from bench.clusterbed import ClusterUnavailable, check_available
 from bench.locality_bench import PREFIX, _check_epoch, _sample_digest, build_dataset
-from tests.helpers import REPO
+from tests.support.processes import REPO
 
 
 @pytest.mark.timeout(60)
@@ -60,6 +60,7 @@ def test_an_epoch_missing_or_repeating_a_sample_fails_the_run() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_quick_locality_bench_runs_one_job_on_four_nodes(tmp_path: Path) -> None:
     try:
         check_available()

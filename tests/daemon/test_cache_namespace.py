@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 
-from tests.daemon.conftest import DaemonProcess, s3_client
-from tests.helpers import wait_until
+import pytest
+
+from tests.support.daemons import DaemonProcess
+from tests.support.s3 import s3_client
+from tests.support.waits import wait_until
 
 
 def _serve(endpoint: str, cache_dir, log) -> DaemonProcess:
@@ -22,6 +25,7 @@ def _get(daemon: DaemonProcess, bucket: str, key: str) -> tuple[bytes, str, str]
     return resp["Body"].read(), headers["x-shardcache-cache"], headers["etag"]
 
 
+@pytest.mark.slow
 def test_a_cache_dir_reused_with_another_origin_never_answers_the_first_origins_bytes(
     s3_server, second_s3_server, tmp_path
 ):

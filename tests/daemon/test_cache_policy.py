@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from sidecar.daemon.priority import DEMAND, LEASE, WARMUP, PriorityLimiter
-from tests.daemon.conftest import make_settings, put_objects, s3_client
-from tests.helpers import wait_until
+from tests.support.daemons import make_settings
+from tests.support.s3 import put_objects, s3_client
+from tests.support.waits import wait_until
 
 OBJ = 100_000
 
@@ -27,6 +28,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("eviction", ["lru", "hold"])
+@pytest.mark.slow
 def test_eviction_keeps_cache_within_limits(s3_server, bucket, tmp_path, proxy, start_daemon, eviction):
     objects = {f"e{i}.tar": os.urandom(OBJ) for i in range(8)}
     put_objects(s3_server.client(), bucket, objects)
@@ -86,6 +88,7 @@ def test_short_circuit_answers_a_readable_path(s3_server, bucket, s3_daemon):
     assert oct(path.stat().st_mode & 0o777) == "0o444"
 
 
+@pytest.mark.slow
 def test_prefetch_fills_the_cache_in_priority_order(s3_server, bucket, s3_daemon, proxy):
     objects = {f"p/{i}.tar": os.urandom(20_000) for i in range(12)}
     put_objects(s3_server.client(), bucket, objects)
@@ -203,12 +206,13 @@ def test_control_body_in_several_segments(s3_server, bucket, s3_daemon):
     with socket.create_connection(("127.0.0.1", s3_daemon.port), timeout=10) as sock:
         sock.sendall(b"POST /_shardcache/prefetch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
-        time.sleep(0.3)
+        time.sleep(0.3)  # a slow client: the rest of the body comes later (the subject)
         sock.sendall(body[10:])
         answer = sock.recv(4096)
     assert b" 202 " in answer.split(b"\r\n", 1)[0], answer
 
 
+@pytest.mark.slow
 def test_prefetch_waits_while_a_trainer_waits_on_a_demand_fill(s3_server, bucket, s3_daemon, proxy):
     import threading
     import time

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
-from tests.daemon.conftest import DaemonProcess, cache_files, make_settings, put_objects, s3_client
-from tests.helpers import free_port, kill9, wait_until
+from tests.support.daemons import DaemonProcess, cache_files, make_settings
+from tests.support.processes import free_port, kill9
+from tests.support.s3 import put_objects, s3_client
+from tests.support.waits import wait_until
 
 
 def _error(call) -> tuple[str, int]:
@@ -51,6 +53,7 @@ def test_throttling_is_retried_then_reported_as_slowdown(s3_server, bucket, s3_d
     assert s3_daemon.stats()["cache"]["items"] == 1
 
 
+@pytest.mark.slow
 def test_truncated_bodies_are_retried_and_never_cached(s3_server, bucket, s3_daemon, proxy):
     data = os.urandom(300_000)
     put_objects(s3_server.client(), bucket, {"t.tar": data, "u.tar": data})
@@ -87,6 +90,7 @@ def test_stalled_origin_times_out_and_is_retried(s3_server, bucket, tmp_path, pr
     assert proxy.gets(f"/{bucket}/reset.tar") == 3
 
 
+@pytest.mark.slow
 def test_bit_flip_in_cached_file_is_detected_and_refetched(s3_server, bucket, s3_daemon, proxy):
     data = os.urandom(200_000)
     put_objects(s3_server.client(), bucket, {"f.tar": data})
@@ -125,6 +129,7 @@ def test_corrupt_file_found_after_restart_is_refetched(s3_server, bucket, tmp_pa
     assert daemon.client().get_object(Bucket=bucket, Key="g.tar")["Body"].read() == data
 
 
+@pytest.mark.slow
 def test_kill9_during_fetch_leaves_no_partial_object(s3_server, bucket, tmp_path, proxy):
     data = os.urandom(6 * 1024 * 1024)
     put_objects(s3_server.client(), bucket, {"k.tar": data})
@@ -154,6 +159,7 @@ def test_kill9_during_fetch_leaves_no_partial_object(s3_server, bucket, tmp_path
         daemon.stop()
 
 
+@pytest.mark.slow
 def test_kill9_after_publish_keeps_a_consistent_cache(s3_server, bucket, tmp_path, proxy):
     objects = {f"s{i}.tar": os.urandom(50_000 + i) for i in range(5)}
     put_objects(s3_server.client(), bucket, objects)

@@ -13,7 +13,6 @@ import errno
 import fcntl
 import json
 import os
-import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -26,9 +25,9 @@ import xxhash
 
 from sidecar.daemon.auth.proofs import SESSION_PATH, Target, prove, prove_identity
 from sidecar.daemon.auth.sigv4 import Credentials, amz_date
-from tests.helpers import http_ok, spawn, stop, wait_until
-from tests.tenancy.conftest import IamS3, start_iam_s3
-from tests.tenancy.test_tenant_isolation import NO_CREDENTIALS, SHARD, A, B, Serve, _serve
+from tests.support.handles import ask, connect, read_fd, read_handle, refused
+from tests.support.tenancy import NO_CREDENTIALS, SHARD, A, B, IamS3, Serve, start_iam_s3, start_serve
+from tests.support.waits import wait_until
 from wire.handles import MAX_REPLY, MAX_REQUEST, exchange, recv_message, send_message
 
 IDLE_TIMEOUT_S = 3  # --idle-timeout of every process here: a stalled request is cut quickly
@@ -42,57 +41,6 @@ OBJECTS = {
     "train/manifest.json": b'{"shards": []}',
 }
 SHARD0, SHARD1, SHARD2 = "train/shard-000000.tar", "train/shard-000001.tar", "train/shard-000002.tar"
-
-
-# -- the app container's side --------------------------------------------------------------------
-
-
-def connect(path: Path, timeout: float = 30.0) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # Blocking while connecting: with a timeout, a unix socket's connect() fails at once (EAGAIN)
-    # while the server's backlog is full instead of waiting its turn.
-    sock.connect(str(path))
-    sock.settimeout(timeout)
-    return sock
-
-
-def ask(path: Path, bucket: str, key: str, **fields: Any) -> tuple[dict[str, Any], int | None]:
-    """One request on a new connection: the reply and the descriptor (the caller closes it)."""
-    with connect(path) as sock:
-        return exchange(sock, {"op": "open", "bucket": bucket, "key": key, **fields})
-
-
-def read_all(fd: int) -> bytes:
-    """Everything in the file behind ``fd``, read as the loader does: pread (``fd`` stays open)."""
-    size = os.fstat(fd).st_size
-    data = b""
-    while len(data) < size:
-        chunk = os.pread(fd, size - len(data), len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def read_fd(fd: int) -> bytes:
-    """:func:`read_all`, then ``fd`` closed."""
-    try:
-        return read_all(fd)
-    finally:
-        os.close(fd)
-
-
-def read_handle(path: Path, bucket: str, key: str, **fields: Any) -> tuple[dict[str, Any], bytes]:
-    reply, fd = ask(path, bucket, key, **fields)
-    assert reply["status"] == 200 and fd is not None, reply
-    return reply, read_fd(fd)
-
-
-def refused(path: Path, bucket: str, key: str, **fields: Any) -> dict[str, Any]:
-    """A request that must get an error reply and no descriptor (exchange checks the pairing)."""
-    reply, fd = ask(path, bucket, key, **fields)
-    assert fd is None and reply["status"] != 200, reply
-    return reply
 
 
 def open_files_under(pid: int, root: Path) -> list[str]:
@@ -146,17 +94,17 @@ def pod(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Po
     tmp = tmp_path_factory.mktemp("handles")
     sockets, pod_dir = tmp / "node", tmp / "pod"
     args = _daemon_args(sockets, s3_server.endpoint)
-    daemon = _serve(tmp, "daemon", args, {})
+    daemon = start_serve(tmp, "daemon", args, {})
     try:
-        sidecar = _serve(tmp, "sidecar", _sidecar_args(sockets, pod_dir, s3_server.endpoint), {})
+        sidecar = start_serve(tmp, "sidecar", _sidecar_args(sockets, pod_dir, s3_server.endpoint), {})
     except BaseException:
-        stop(daemon.proc)
+        daemon.stop()
         raise
     try:
         yield Pod(daemon, args, sockets / "handles.sock", sidecar, pod_dir / "handles.sock", bucket)
     finally:
-        stop(sidecar.proc)
-        stop(daemon.proc)
+        sidecar.stop()
+        daemon.stop()
 
 
 def test_a_miss_then_a_hit_through_the_sidecar(pod: Pod) -> None:
@@ -275,6 +223,7 @@ def _error_or_closed(sock: socket.socket, what: str) -> dict[str, Any] | None:
 
 
 @pytest.mark.parametrize("where", ["node", "pod"])
+@pytest.mark.slow
 def test_hostile_requests_get_an_error_or_a_closed_connection(pod: Pod, where: str) -> None:
     path = pod.node_handles if where == "node" else pod.pod_handles
     for name, data in HOSTILE:
@@ -351,12 +300,10 @@ def test_a_restarted_daemon_behind_a_kept_alive_connection(pod: Pod) -> None:
         reply, fd = exchange(sock, {"op": "open", "bucket": pod.bucket, "key": SHARD1})
         assert fd is not None
         os.close(fd)
-        args, log = pod.daemon.proc.args, pod.daemon.log
-        stop(pod.daemon.proc, signal.SIGKILL)
+        pod.daemon.kill9()
         reply, fd = exchange(sock, {"op": "open", "bucket": pod.bucket, "key": SHARD1})
         assert fd is None and reply["status"] == 503, reply  # no node daemon: the app reads over HTTP
-        pod.daemon.proc = spawn(args, log)
-        wait_until(lambda: http_ok(pod.daemon.url + "/readyz"), timeout=30, what="daemon restarted")
+        pod.daemon.start()  # the same command, cache and log
         reply, fd = exchange(sock, {"op": "open", "bucket": pod.bucket, "key": SHARD1})
         assert reply["status"] == 200 and fd is not None, reply
         assert read_fd(fd) == OBJECTS[SHARD1]
@@ -364,12 +311,12 @@ def test_a_restarted_daemon_behind_a_kept_alive_connection(pod: Pod) -> None:
 
 def test_a_sidecar_without_a_node_daemon_answers_503(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     tmp = tmp_path_factory.mktemp("alone")
-    sidecar = _serve(tmp, "sidecar", _sidecar_args(tmp / "nobody", tmp / "pod", s3_server.endpoint), {})
+    sidecar = start_serve(tmp, "sidecar", _sidecar_args(tmp / "nobody", tmp / "pod", s3_server.endpoint), {})
     try:
         reply = refused(tmp / "pod" / "handles.sock", "some-bucket", SHARD0)
         assert reply["status"] == 503 and reply["error"] == "ServiceUnavailable" and "HTTP" in reply["message"]
     finally:
-        stop(sidecar.proc)
+        sidecar.stop()
 
 
 # -- tenants: --auth sigv4 ------------------------------------------------------------------------
@@ -389,17 +336,17 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     tmp = tmp_path_factory.mktemp("tenant-handles")
     with start_iam_s3(tmp / "moto.log") as iam:
         sockets = tmp / "node"
-        daemon = _serve(tmp, "daemon", _daemon_args(sockets, iam.endpoint, ["--auth", "sigv4"]), iam.env("node"))
+        daemon = start_serve(tmp, "daemon", _daemon_args(sockets, iam.endpoint, ["--auth", "sigv4"]), iam.env("node"))
         sidecars: dict[str, Serve] = {}
         try:
             for name, who in {"alice": "alice", "bob": "bob", "nobody": None}.items():
                 env = iam.env(who) if who is not None else {**iam.env("node"), **NO_CREDENTIALS}
-                sidecars[name] = _serve(tmp, f"sidecar-{name}", _sidecar_args(sockets, tmp / f"pod-{name}", iam.endpoint), env)
+                sidecars[name] = start_serve(tmp, f"sidecar-{name}", _sidecar_args(sockets, tmp / f"pod-{name}", iam.endpoint), env)
             pods = {name: tmp / f"pod-{name}" / "handles.sock" for name in sidecars}
             yield Tenants(iam, daemon, sockets / "handles.sock", pods, sidecars)
         finally:
             for serve in [*sidecars.values(), daemon]:
-                stop(serve.proc)
+                serve.stop()
 
 
 def _cached(daemon: Serve) -> set[tuple[str, str]]:
@@ -410,6 +357,7 @@ def _cached(daemon: Serve) -> set[tuple[str, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_a_tenant_gets_no_handle_to_another_tenants_object(tenants: Tenants) -> None:
     alice, bob = tenants.pods["alice"], tenants.pods["bob"]
     objects = tenants.iam.objects
@@ -465,10 +413,8 @@ def test_a_restarted_daemon_gets_a_new_session_unnoticed(tenants: Tenants) -> No
     daemon = tenants.daemon
     key = "train/shard-000001.tar"
     assert read_handle(tenants.pods["alice"], A, key)[1] == tenants.iam.objects[(A, key)]
-    args = daemon.proc.args
-    stop(daemon.proc, signal.SIGKILL)
-    daemon.proc = spawn(args, daemon.log, env=tenants.iam.env("node"))
-    wait_until(lambda: http_ok(daemon.url + "/readyz"), timeout=30, what="daemon restarted")
+    daemon.kill9()
+    daemon.start()  # the same command, environment (the node's credentials), cache and log
     assert read_handle(tenants.pods["alice"], A, key)[1] == tenants.iam.objects[(A, key)]
     assert daemon.json("GET", "/_shardcache/stats")[1]["auth"]["sessions"] == 1  # alice's new one
     assert refused(tenants.pods["bob"], A, key)["status"] == 403
@@ -483,6 +429,7 @@ def test_a_restarted_daemon_gets_a_new_session_unnoticed(tenants: Tenants) -> No
     (["--upstream-handles", "unix:///run/shardcache/handles.sock"], "--mode sidecar --handles"),
     (["--mode", "sidecar", "--upstream", "tcp://127.0.0.1:8600", "--handles", "unix:///pod/h.sock"], "--upstream-handles"),
 ])
+@pytest.mark.slow
 def test_handle_flags_refused_with_what_to_do(argv: list[str], error: str) -> None:
     from sidecar.cli.commands.serve import build_settings
     from sidecar.cli.dispatch import build_parser
@@ -492,6 +439,7 @@ def test_handle_flags_refused_with_what_to_do(argv: list[str], error: str) -> No
         build_settings(build_parser().parse_args(["serve", *argv]))
 
 
+@pytest.mark.slow
 def test_handle_flags_and_their_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from sidecar.cli.commands.serve import build_settings
     from sidecar.cli.dispatch import build_parser

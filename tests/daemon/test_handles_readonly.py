@@ -23,14 +23,14 @@ import sys
 import textwrap
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import xxhash
 
-from tests.daemon.test_handles import read_all
-from tests.helpers import PYTHON, REPO, free_port, http_ok, spawn, stop, wait_until
+from tests.support.daemons import DaemonProcess
+from tests.support.handles import read_all
+from tests.support.processes import REPO, spawn, stop
 from wire.handles import exchange
 
 BUCKET = "shards"
@@ -71,13 +71,16 @@ def in_namespace(cache: Path, view: Path, command: list[str], *, read_only: bool
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(cache), str(view), *command]
 
 
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str
-    handles: Path
-    cache: Path
+class Daemon(DaemonProcess):
+    """A node daemon named ``name`` on the file:// origin in ``tmp``: its cache dir, an HTTP listener
+    and a handle socket there; ``launcher`` (:func:`in_namespace`) runs it in a mount namespace."""
+
+    def __init__(self, tmp: Path, name: str, extra: list[str]) -> None:
+        self.cache = tmp / f"cache-{name}"
+        self.cache.mkdir(exist_ok=True)
+        self.handles = tmp / f"run-{name}" / "handles.sock"
+        super().__init__(["--origin", f"file://{tmp / 'origin'}", "--cache-dir", str(self.cache), "--cache-size", "64MiB",
+                          "--min-free", "0", "--handles", f"unix://{self.handles}", *extra], tmp / f"{name}.log")
 
     def ask(self) -> tuple[dict[str, object], int]:
         """The descriptor of the shard (a miss first, then hits), as a pod's sidecar asks for it."""
@@ -87,29 +90,6 @@ class Daemon:
             reply, fd = exchange(sock, {"op": "open", "bucket": BUCKET, "key": KEY})
         assert reply["status"] == 200 and fd is not None, reply
         return reply, fd
-
-
-def serve_command(tmp: Path, name: str, extra: list[str]) -> tuple[list[str], Path, str, Path]:
-    """(argv, cache dir, HTTP url, handle socket) of a node daemon on the file:// origin in ``tmp``."""
-    port = free_port()
-    cache = tmp / f"cache-{name}"
-    cache.mkdir(exist_ok=True)
-    handles = tmp / f"run-{name}" / "handles.sock"
-    argv = [PYTHON, "-m", "sidecar.cli", "serve", "--origin", f"file://{tmp / 'origin'}", "--cache-dir", str(cache),
-            "--cache-size", "64MiB", "--min-free", "0", "--listen", f"tcp://127.0.0.1:{port}",
-            "--handles", f"unix://{handles}", *extra]
-    return argv, cache, f"http://127.0.0.1:{port}", handles
-
-
-def start(argv: list[str], log: Path, url: str, handles: Path, cache: Path) -> Daemon:
-    proc = spawn(argv, log)
-    try:
-        wait_until(lambda: proc.poll() is not None or http_ok(url + "/readyz"), timeout=30, what=f"{log.stem} ready")
-    except TimeoutError:
-        stop(proc)
-        raise
-    assert proc.poll() is None, log.read_text()[-3000:]
-    return Daemon(proc, log, url, handles, cache)
 
 
 @pytest.fixture
@@ -124,12 +104,13 @@ def viewed(namespaces: None, origin: Path) -> Iterator[Daemon]:
     """A node daemon whose descriptors are opened through a read-only view of its cache."""
     view = origin / "cache-view"
     view.mkdir()
-    argv, cache, url, handles = serve_command(origin, "viewed", ["--cache-dir-read-only", str(view)])
-    daemon = start(in_namespace(cache, view, argv), origin / "viewed.log", url, handles, cache)
+    daemon = Daemon(origin, "viewed", ["--cache-dir-read-only", str(view)])
+    daemon.launcher = in_namespace(daemon.cache, view, [])
+    daemon.start()
     try:
         yield daemon
     finally:
-        stop(daemon.proc)
+        daemon.stop()
 
 
 def reopen(fd: int, flags: int) -> int:
@@ -190,8 +171,7 @@ def reply_id(daemon: Daemon) -> str:
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not AS_ROOT, reason="the hole needs a user that may write a 0444 file: root (CAP_DAC_OVERRIDE)")
 def test_without_the_view_root_reopens_its_descriptor_for_writing(origin: Path) -> None:
-    argv, cache, url, handles = serve_command(origin, "plain", [])
-    daemon = start(argv, origin / "plain.log", url, handles, cache)
+    daemon = Daemon(origin, "plain", []).start()
     try:
         _, reader = daemon.ask()  # another pod's reader, holding the file meanwhile
         _, fd = daemon.ask()
@@ -216,7 +196,7 @@ def test_without_the_view_root_reopens_its_descriptor_for_writing(origin: Path) 
         log = daemon.log.read_text()
         assert log.count(WARNING) == 1 and "--cache-dir-read-only" in log.split(WARNING, 1)[1].splitlines()[0]
     finally:
-        stop(daemon.proc)
+        daemon.stop()
 
 
 # -- views the daemon refuses -------------------------------------------------------------------
@@ -234,30 +214,31 @@ def refused_start(argv: list[str], log: Path) -> str:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_view_that_is_not_read_only_or_not_the_cache_refuses_to_start(namespaces: None, origin: Path) -> None:
     view = origin / "cache-view"
     view.mkdir()
     # The cache itself, but read-write: a descriptor through it could be reopened for writing.
-    argv, cache, _, _ = serve_command(origin, "rw", ["--cache-dir-read-only", str(view)])
-    text = refused_start(in_namespace(cache, view, argv, read_only=False), origin / "rw.log")
+    rw = Daemon(origin, "rw", ["--cache-dir-read-only", str(view)])
+    text = refused_start(in_namespace(rw.cache, view, rw.command(), read_only=False), rw.log)
     assert "shardcache serve: error: --cache-dir-read-only: " in text and "mounted read-write" in text
     assert "mount -o remount,bind,ro" in text and "readOnly: true" in text and "Traceback" not in text
     # Read-only, but another cache directory (a layout of its own: another LOCK, another data).
     other = origin / "other-cache"
     (other / "v1" / "data").mkdir(parents=True)
     (other / "v1" / "LOCK").touch()
-    argv, _, _, _ = serve_command(origin, "other", ["--cache-dir-read-only", str(view)])
-    text = refused_start(in_namespace(other, view, argv), origin / "other.log")
+    daemon = Daemon(origin, "other", ["--cache-dir-read-only", str(view)])
+    text = refused_start(in_namespace(other, view, daemon.command()), daemon.log)
     assert "is another directory than the cache" in text and f"a second time, read-only, at {view}" in text
     # Read-only, but an empty directory: nothing of the cache there.
     empty = origin / "empty"
     empty.mkdir()
-    argv, _, _, _ = serve_command(origin, "empty", ["--cache-dir-read-only", str(view)])
-    text = refused_start(in_namespace(empty, view, argv), origin / "empty.log")
+    daemon = Daemon(origin, "empty", ["--cache-dir-read-only", str(view)])
+    text = refused_start(in_namespace(empty, view, daemon.command()), daemon.log)
     assert "does not show the cache" in text
     # No mount at all: the path alone is not a view either.
-    argv, _, _, _ = serve_command(origin, "none", ["--cache-dir-read-only", str(origin / "nowhere")])
-    assert "does not show the cache" in refused_start(argv, origin / "none.log")
+    daemon = Daemon(origin, "none", ["--cache-dir-read-only", str(origin / "nowhere")])
+    assert "does not show the cache" in refused_start(daemon.command(), daemon.log)
 
 
 def test_the_flag_is_the_node_daemons(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,8 +11,9 @@ import xml.etree.ElementTree as ET
 import botocore.exceptions
 import pytest
 
-from tests.daemon.conftest import cache_files, make_settings, s3_client
-from tests.helpers import wait_until
+from tests.support.daemons import cache_files, make_settings
+from tests.support.s3 import s3_client
+from tests.support.waits import wait_until
 from wire.web import ConnectionLimits
 
 
@@ -282,6 +283,7 @@ def guarded_daemon(tmp_path, start_daemon):
 @pytest.mark.parametrize("sent", [b"", b"GET /bk/train/0.tar HTTP/1.1\r\nHost: x\r\nRange: by"],
                          ids=["nothing", "half-headers"])
 @pytest.mark.parametrize("family", ["tcp", "unix"])
+@pytest.mark.slow
 def test_a_connection_without_a_whole_head_is_closed_within_the_bound(guarded_daemon, sent, family):
     if family == "tcp":
         sock = socket.create_connection(("127.0.0.1", guarded_daemon.port), timeout=5)
@@ -303,6 +305,7 @@ def test_an_idle_kept_alive_connection_is_closed(guarded_daemon):
     conn.close()
 
 
+@pytest.mark.slow
 def test_beyond_the_connection_limit_clients_are_refused_then_served_once_slow_ones_go(tmp_path, start_daemon):
     # Bounds long enough that the slow connections still hold their slots when the refusal is checked.
     guarded_daemon = guarded(tmp_path, start_daemon, 3.0)

@@ -14,7 +14,9 @@ import pytest
 
 from sidecar.daemon.origins.httppool import HTTPPool
 from sidecar.errors import OriginBadResponse, OriginUnavailable
-from tests.helpers import free_port, serving
+from tests.support.processes import free_port
+from tests.support.threads import serving
+from tests.support.waits import inside, wait_until
 
 BODY = bytes(range(256)) * 4096  # 1 MiB
 
@@ -53,6 +55,11 @@ class _Server(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", free_port()), _Handler)
         self.peers: set[tuple[str, int]] = set()
         self.release = threading.Event()
+        self.closed = 0  # connections this server closed
+
+    def close_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        super().close_request(request)
+        self.closed += 1
 
 
 @pytest.fixture
@@ -92,7 +99,7 @@ def test_a_connection_the_server_closed_is_replaced_without_an_error(server: _Se
     # answering, as an S3 front end does to an idle connection: the pooled one is dead when reused.
     assert _read_all(pool, _url(server, "/close-after")) == BODY
     assert len(pool._idle[("http", "127.0.0.1", server.server_address[1])]) == 1
-    time.sleep(0.1)
+    wait_until(lambda: server.closed == 1, timeout=5, what="the server to close the connection")
     assert _read_all(pool, _url(server, "/obj")) == BODY
     assert len(server.peers) == 2  # the dead one was replaced by a fresh connection
     pool.close()
@@ -134,7 +141,7 @@ def test_abort_unblocks_a_read_on_another_thread(server: _Server) -> None:
 
     thread = threading.Thread(target=reader)
     thread.start()
-    time.sleep(0.2)
+    wait_until(lambda: inside(thread, "readinto"), timeout=5, what="the reader to block in readinto")
     resp.abort()
     thread.join(5)
     assert not thread.is_alive(), "abort() did not unblock the reader"

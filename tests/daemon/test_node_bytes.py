@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.conftest import put_objects
-from tests.daemon.test_peers import Cluster
-from tests.helpers import wait_until
+from tests.support.daemons import Cluster
+from tests.support.s3 import put_objects
+from tests.support.waits import wait_until
 from wire.handles import exchange
 from wire.rendezvous import ranked
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SIZE = 300 * 1024
 NOTHING = {"local": 0, "peer": 0, "origin": 0}

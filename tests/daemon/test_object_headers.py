@@ -24,8 +24,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from cache import Store, StoreSettings
-from tests.daemon.conftest import make_settings
-from tests.helpers import free_port
+from tests.support.daemons import make_settings
+from tests.support.processes import free_port
 
 FIELDS = (
     "ContentLength", "ContentType", "ETag", "LastModified", "Metadata", "CacheControl", "ContentEncoding",
@@ -256,6 +256,7 @@ def _cases(etag: str, lm: datetime.datetime) -> list[tuple[str, dict[str, Any], 
     ]
 
 
+@pytest.mark.slow
 def test_conditional_requests_answer_as_s3(s3_server, bucket, s3_daemon):
     origin = s3_server.client()
     client = s3_daemon.client()

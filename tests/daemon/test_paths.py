@@ -11,7 +11,7 @@ import urllib.parse
 
 import pytest
 
-from tests.daemon.conftest import make_settings
+from tests.support.daemons import make_settings
 
 SECRET = b"host file: do not serve me"
 

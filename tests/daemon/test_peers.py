@@ -6,7 +6,6 @@ without the secret, and borrowed copies are evicted first."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import http.client
 import http.server
 import json
@@ -23,14 +22,14 @@ import pytest
 from cache import Store, StoreSettings
 from sidecar.daemon.peers.config import ClusterSettings
 from sidecar.daemon.peers.signing import PEER_HEADER, sign
-from tests.daemon.conftest import DaemonProcess, make_settings, put_objects
-from tests.helpers import PYTHON, REPO, free_port, http_ok, kill9, serving, spawn, wait_until
+from tests.support.daemons import PEER_SECRET, Cluster, live_members, make_settings
+from tests.support.processes import PYTHON, REPO, free_port
+from tests.support.s3 import put_objects
+from tests.support.threads import serving
+from tests.support.waits import wait_until
 from wire.rendezvous import member_id, ranked
 
 pytestmark = pytest.mark.timeout(180)
-
-SECRET = b"0123456789abcdef0123456789abcdef"
-
 
 def _get(url: str, headers: dict[str, str] | None = None, timeout: float = 20) -> tuple[int, bytes]:
     request = urllib.request.Request(url, headers=headers or {})
@@ -47,51 +46,6 @@ def _json(url: str) -> Any:
     return json.loads(body)
 
 
-def _live(url: str) -> set[str]:
-    try:
-        return {m["id"] for m in _json(url + "/_shardcache/peers")["members"] if m["live"]}
-    except OSError:
-        return set()
-
-
-def _sees(url: str, expected: set[str]) -> bool:
-    return _live(url) == expected
-
-
-class Cluster:
-    """Daemon processes that name each other with --peer (one port each, chosen up front)."""
-
-    def __init__(self, tmp: Path, endpoint: str, count: int) -> None:
-        secret_file = tmp / "secret"
-        secret_file.write_bytes(SECRET + b"\n")
-        self.daemons = [DaemonProcess([], tmp / f"d{i}.log") for i in range(count)]
-        for i, daemon in enumerate(self.daemons):
-            peers = [arg for other in self.daemons if other is not daemon for arg in ("--peer", other.url)]
-            daemon.args += [
-                "--origin", "s3", "--s3-endpoint", endpoint, "--cache-dir", str(tmp / f"cache{i}"),
-                "--cache-size", "1GiB", "--min-free", "0", "--peer-secret-file", str(secret_file),
-                "--node", f"node-{i}", "--scrub-rate", "0", *peers,
-            ]
-        self.ids = [member_id(d.url) for d in self.daemons]
-
-    def start(self) -> None:
-        for daemon in self.daemons:  # at once: no readiness waits on peers
-            daemon.proc = spawn(daemon.args, daemon.log, daemon.env)
-        for daemon in self.daemons:
-            wait_until(functools.partial(http_ok, daemon.url + "/readyz"), timeout=60, what="daemon readiness")
-
-    def wait_live(self, expected: set[str], among: list[DaemonProcess] | None = None, timeout: float = 15) -> float:
-        began = time.monotonic()
-        for daemon in among or self.daemons:
-            wait_until(functools.partial(_sees, daemon.url, expected), timeout=timeout, interval=0.1,
-                       what=f"{daemon.url} to see {sorted(expected)} live")
-        return time.monotonic() - began
-
-    def stop(self) -> None:
-        for daemon in self.daemons:
-            daemon.stop()
-
-
 @pytest.fixture
 def cluster(tmp_path: Path, s3_server: Any) -> Any:
     group = Cluster(tmp_path, s3_server.endpoint, 3)
@@ -106,6 +60,7 @@ def _dataset(prefix: str, count: int, size: int) -> dict[str, bytes]:
     return {f"{prefix}/shard-{i:04d}.tar": os.urandom(size) for i in range(count)}
 
 
+@pytest.mark.slow
 def test_three_daemons_read_each_object_from_the_origin_once(cluster: Cluster, s3_server: Any, bucket: str) -> None:
     client = s3_server.client()
     dataset = _dataset("train", 24, 300 * 1024)
@@ -136,7 +91,7 @@ def test_three_daemons_read_each_object_from_the_origin_once(cluster: Cluster, s
 
     # kill -9 of one member: it leaves the others' rings within seconds, and reads go on.
     victim, rest = cluster.daemons[2], cluster.daemons[:2]
-    kill9(victim.proc)  # type: ignore[arg-type]
+    victim.kill9()
     fresh = _dataset("more", 12, 200 * 1024)
     put_objects(client, bucket, fresh)
     for key in sorted(fresh)[:4]:  # before the others notice: the dead owner costs a refused connection
@@ -154,10 +109,11 @@ def test_three_daemons_read_each_object_from_the_origin_once(cluster: Cluster, s
         assert status == 200 and body == dataset[key]
 
     # Restarted (as the DaemonSet does, same cache), it is back in every ring.
-    victim.proc = spawn(victim.args, victim.log, victim.env)
+    victim.launch()
     cluster.wait_live(set(cluster.ids), timeout=30)
 
 
+@pytest.mark.slow
 def test_a_new_owner_takes_over_from_the_member_ranked_next(tmp_path: Path, s3_server: Any, bucket: str) -> None:
     """A member joining owns objects the member ranked after it holds: its first reads of them
     come from that member's cache (a hand-off), not from the object store again; an object no one
@@ -174,17 +130,16 @@ def test_a_new_owner_takes_over_from_the_member_ranked_next(tmp_path: Path, s3_s
     data = {k: os.urandom(256 * 1024) for k in held + cold + relayed}
     put_objects(s3_server.client(), bucket, data)
     try:
+        for daemon in first:  # at once: no readiness waits on peers
+            daemon.launch()
         for daemon in first:
-            daemon.proc = spawn(daemon.args, daemon.log, daemon.env)
-        for daemon in first:
-            wait_until(functools.partial(http_ok, daemon.url + "/readyz"), timeout=60, what="daemon readiness")
+            daemon.wait_ready()
         group.wait_live(set(group.ids[:2]), first)
         for key in held + relayed:  # filled by their owner among the first two: the one ranked after the late one
             status, body = _get(f"{first[0].url}/{bucket}/{key}")
             assert status == 200 and body == data[key]
         before = [d.stats()["origin_read_bytes"] for d in first]
-        late.proc = spawn(late.args, late.log, late.env)
-        wait_until(functools.partial(http_ok, late.url + "/readyz"), timeout=60, what="daemon readiness")
+        late.start()
         group.wait_live(set(group.ids))
 
         for key in held:
@@ -219,7 +174,7 @@ def test_peer_header_needs_the_secret(start_daemon: Any, tmp_path: Path, s3_serv
     settings = make_settings(tmp_path / "cache", "s3", s3_server.endpoint)
     url = "http://" + settings.listen[0][len("tcp://"):]
     settings = dataclasses.replace(settings, cluster=ClusterSettings(
-        peers=(f"http://127.0.0.1:{free_port()}",), advertise_url=url, secret=SECRET,
+        peers=(f"http://127.0.0.1:{free_port()}",), advertise_url=url, secret=PEER_SECRET,
     ))
     daemon = start_daemon(settings)
     target = f"/{bucket}/a.bin"
@@ -227,14 +182,14 @@ def test_peer_header_needs_the_secret(start_daemon: Any, tmp_path: Path, s3_serv
     refused = {
         "unsigned": f"m={asker},open",
         "wrong secret": sign(b"another-secret-of-16-bytes", asker, "GET", target),
-        "expired": sign(SECRET, asker, "GET", target, now=time.time() - 300),
-        "another path": sign(SECRET, asker, "GET", target + "x"),
+        "expired": sign(PEER_SECRET, asker, "GET", target, now=time.time() - 300),
+        "another path": sign(PEER_SECRET, asker, "GET", target + "x"),
         "no member": "t=1,sig=00",
     }
     for why, value in refused.items():
         status, body = _get(daemon.url + target, {PEER_HEADER: value})
         assert status == 403 and b"<Code>AccessDenied</Code>" in body and b"not a peer" in body, why
-    status, body = _get(daemon.url + target, {PEER_HEADER: sign(SECRET, asker, "GET", target)})
+    status, body = _get(daemon.url + target, {PEER_HEADER: sign(PEER_SECRET, asker, "GET", target)})
     assert status == 200 and body == b"x" * 1000
     assert daemon.stats()["served_bytes"]["peer"] == 1000
     status, body = _get(daemon.url + target)  # a client's read, no peer header: as ever
@@ -286,7 +241,7 @@ def test_corrupt_peer_bytes_are_refused(start_daemon: Any, tmp_path: Path, s3_se
     settings = dataclasses.replace(settings, cluster=ClusterSettings(peers=(liar_url,), advertise_url=url))
     with serving(liar):
         daemon = start_daemon(settings)
-        wait_until(lambda: _live(daemon.url) == {member_id(url), member_id(liar_url)}, timeout=15, what="liar live")
+        wait_until(lambda: live_members(daemon.url) == {member_id(url), member_id(liar_url)}, timeout=15, what="liar live")
         assert _json(daemon.url + "/_shardcache/peers")["peer_links"] == "open"
         answers = []
         for _ in range(3):

@@ -9,7 +9,7 @@ import os
 import pytest
 from botocore.exceptions import ClientError
 
-from tests.daemon.conftest import put_objects
+from tests.support.s3 import put_objects
 
 
 def md5(data: bytes) -> str:
@@ -58,6 +58,7 @@ def test_keys_that_differ_only_in_slashes_are_distinct_objects(s3_server, bucket
         s3_daemon.settle()
 
 
+@pytest.mark.slow
 def test_range_reads(s3_server, bucket, s3_daemon):
     data = os.urandom(2 * 1024 * 1024 + 5)
     put_objects(s3_server.client(), bucket, {"r.bin": data})
@@ -123,6 +124,7 @@ def test_errors_are_s3_xml_that_boto3_parses(s3_server, bucket, s3_daemon):
     assert s3_server.client().get_object(Bucket=bucket, Key="a")["Body"].read() == b"a"
 
 
+@pytest.mark.slow
 def test_fifty_concurrent_readers_cause_one_origin_fetch(s3_server, bucket, s3_daemon, proxy):
     data = os.urandom(512 * 1024)  # below the part size: the fill is exactly one origin GET
     put_objects(s3_server.client(), bucket, {"hot.tar": data})
@@ -146,7 +148,7 @@ def test_fifty_concurrent_readers_cause_one_origin_fetch(s3_server, bucket, s3_d
 def test_large_object_split_into_parallel_ranged_gets_only_when_slow(
     s3_server, bucket, tmp_path, proxy, start_daemon, split_below, gets
 ):
-    from tests.daemon.conftest import make_settings, replace_fetch
+    from tests.support.daemons import make_settings, replace_fetch
 
     data = os.urandom(5 * 1024 * 1024 + 3)
     put_objects(s3_server.client(), bucket, {"big.tar": data})

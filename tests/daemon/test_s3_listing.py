@@ -22,7 +22,9 @@ import pytest
 from botocore.exceptions import ClientError
 from botocore.handlers import set_list_objects_encoding_type_url
 
-from tests.daemon.conftest import DaemonThread, make_settings, s3_client
+from tests.support.daemons import make_settings
+from tests.support.s3 import s3_client
+from tests.support.threads import DaemonThread
 
 # Names S3 allows and XML, URLs or both treat specially; "many/" makes listings longer than a page.
 ODD_KEYS = [
@@ -126,6 +128,7 @@ def compare_v1(daemon: Any, origin: Any, bucket: str, **kwargs: Any) -> int:
 
 
 @pytest.mark.parametrize(("kind", "extra"), ENCODINGS, ids=["boto3", "boto3-url", "plain"])
+@pytest.mark.slow
 def test_list_objects_v2_matches_the_origin(s3_server, listed_bucket, s3_daemon, kind, extra):
     daemon, origin = _clients(kind, s3_daemon.url, s3_server.endpoint)
     # Every page of a 1,105-key listing, its tokens, KeyCount and MaxKeys.
@@ -144,6 +147,7 @@ def test_list_objects_v2_matches_the_origin(s3_server, listed_bucket, s3_daemon,
 
 
 @pytest.mark.parametrize(("kind", "extra"), ENCODINGS, ids=["boto3", "boto3-url", "plain"])
+@pytest.mark.slow
 def test_list_objects_v1_matches_the_origin(s3_server, listed_bucket, s3_daemon, kind, extra):
     daemon, origin = _clients(kind, s3_daemon.url, s3_server.endpoint)
     assert compare_v1(daemon, origin, listed_bucket, **extra) == 2
@@ -310,6 +314,7 @@ FILE_CASES: list[dict[str, Any]] = [
 
 
 @pytest.mark.parametrize(("kind", "extra"), ENCODINGS, ids=["boto3", "boto3-url", "plain"])
+@pytest.mark.slow
 def test_file_origin_listings_match_s3(s3_server, listed_bucket, file_daemon, kind, extra):
     """ListObjectsV2 page by page as moto answers it (the tokens are each server's own)."""
     daemon, origin = _clients(kind, file_daemon.url, s3_server.endpoint)
@@ -329,6 +334,7 @@ def test_file_origin_listings_match_s3(s3_server, listed_bucket, file_daemon, ki
 
 
 @pytest.mark.parametrize(("kind", "extra"), ENCODINGS, ids=["boto3", "boto3-url", "plain"])
+@pytest.mark.slow
 def test_file_origin_v1_listings_are_s3s(file_daemon, kind, extra):
     """ListObjects (v1) pages hold what the ListObjectsV2 pages (checked against moto above)
     hold; markers as S3 sets them: Marker echoes the request, NextMarker (only with a delimiter)

@@ -21,8 +21,8 @@ from botocore.config import Config
 from sidecar.daemon.checksums import VerifySettings
 from sidecar.daemon.claims import ClaimSettings
 from sidecar.daemon.scrub import ScrubSettings
-from tests.daemon.conftest import FAST_RETRY, make_settings
-from tests.helpers import wait_until
+from tests.support.daemons import FAST_RETRY, make_settings
+from tests.support.waits import wait_until
 
 SIZE = 3 * 1024 * 1024 + 12345  # three 1 MiB parts and a bit: a split fill lands out of order
 
@@ -89,6 +89,7 @@ def no_md5(**changes: Any) -> Any:
 
 @pytest.mark.parametrize("kind", ["crc32", "etag"])
 @pytest.mark.parametrize("claimed", [False, True], ids=["no-claim", "claim"])
+@pytest.mark.slow
 def test_a_bit_flipped_once_on_the_wire_is_never_cached_nor_served(
     s3_server, bucket, proxy, tmp_path, start_daemon, kind, claimed
 ):
@@ -121,6 +122,7 @@ def test_a_bit_flipped_once_on_the_wire_is_never_cached_nor_served(
 
 
 @pytest.mark.parametrize("fault", ["truncate", "reset", "stall"])
+@pytest.mark.slow
 def test_transport_faults_are_retried_and_the_copy_is_verified(s3_server, bucket, proxy, tmp_path, start_daemon, fault):
     data = os.urandom(SIZE)
     put(s3_server, bucket, "s.tar", data, "crc32")
@@ -283,9 +285,10 @@ def test_checksum_headers_are_answered_to_clients_that_ask(s3_server, bucket, pr
 
 
 @pytest.mark.parametrize("short_circuit", [True, False], ids=["short-circuit", "http"])
+@pytest.mark.slow
 def test_loader_runs_heal_a_bad_unverified_copy(s3_server, bucket, proxy, tmp_path, start_daemon, short_circuit):
     from loader import LoaderSettings, ShardLoader
-    from tests.loader.shards import delivered, write_manifest, write_shards
+    from tests.support.shards import delivered, write_manifest, write_shards
 
     written = write_shards(tmp_path / "ds", shards=3, per_shard=5, sizes=(20_000, 40_000))
     write_manifest(written)
@@ -312,6 +315,7 @@ def test_loader_runs_heal_a_bad_unverified_copy(s3_server, bucket, proxy, tmp_pa
 
 
 @pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32", "SHA256", "SHA1"])
+@pytest.mark.slow
 def test_every_additional_checksum_verifies_a_fill(s3_server, bucket, proxy, tmp_path, start_daemon, algorithm):
     data = os.urandom(SIZE)
     s3_server.client().put_object(Bucket=bucket, Key="s.tar", Body=data, ChecksumAlgorithm=algorithm)
@@ -328,6 +332,7 @@ def test_every_additional_checksum_verifies_a_fill(s3_server, bucket, proxy, tmp
 
 
 @pytest.mark.parametrize("kind", ["etag", "crc32"])
+@pytest.mark.slow
 def test_split_fills_end_without_hanging(s3_server, bucket, proxy, tmp_path, start_daemon, kind):
     """Found by the far-host benchmark: a fill split into parts whose last hashing run ended in
     the same loop turn as its parts waited for it forever (the daemon's loop spun)."""

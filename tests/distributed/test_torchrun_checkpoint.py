@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.harness import Ident, Logs, TorchRun, job_status, make_dataset, sample_offsets
-from tests.loader.shards import Written
+from tests.support.shards import Written
+from tests.support.torchrun import Ident, Logs, TorchRun, job_status, make_dataset, sample_offsets
 
 pytest.importorskip("torch", reason="torch is not installed: scripts/test.sh installs it (CPU build, torch==2.13.0)")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 __all__: list[str] = []
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import TorchRun, job_status, make_dataset
+from tests.support.torchrun import TorchRun, job_status, make_dataset
 
 pytest.importorskip("torch", reason="torch is not installed: scripts/test.sh installs it (CPU build, torch==2.13.0)")
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 __all__: list[str] = []
 

@@ -1,4 +1,4 @@
-"""Fixtures for the Kubernetes area (helpers live in support.py)."""
+"""Fixtures for the Kubernetes area (helpers: tests/support/k8s.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.helpers import stop
-from tests.k8s.support import Renderer, TLSFiles, WebhookProcess, make_tls, start_webhook
+from tests.support.k8s import Renderer, TLSFiles, WebhookProcess, make_tls, start_webhook
+from tests.support.processes import stop
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from sidecar.k8s.inject import json_patch
+from sidecar.k8s.patch import json_patch
 
 
 def _same(a: Any, b: Any) -> bool:

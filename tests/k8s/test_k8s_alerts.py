@@ -6,7 +6,6 @@ and every metric name in an alert or a panel query found among the names that a 
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import re
 import shutil
@@ -21,8 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers import PYTHON, REPO, free_port, http_ok, spawn, stop, wait_until
-from tests.k8s.support import CHART, FIXTURES, Renderer, find, validate_k8s
+from tests.support.daemons import DaemonProcess
+from tests.support.k8s import CHART, FIXTURES, Renderer, find, validate_k8s
+from tests.support.masters import MasterProcess
+from tests.support.processes import REPO, free_port
+from tests.support.waits import wait_until
 
 NS = "shardcache"
 ON = {"metrics": {"prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}}}
@@ -444,10 +446,6 @@ def _series(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def _up_or_exited(url: str, proc: subprocess.Popen[bytes]) -> bool:
-    return http_ok(url + "/healthz") or proc.poll() is not None
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
     """A real daemon (file:// origin, cluster mode with one dead peer) and a real master, some
@@ -456,19 +454,18 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
     tmp = tmp_path_factory.mktemp("exporters")
     (tmp / "origin" / "bkt").mkdir(parents=True)
     (tmp / "origin" / "bkt" / "train-000000.tar").write_bytes(b"x" * 70_000)
-    port, master_port = free_port(), free_port()
-    daemon_url, master_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{master_port}"
-    procs = [
-        spawn([PYTHON, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{port}", "--cache-dir", str(tmp / "cache"),
-               "--cache-size", "1GiB", "--min-free", "0%", "--origin", f"file://{tmp / 'origin'}", "--node", "node-a",
-               "--advertise-url", daemon_url, "--peer", f"http://127.0.0.1:{free_port()}"], tmp / "daemon.log"),
-        spawn([PYTHON, "-m", "sidecar.cli", "master", "--listen", f"tcp://127.0.0.1:{master_port}",
-               "--state", f"sqlite://{tmp / 'master.db'}"], tmp / "master.log"),
-    ]
+    daemon = DaemonProcess(["--cache-dir", str(tmp / "cache"), "--cache-size", "1GiB", "--min-free", "0%",
+                            "--origin", f"file://{tmp / 'origin'}", "--node", "node-a"], tmp / "daemon.log", ready_path="/healthz")
+    daemon.args += ["--advertise-url", daemon.url, "--peer", f"http://127.0.0.1:{free_port()}"]
+    master = MasterProcess(tmp, f"sqlite://{tmp / 'master.db'}", advertise=False)
+    master.ready_path = "/healthz"
+    servers = [daemon, master]
+    daemon_url, master_url = daemon.url, master.url
     try:
-        for url, proc, log in ((daemon_url, procs[0], "daemon.log"), (master_url, procs[1], "master.log")):
-            wait_until(functools.partial(_up_or_exited, url, proc), timeout=30, what=url)
-            assert proc.poll() is None, (tmp / log).read_text()[-3000:]
+        for server in servers:  # both at once, then each waited for
+            server.launch()
+        for server in servers:
+            server.wait_ready()
         # The peer never answers: once the daemon counts it dead its reads stay local.
         wait_until(lambda: _series(_get(daemon_url + "/metrics")[1].decode(), "shardcache_cluster_members", state="dead") == 1,
                    timeout=30, what="the dead peer counted")
@@ -490,8 +487,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
         scrapes = {"daemon": _get(daemon_url + "/metrics")[1].decode(), "master": _get(master_url + "/metrics")[1].decode()}
         yield Exported(exported_names(scrapes["daemon"]), exported_names(scrapes["master"]), scrapes)
     finally:
-        for proc in procs:
-            stop(proc)
+        for server in servers:
+            server.stop()
 
 
 def test_the_exporters_count_what_the_alerts_read(exported: Exported) -> None:

@@ -20,19 +20,11 @@ from typing import Any
 import pytest
 
 from sidecar.k8s.inject import INJECT_LABEL, SIDECAR_NAME, VOLUME_SOCKET, InjectConfig, inject
-from tests.helpers import stop
-from tests.k8s.controlplane import ApiError, ControlPlane, control_plane, eventually
-from tests.k8s.support import (
-    VAP_API,
-    Renderer,
-    TLSFiles,
-    WebhookProcess,
-    chart_webhook_args,
-    find,
-    opted_in_deployment,
-    start_webhook,
-)
-from tests.k8s.test_k8s_chart import OPTIONS
+from tests.support.controlplane import ApiError, ControlPlane, control_plane, eventually
+from tests.support.k8s import OPTIONS, VAP_API, Renderer, TLSFiles, WebhookProcess, chart_webhook_args, find, opted_in_deployment, start_webhook
+from tests.support.processes import stop
+
+pytestmark = pytest.mark.slow
 
 RELEASE = NS = "shardcache"
 # The training namespaces: the default mode, a namespace that chose restricted, and one that

@@ -40,24 +40,25 @@ from sidecar.k8s.inject import (
     NODE_ENV,
     SIDECAR_NAME,
     InjectConfig,
-    dump_documents,
     inject,
-    json_patch,
 )
-from tests.k8s.support import (
+from sidecar.k8s.patch import json_patch
+from sidecar.k8s.yamldocs import dump_documents
+from tests.support.k8s import (
     CHART,
     Renderer,
     WebhookProcess,
     admission_review,
     apply_patch,
     check_pod_semantics,
+    docs,
     find,
     kubectl_parse,
     pod_templates,
+    run_inject,
     subcommands,
     validate_k8s,
 )
-from tests.k8s.test_k8s_inject_cli import docs, run_inject
 
 NS = "shardcache"
 SIGV4 = ["--auth", "sigv4", "--auth-identity", "sts", "--auth-cache-ttl", "120"]
@@ -155,6 +156,7 @@ def test_the_daemon_accepts_its_args(charts: dict[str, list[dict[str, Any]]], op
 
 
 @pytest.mark.parametrize("option", AUTH_OPTIONS)
+@pytest.mark.slow
 def test_lint_and_objects_are_valid(renderer: Renderer, charts: dict[str, list[dict[str, Any]]], option: str) -> None:
     report = renderer.helm.lint(str(CHART), copy.deepcopy(AUTH_OPTIONS[option][0]), strict=True, namespace=NS, kube_version="v1.30.0")
     assert report["errors"] == [] and report["messages"] == [], report
@@ -808,6 +810,7 @@ def _credential_scenarios(agent: str) -> dict[str, Scenario]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("scenario", ["irsa", "pod-identity", "secret-keys", "credentials-file", "home-aws"])
+@pytest.mark.slow
 def test_boto3_in_the_sidecar_finds_the_apps_credentials(
     scenario: str, credential_server: str, webhook: WebhookProcess, tmp_path: Path
 ) -> None:

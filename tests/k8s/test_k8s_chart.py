@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from sidecar.k8s.inject import INJECT_LABEL, SIDECAR_NAME
-from tests.k8s.support import (
+from tests.support.k8s import (
     CHART,
+    OPTIONS,
     Renderer,
     WebhookProcess,
     admission_review,
@@ -35,67 +36,6 @@ BUILTIN_KINDS = {
     "PodDisruptionBudget", "MutatingWebhookConfiguration", "PriorityClass", "NetworkPolicy",
 }
 RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
-
-# Every documented option set; each is linted, rendered, and checked by the generic tests.
-OPTIONS: dict[str, dict[str, Any]] = {
-    "defaults": {},
-    "gpu-nodes": {
-        "node": {
-            "nodeSelector": {"nvidia.com/gpu.present": "true"},
-            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
-            "priorityClassName": "gpu-infra",
-            "cache": {"hostPath": "/mnt/nvme0/shardcache", "size": "1.5TiB", "minFree": "5%", "eviction": "hold"},
-            "socketHostDir": "/var/run/shardcache",
-        },
-    },
-    "ephemeral-cache": {"node": {"cache": {"type": "ephemeral", "ephemeral": {"storageClassName": "local-path", "size": "800Gi"}}}},
-    "s3-credentials": {
-        "node": {"origin": {"s3": {"endpoint": "http://minio.storage:9000", "region": "us-east-1",
-                                    "credentialsSecret": {"name": "minio-creds", "accessKeyIdKey": "user", "secretAccessKeyKey": "password"}}},
-                 "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}}},
-    },
-    # --auth sigv4 (the default) checks callers against S3's IAM: a file origin goes without.
-    "file-origin": {"node": {"origin": {"type": "file", "file": {"hostPath": "/mnt/datasets"}}, "auth": {"mode": "none"}}},
-    "priority-class": {"priorityClass": {"create": True, "value": 2000000}},
-    "etcd-ha": {"master": {"replicas": 3, "state": {"type": "etcd", "etcd": {"endpoints": ["etcd-0.etcd:2379", "etcd-1.etcd:2379"], "prefix": "/sc"}}}},
-    "master-no-persistence": {"master": {"persistence": {"enabled": False}}},
-    "master-existing-claim": {"master": {"persistence": {"existingClaim": "my-claim"}}},
-    "cert-manager": {"webhook": {"tls": {"mode": "certManager"}}},
-    "cert-manager-issuer": {"webhook": {"tls": {"mode": "certManager", "certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}},
-    "tls-secret": {"webhook": {"tls": {"mode": "secret", "secret": {"name": "my-tls", "caBundle": base64.b64encode(b"-----BEGIN CERTIFICATE-----\n").decode()}}}},
-    "old-cluster": {"webhook": {"nativeSidecar": False}},
-    "fail-closed": {"webhook": {"failurePolicy": "Fail", "timeoutSeconds": 10, "replicas": 3}},
-    "namespaces": {"webhook": {"namespaceSelector": {"matchLabels": {"shardcache.io/enabled": "true"}}}},
-    "workloads": {"webhook": {"injectWorkloads": True}},
-    # Pods restricted by default (namespaces labelled shardcache.io/mode=hostpath keep the socket);
-    # the admission policy only reporting, in its own namespaces (rendered where the API exists).
-    "restricted-default": {"webhook": {"injectWorkloads": True, "sidecar": {"mode": "restricted"}},
-                           "admissionPolicy": {"validationActions": ["Warn", "Audit"],
-                                               "namespaceSelector": {"matchLabels": {"training": "true"}}}},
-    "sidecar": {"webhook": {"sidecar": {"image": {"repository": "mirror.local/shardcache", "tag": "9.9.9"}, "port": 9600,
-                                        "shortCircuit": False, "podCacheSize": "40Gi",
-                                        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": 2, "memory": "2Gi"}}}}},
-    "service-monitor": {"metrics": {"podAnnotations": False, "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}}},
-    "single-webhook": {"webhook": {"replicas": 1}},
-    "pinned-image": {"image": {"repository": "mirror.local/sc", "digest": "sha256:" + "a" * 64},
-                     "imagePullSecrets": [{"name": "regcred"}], "commonLabels": {"team": "ml-infra"}},
-    "names": {"fullnameOverride": "cache"},
-    "only-node": {"master": {"enabled": False}, "webhook": {"enabled": False}},
-    "tenancy": {
-        "networkPolicy": {
-            "trainingNamespaceSelector": {"matchLabels": {"shardcache.io/training": "true"}},
-            "metricsNamespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["prom"]}]},
-            "apiServerCIDRs": ["10.0.0.0/28"],
-            "extraFrom": {"node": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}],
-                          "webhook": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
-                                       "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}}}]},
-        },
-        "webhook": {"allowedSidecarImages": ["mirror.local/shardcache:*", "registry.example.com/ml/*", "ghcr.io/shardcache/shardcache:0.1.0"]},
-        "master": {"auth": {"existingSecret": "my-master-token"}},
-    },
-    "open": {"networkPolicy": {"enabled": False}, "master": {"auth": {"enabled": False}}},
-}
-
 
 @pytest.fixture(scope="module")
 def rendered(renderer: Renderer) -> dict[str, list[dict[str, Any]]]:
@@ -119,6 +59,7 @@ def arg_after(args: list[str], flag: str) -> str:
 
 
 @pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.slow
 def test_lint_is_clean(renderer: Renderer, option: str) -> None:
     report = renderer.helm.lint(str(CHART), copy.deepcopy(OPTIONS[option]), strict=True, namespace=NS, kube_version="v1.30.0")
     assert report["errors"] == [] and report["messages"] == [], report
@@ -134,6 +75,7 @@ def without_newer_fields(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.slow
 def test_objects_are_valid_and_labelled(rendered: dict[str, list[dict[str, Any]]], option: str) -> None:
     objects = rendered[option]
     assert objects
@@ -467,7 +409,7 @@ def test_webhook_service_and_ca_bundle_match(rendered: dict[str, list[dict[str, 
 def test_rendered_certificate_and_args_serve_the_api_server(rendered: dict[str, list[dict[str, Any]]], tmp_path: Any) -> None:
     """End to end: the chart's own Secret and webhook args, run by the real `shardcache webhook`,
     verified the way the API server does (caBundle as trust, the Service DNS name)."""
-    from tests.k8s.support import TLSFiles
+    from tests.support.k8s import TLSFiles
 
     objects = rendered["sidecar"]
     mwc, svc, deployment = _webhook_parts(objects)
@@ -501,7 +443,7 @@ def test_rendered_certificate_and_args_serve_the_api_server(rendered: dict[str, 
         assert {v["name"]: v for v in spec["volumes"]}["shardcache-pod-cache"]["emptyDir"]["sizeLimit"] == "40Gi"
         assert "shardcache-node-cache" not in {v["name"] for v in spec["volumes"]}
     finally:
-        from tests.helpers import stop
+        from tests.support.processes import stop
 
         stop(server.proc)
 

@@ -20,12 +20,14 @@ import jsonpatch  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from sidecar.k8s.inject import INJECT_LABEL, NODE_ENV, SIDECAR_NAME, InjectConfig, inject, json_patch
-from tests.k8s.support import (
+from sidecar.k8s.inject import INJECT_LABEL, NODE_ENV, SIDECAR_NAME, InjectConfig, inject
+from sidecar.k8s.patch import json_patch
+from tests.support.k8s import (
     CHART,
     Renderer,
     WebhookProcess,
     admission_review,
+    admits,
     apply_patch,
     check_pod_semantics,
     find,
@@ -33,7 +35,6 @@ from tests.k8s.support import (
     subcommands,
     validate_k8s,
 )
-from tests.k8s.test_k8s_tenancy import admits
 
 NS = "shardcache"
 CLUSTER_FLAGS = {"--peers-dns", "--advertise-url", "--peer-secret-file"}
@@ -260,6 +261,7 @@ def test_daemons_reach_each_other_through_the_network_policy(rendered: dict[str,
 
 
 @pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.slow
 def test_lint_and_objects_are_valid(renderer: Renderer, rendered: dict[str, list[dict[str, Any]]], option: str) -> None:
     report = renderer.helm.lint(str(CHART), copy.deepcopy(OPTIONS[option]), strict=True, namespace=NS, kube_version="v1.30.0")
     assert report["errors"] == [] and report["messages"] == [], report

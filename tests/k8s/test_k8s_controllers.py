@@ -27,8 +27,7 @@ from sidecar.k8s.inject import (
     InjectionError,
     inject,
 )
-from tests.helpers import PYTHON, REPO, stop
-from tests.k8s.support import (
+from tests.support.k8s import (
     Renderer,
     TLSFiles,
     WebhookProcess,
@@ -38,6 +37,9 @@ from tests.k8s.support import (
     opted_in_deployment,
     start_webhook,
 )
+from tests.support.processes import PYTHON, REPO, stop
+
+pytestmark = pytest.mark.slow
 
 CONFIG = InjectConfig(image="registry.example.com/shardcache:1.2.3")
 

@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 from sidecar.k8s.inject import INJECT_LABEL, SIDECAR_NAME
-from tests.k8s.support import WebhookProcess, admission_review
-from tests.k8s.test_k8s_inject_cli import run_inject
+from tests.support.k8s import WebhookProcess, admission_review, run_inject
 
 # "Billion laughs": 338 bytes that PyYAML expands into megabytes (every alias is written out).
 ALIAS_BOMB = """apiVersion: v1
@@ -90,6 +89,7 @@ def assert_one_line_refusal(done: Any, started: float, expected: str) -> None:
 
 
 @pytest.mark.parametrize("text, expected", HOSTILE_DOCUMENTS, ids=HOSTILE_IDS)
+@pytest.mark.slow
 def test_inject_refuses_hostile_documents_with_one_line(text: str, expected: str) -> None:
     started = time.monotonic()
     done = run_inject("-f", "-", stdin=text)

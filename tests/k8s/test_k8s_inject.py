@@ -23,21 +23,12 @@ from sidecar.k8s.inject import (
     SIDECAR_NAME,
     InjectConfig,
     InjectionError,
-    dump_documents,
     inject,
     inject_documents,
-    json_patch,
-    load_documents,
 )
-from tests.k8s.support import (
-    TEMPLATE_PATHS,
-    check_pod_semantics,
-    dig,
-    load_fixture_docs,
-    pod_templates,
-    subcommands,
-    validate_k8s,
-)
+from sidecar.k8s.patch import json_patch
+from sidecar.k8s.yamldocs import dump_documents, load_documents
+from tests.support.k8s import TEMPLATE_PATHS, check_pod_semantics, dig, load_fixture_docs, pod_templates, subcommands, validate_k8s
 
 CONFIG = InjectConfig(image="registry.example.com/shardcache:1.2.3")
 # What every injected container gets (tests/k8s/test_k8s_cluster.py).

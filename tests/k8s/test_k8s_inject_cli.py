@@ -3,32 +3,15 @@ YAML, including a Kubeflow PyTorchJob."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from sidecar.k8s.inject import INJECT_LABEL, SIDECAR_NAME, InjectConfig, inject
-from tests.helpers import PYTHON, REPO
-from tests.k8s.support import FIXTURES, TEMPLATE_PATHS, check_pod_semantics, kubectl_parse, pod_templates, validate_k8s
+from tests.support.k8s import FIXTURES, TEMPLATE_PATHS, check_pod_semantics, docs, kubectl_parse, pod_templates, run_inject, validate_k8s
 
 WORKLOADS_YAML = FIXTURES / "workloads.yaml"
-
-
-def run_inject(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
-    full_env.update({"PYTHONPATH": str(REPO), **(env or {})})
-    return subprocess.run(
-        [PYTHON, "-m", "sidecar.cli", "inject", *args],
-        input=stdin, capture_output=True, text=True, timeout=60, env=full_env, cwd=REPO,
-    )
-
-
-def docs(text: str) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(text) if d]
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,11 @@ from sidecar.k8s.inject import (
     RESTRICTED_UID,
     SIDECAR_NAME,
     InjectConfig,
-    dump_documents,
     inject,
-    json_patch,
 )
-from tests.k8s.support import (
+from sidecar.k8s.patch import json_patch
+from sidecar.k8s.yamldocs import dump_documents
+from tests.support.k8s import (
     CHART,
     TEMPLATE_PATHS,
     VAP_API,
@@ -44,15 +44,16 @@ from tests.k8s.support import (
     admission_review,
     apply_patch,
     check_pod_semantics,
+    docs,
     find,
     kubectl_parse,
     load_fixture_docs,
     pod_templates,
+    run_inject,
     selects,
     subcommands,
     validate_k8s,
 )
-from tests.k8s.test_k8s_inject_cli import docs, run_inject
 
 NS = "shardcache"
 IMAGE = "registry.example.com/shardcache:test"

@@ -27,21 +27,23 @@ from sidecar.k8s.inject import (
     image_allowed,
     inject,
 )
-from tests.daemon.conftest import DaemonProcess
-from tests.helpers import wait_until
-from tests.k8s.support import (
+from tests.support.daemons import DaemonProcess
+from tests.support.k8s import (
     CHART,
     Renderer,
     WebhookProcess,
     admission_review,
+    admits,
     apply_patch,
     check_pod_semantics,
+    docs,
     find,
     kubectl_parse,
+    run_inject,
     selects,
     validate_k8s,
 )
-from tests.k8s.test_k8s_inject_cli import docs, run_inject
+from tests.support.waits import wait_until
 
 DEFAULT = "registry.example.com/shardcache:1.2.3"
 ANN = "shardcache.io/sidecar-image"
@@ -338,27 +340,6 @@ def test_sidecar_reads_through_a_read_only_socket_dir_and_cannot_write_it(
 
 
 # ----------------------------------------------------------------------------- the chart
-
-
-def admits(policy: dict[str, Any], namespace: str, port: int, pod_labels: dict[str, str] | None = None,
-           release_namespace: str = NS) -> bool:
-    """Whether ``policy`` admits a TCP connection to ``port`` from a pod in ``namespace``
-    (namespaces carry their kubernetes.io/metadata.name label). ipBlocks are not evaluated: pod
-    addresses in them are implementation-defined."""
-    ns_labels = {"kubernetes.io/metadata.name": namespace}
-    for rule in policy["spec"].get("ingress", []):
-        if not any(p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in rule.get("ports", [])):
-            continue
-        for peer in rule.get("from", []):
-            if "ipBlock" in peer:
-                continue
-            if "namespaceSelector" in peer:
-                ns_ok = selects(peer["namespaceSelector"], ns_labels)
-            else:
-                ns_ok = namespace == release_namespace
-            if ns_ok and selects(peer.get("podSelector", {}), pod_labels or {}):
-                return True
-    return False
 
 
 @pytest.fixture(scope="module")

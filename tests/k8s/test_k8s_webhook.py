@@ -24,8 +24,7 @@ from aiohttp import web
 
 from sidecar.k8s.inject import ENDPOINT_ENV, INJECT_LABEL, SIDECAR_NAME, InjectConfig, inject
 from sidecar.k8s.webhook import TLSReloader, WebhookSettings, build_app
-from tests.helpers import free_port
-from tests.k8s.support import (
+from tests.support.k8s import (
     FIXTURES,
     TEMPLATE_PATHS,
     TLSFiles,
@@ -39,6 +38,7 @@ from tests.k8s.support import (
     pod_templates,
     validate_k8s,
 )
+from tests.support.processes import free_port
 
 IMAGE = "registry.example.com/shardcache:test"
 WORKLOADS = [d for d in load_fixture_docs() if d["kind"] in TEMPLATE_PATHS]
@@ -289,10 +289,11 @@ def test_concurrent_reviews(webhook: WebhookProcess) -> None:
 # ----------------------------------------------------------------------------- CLI errors and shutdown
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_clear_line(tmp_path: Path, tls: TLSFiles) -> None:
     import subprocess
 
-    from tests.helpers import PYTHON, REPO
+    from tests.support.processes import PYTHON, REPO
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -359,7 +360,7 @@ def test_renewed_certificate_is_served_without_restart(tmp_path: Path) -> None:
                     await status(second)
                 # A broken pair (cert renewed, key not yet) keeps the old certificate.
                 await asyncio.to_thread(shutil.copyfile, second.cert, cert)
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.3)  # time for the watcher to see the pair (nothing to wait for: it must not change)
                 assert await status(first) == 200
                 await asyncio.to_thread(_install, second, cert, key)
                 deadline = time.monotonic() + 10

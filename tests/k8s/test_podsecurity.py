@@ -18,7 +18,7 @@ import pytest
 
 from sidecar.k8s.inject import InjectConfig, inject
 from sidecar.k8s.podsecurity import CHECK_LEVELS, VERSION, Violation, check
-from tests.k8s.support import TEMPLATE_PATHS, load_fixture_docs, pod_templates
+from tests.support.k8s import TEMPLATE_PATHS, load_fixture_docs, pod_templates
 
 pytestmark = pytest.mark.timeout(60)
 

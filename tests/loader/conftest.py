@@ -1,5 +1,5 @@
 """Loader fixtures: a file:// dataset written by the ``webdataset`` package, and the real
-``shardcache serve`` / ``shardcache master`` processes."""
+``shardcache serve`` / ``shardcache master`` processes (helpers: tests/support/)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, free_port
-from tests.loader.procs import Proc, master_args
-from tests.loader.shards import Written, write_manifest, write_shards
+from tests.support.daemons import DaemonProcess
+from tests.support.masters import running_master
+from tests.support.shards import Written, write_manifest, write_shards
 
 
 @pytest.fixture
@@ -24,33 +24,25 @@ def dataset(tmp_path: Path) -> tuple[str, Written]:
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., str]]:
     """Start ``shardcache serve`` (a real process); returns its http:// URL."""
-    procs: list[Proc] = []
+    daemons: list[DaemonProcess] = []
 
     def start(origin: str, env: dict[str, str] | None = None, unix: Path | None = None) -> str:
-        port = free_port()
-        cache = tmp_path / f"cache-{port}"
-        args = [
-            PYTHON, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{port}",
-            "--cache-dir", str(cache), "--cache-size", "1GiB", "--min-free", "0%", "--origin", origin,
-        ]
+        daemon = DaemonProcess([], tmp_path / "daemon.log", env, ready_path="/healthz")
+        daemon.log = tmp_path / f"daemon-{daemon.port}.log"
+        daemon.args = ["--cache-dir", str(tmp_path / f"cache-{daemon.port}"), "--cache-size", "1GiB", "--min-free", "0%",
+                       "--origin", origin]
         if unix is not None:
-            args += ["--listen", f"unix://{unix}"]
-        url = f"http://127.0.0.1:{port}"
-        procs.append(Proc("daemon", args, tmp_path / f"daemon-{port}.log", url + "/healthz", env))
-        return url
+            daemon.args += ["--listen", f"unix://{unix}"]
+        daemons.append(daemon)
+        return daemon.start().url
 
     yield start
-    for proc in procs:
-        proc.stop()
+    for daemon in daemons:
+        daemon.stop()
 
 
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[str]:
     """``shardcache master`` with SQLite state (a real process); yields its URL."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = Proc("master", master_args(port, tmp_path / "master.db"), tmp_path / "master.log", url + "/healthz")
-    try:
+    with running_master(tmp_path) as url:
         yield url
-    finally:
-        proc.stop()

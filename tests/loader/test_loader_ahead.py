@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,8 @@ from loader import CorruptShard, LoaderSettings, ShardLoader
 from loader.ahead import Opener
 from loader.hints import HintSender
 from loader.sources import FileSource
-from tests.loader.shards import delivered, write_manifest, write_shards
+from tests.support.shards import delivered, write_manifest, write_shards
+from tests.support.waits import wait_until
 
 
 def _dataset(tmp_path: Path, shards: int = 5) -> tuple[str, Any]:
@@ -40,10 +40,7 @@ def _open_shards(root: Path) -> int:
 
 def _until_closed(root: Path, count: int) -> None:
     # An open still under way when it was abandoned closes its reader as it ends, on its thread.
-    deadline = time.monotonic() + 10
-    while _open_shards(root) > count and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _open_shards(root) == count
+    wait_until(lambda: _open_shards(root) == count, timeout=10, interval=0.01, what=f"{count} shards open")
 
 
 def test_each_shard_is_opened_once_and_the_next_one_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,10 +70,8 @@ def test_a_loop_that_stops_early_leaves_no_shard_open(tmp_path: Path) -> None:
     stream = iter(loader)
     for _ in range(8):  # into the second shard: the third is open ahead
         next(stream)
-    deadline = time.monotonic() + 10
-    while _open_shards(written.root) < before + 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _open_shards(written.root) == before + 2  # the shard being read, the next one ahead
+    # the shard being read, the next one ahead
+    wait_until(lambda: _open_shards(written.root) == before + 2, timeout=10, interval=0.01, what="two shards open")
     stream.close()
     _until_closed(written.root, before)
     # close() of a loader whose iteration was dropped without closing does it too
@@ -116,15 +111,10 @@ def test_an_abandoned_open_closes_its_reader_when_it_ends(tmp_path: Path) -> Non
 
     opener = Opener()
     ahead = opener.submit("shard", slow_open)
-    deadline = time.monotonic() + 10
-    while not opener._queue == [] and time.monotonic() < deadline:  # the open has begun
-        time.sleep(0.01)
+    wait_until(lambda: opener._queue == [], timeout=10, interval=0.01, what="the open to begin")
     ahead.abandon()
     release.set()
-    deadline = time.monotonic() + 10
-    while not (handles and handles[0].closed) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert handles and handles[0].closed
+    wait_until(lambda: bool(handles and handles[0].closed), timeout=10, interval=0.01, what="the abandoned open's reader to close")
     taken = opener.submit("shard", lambda: open(path, "rb"))
     reader = taken.take()
     taken.abandon()  # taken already: not closed under its new owner

@@ -20,9 +20,8 @@ import pytest
 from loader import ConfigError, ShardLoader
 from loader.master.client import MasterClient
 from loader.master.errors import CheckpointGone
-from tests.helpers import free_port
-from tests.loader.procs import Proc, master_args
-from tests.loader.shards import Written, write_manifest, write_shards
+from tests.support.masters import MasterProcess
+from tests.support.shards import Written, write_manifest, write_shards
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"), pytest.mark.timeout(120)]
 
@@ -79,6 +78,7 @@ def test_resume_from_a_checkpoint_trains_every_sample_once(data: tuple[str, Writ
     assert st["finished"] and st["totals"]["rewinds"] == 1
 
 
+@pytest.mark.slow
 def test_loading_on_every_rank_or_twice_is_one_rewind(data: tuple[str, Written], master: str) -> None:
     url, written = data
     a = loader(url, master, "ck2", epochs=1, continuous=True, lease_ttl_s=3.0)
@@ -189,15 +189,14 @@ def test_a_mark_that_is_gone_is_refused_clearly(data: tuple[str, Written], maste
         loader(url, master, "ck6", epochs=1).load_state_dict(early)
 
 
+@pytest.mark.slow
 def test_master_killed_between_checkpoint_and_resume_loses_nothing(data: tuple[str, Written], tmp_path: Path) -> None:
     """``kill -9`` of the master after the checkpoint and after the attempt read on past it: the
     restarted master (same SQLite state) knows the mark and every delivery after it, and the
     resumed attempt reads exactly what was not trained."""
     url, written = data
-    db, log = tmp_path / "m.db", tmp_path / "m.log"
-    port = free_port()
-    master = f"http://127.0.0.1:{port}"
-    proc = Proc("master", master_args(port, db), log, master + "/healthz")
+    proc = MasterProcess(tmp_path, f"sqlite://{tmp_path / 'm.db'}", name="m", advertise=False).start("healthz")
+    master = proc.url
     try:
         a, b = (loader(url, master, "ck7", epochs=1, continuous=True) for _ in range(2))
         ia, ib = iter(a), iter(b)
@@ -209,9 +208,8 @@ def test_master_killed_between_checkpoint_and_resume_loses_nothing(data: tuple[s
         for _ in range(10):  # received after the checkpoint, reported by renews and completions
             take(ia, 1), take(ib, 1)
         ia.close(), ib.close()  # the attempt ends (what it gives back is past the mark too)
-        proc.proc.kill()  # SIGKILL: the restarted master has only its journal
-        proc.proc.wait(10)
-        proc = Proc("master", master_args(port, db), log, master + "/healthz")
+        proc.kill9()  # the restarted master has only its journal
+        proc.start("healthz")  # the same port and state
         resumed = loader(url, master, "ck7", epochs=1, continuous=True)
         resumed.load_state_dict(state)
         rest = [ident(s) for s in resumed]

@@ -27,7 +27,7 @@ pytest.importorskip("torch")
 
 from loader import ConfigError  # noqa: E402
 from loader.torch import DataLoader, ShardDataset  # noqa: E402
-from tests.loader.shards import Written, write_manifest, write_shards  # noqa: E402
+from tests.support.shards import Written, write_manifest, write_shards  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"), pytest.mark.timeout(120)]
 
@@ -143,6 +143,7 @@ def test_the_references_are_each_sample_of_the_rank_once(data: tuple[str, Writte
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 @pytest.mark.parametrize("at", ["start", "mid", "late", "end"])
+@pytest.mark.slow
 def test_resume_receives_the_rest_of_the_epoch_once(data: tuple[str, Written], cfg: Config, at: str) -> None:
     """``start``: before any batch; ``mid``: after 3 batches; ``late``: 2 batches before the
     epoch's end (a worker with a shorter plan is through it); ``end``: after the ``for`` loop,

@@ -17,8 +17,9 @@ import pytest
 from loader import ConfigError, CorruptShard, LoaderSettings, ShardLoader
 from loader.master.client import MasterClient
 from loader.master.errors import JobConflict
-from tests.helpers import free_port, wait_until
-from tests.loader.shards import Written, delivered, write_manifest, write_shards
+from tests.support.processes import free_port
+from tests.support.shards import Written, delivered, write_manifest, write_shards
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"), pytest.mark.timeout(90)]
 
@@ -164,6 +165,7 @@ def test_corrupt_shard_is_reported_and_skipped(tmp_path: Path, master: str) -> N
     assert delivered(good) == {k: v for k, v in written.samples.items() if k[0] != bad}
 
 
+@pytest.mark.slow
 def test_leased_shards_are_prefetched_through_the_daemon(
     dataset: tuple[str, Written], master: str, start_daemon: Any
 ) -> None:

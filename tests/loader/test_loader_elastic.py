@@ -23,11 +23,12 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import PYTHON, free_port, kill9, spawn, stop, wait_until
-from tests.loader.procs import Proc, master_args
-from tests.loader.shards import Written, write_manifest, write_shards
+from tests.support.masters import MasterProcess
+from tests.support.processes import PYTHON, kill9, spawn, stop
+from tests.support.shards import Written, write_manifest, write_shards
+from tests.support.waits import wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 Ident = tuple[int, str, str]  # (epoch, shard key, sample key)
 
@@ -45,7 +46,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 class Trainers:
-    """Trainer processes (``tests/loader/trainer_proc.py``) on one job, and what they delivered."""
+    """Trainer processes (``tests/support/trainer_proc.py``) on one job, and what they delivered."""
 
     def __init__(self, tmp: Path, url: str, job: str, master: str, epochs: int, ttl: float, delay: float) -> None:
         self.tmp, self.url, self.job, self.master = tmp, url, job, master
@@ -57,7 +58,7 @@ class Trainers:
             "url": self.url, "job": self.job, "master": self.master, "trainer": name, "epochs": self.epochs,
             "ttl": self.ttl, "delay": self.delay, "out": str(self.out(name)), "log": str(self.log(name)), "seed": 11,
         }
-        self.procs[name] = spawn([PYTHON, "-m", "tests.loader.trainer_proc", json.dumps(cfg)], self.tmp / f"{name}.stdout")
+        self.procs[name] = spawn([PYTHON, "-m", "tests.support.trainer_proc", json.dumps(cfg)], self.tmp / f"{name}.stdout")
 
     def out(self, name: str) -> Path:
         return self.tmp / f"{name}.jsonl"
@@ -141,7 +142,7 @@ def test_kill_and_join_exactly_once(tmp_path: Path, master: str) -> None:
             trainers.start(f"t{i}")
         wait_until(lambda: trainers.delivered("t0") >= 30, timeout=60, what="the victim to deliver 30 samples")
         kill9(trainers.procs["t0"])
-        time.sleep(0.5)
+        time.sleep(0.5)  # the joiners come a little later, while the victim's leases (TTL 2 s) are still held
         trainers.start("t4")
         trainers.start("t5")
         trainers.wait(["t1", "t2", "t3", "t4", "t5"])
@@ -178,18 +179,17 @@ def test_paused_trainer_loses_its_lease_and_carries_on(tmp_path: Path, master: s
 
 def test_master_killed_and_restarted_mid_job(tmp_path: Path) -> None:
     url, written = _dataset(tmp_path, 12, 20)
-    port = free_port()
-    master_url = f"http://127.0.0.1:{port}"
-    db = tmp_path / "master.db"
-    master = Proc("master", master_args(port, db), tmp_path / "master.log", master_url + "/healthz")
+    master = MasterProcess(tmp_path, f"sqlite://{tmp_path / 'master.db'}", advertise=False).start("healthz")
+    master_url = master.url
     trainers = Trainers(tmp_path, url, "restart", master_url, epochs=2, ttl=3.0, delay=0.01)
     try:
         trainers.start("t0")
         trainers.start("t1")
         wait_until(lambda: trainers.delivered("t0") + trainers.delivered("t1") >= 60, timeout=60, what="progress")
-        kill9(master.proc)
-        time.sleep(1.0)  # trainers keep reading leased shards; their master calls retry
-        master = Proc("master", master_args(port, db), tmp_path / "master2.log", master_url + "/healthz")
+        master.kill9()
+        time.sleep(1.0)  # the master down a while: trainers keep reading leased shards, their master calls retry
+        master.log = tmp_path / "master2.log"
+        master.start("healthz")  # the same port and state
         trainers.wait(["t0", "t1"])
         status = json.load(urllib.request.urlopen(f"{master_url}/v1/jobs/restart", timeout=10))
     finally:

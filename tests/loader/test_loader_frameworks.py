@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from loader import ConfigError
-from tests.helpers import REPO
-from tests.loader.shards import Written, delivered
+from tests.support.processes import REPO
+from tests.support.shards import Written, delivered
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 

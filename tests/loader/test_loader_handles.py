@@ -23,9 +23,9 @@ import pytest
 
 from loader import AccessDenied, ConfigError, CorruptShard, LoaderSettings, ShardLoader, ShardNotFound
 from loader.handles import HandleClient
-from tests.helpers import PYTHON, free_port, wait_until
-from tests.loader.procs import Proc
-from tests.loader.shards import Written, delivered
+from tests.support.daemons import DaemonProcess
+from tests.support.shards import Written, delivered
+from tests.support.waits import wait_until
 from wire.handles import MAX_REQUEST, recv_message, send_message
 
 pytestmark = pytest.mark.timeout(120)
@@ -268,6 +268,7 @@ def test_no_handle_answers_read_over_http(origin: tuple[str, Written, str], hand
     (403, "AccessDenied", AccessDenied, "AccessDenied"),
     (409, "ChecksumMismatch", CorruptShard, "ChecksumMismatch"),
 ])
+@pytest.mark.slow
 def test_error_answers_map_as_over_http(
     origin: tuple[str, Written, str], handle_server: HandleServer, status: int, code: str, error: type, match: str
 ) -> None:
@@ -356,11 +357,9 @@ def test_forked_worker_opens_its_own_connection(origin: tuple[str, Written, str]
 # -- against the real daemon ----------------------------------------------------------------------
 
 
-def _serve(tmp_path: Path, name: str, args: list[str]) -> tuple[Proc, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [PYTHON, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{port}", "--min-free", "0%", *args]
-    return Proc(name, argv, tmp_path / f"{name}.log", url + "/healthz"), url
+def _serve(tmp_path: Path, name: str, args: list[str]) -> tuple[DaemonProcess, str]:
+    daemon = DaemonProcess(["--min-free", "0%", *args], tmp_path / f"{name}.log", ready_path="/healthz").start()
+    return daemon, daemon.url
 
 
 @pytest.fixture
@@ -455,6 +454,7 @@ def test_manifest_is_not_cached_and_a_miss_is_filled_for_its_handle(real_node: t
         client.close()
 
 
+@pytest.mark.slow
 def test_epoch_through_a_pod_sidecar_relaying_handles(real_node: tuple[str, Written, str, Path, Path, Path], tmp_path: Path) -> None:
     url, written, _, _, daemon_sock, _ = real_node
     pod = tmp_path / "pod"

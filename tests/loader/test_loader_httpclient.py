@@ -20,7 +20,8 @@ from loader.master.errors import MasterUnavailable
 from loader.settings import LoaderSettings
 from sidecar.cli import control as daemon_client
 from sidecar.cli.control import ControlClient, DaemonUnavailable
-from tests.helpers import free_port, serving
+from tests.support.processes import free_port
+from tests.support.threads import serving
 from wire.httpclient import AnswerTooLarge, exchange
 
 SMALL = b'{"ok": true}'

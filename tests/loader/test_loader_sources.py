@@ -25,8 +25,9 @@ from loader import (
     ShardNotFound,
     SourceError,
 )
-from tests.helpers import free_port, wait_until
-from tests.loader.shards import Written, delivered, write_manifest, write_shards
+from tests.support.processes import free_port
+from tests.support.shards import Written, delivered, write_manifest, write_shards
+from tests.support.waits import wait_until
 
 
 def upload(client: Any, bucket: str, written: Written, prefix: str) -> None:
@@ -44,6 +45,7 @@ def s3_dataset(s3_server: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.
     return f"s3://{bucket}/train/", written
 
 
+@pytest.mark.slow
 def test_s3_direct_byte_exact(s3_dataset: tuple[str, Written], s3_server: Any, bucket: str, tmp_path: Path) -> None:
     url, written = s3_dataset
     loader = ShardLoader(url, endpoint="", seed=3)

@@ -25,7 +25,7 @@ from loader import (
     rank_shards,
     worker_shards,
 )
-from tests.loader.shards import Written, delivered, write_manifest, write_shards
+from tests.support.shards import Written, delivered, write_manifest, write_shards
 from wire.shuffle import permutation
 
 

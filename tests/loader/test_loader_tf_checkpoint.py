@@ -22,7 +22,7 @@ tf = pytest.importorskip("tensorflow")
 import loader.tf as ltf  # noqa: E402
 from loader import ConfigError, ShardLoader  # noqa: E402
 from loader.master.client import MasterClient  # noqa: E402
-from tests.loader.shards import Written, write_manifest, write_shards  # noqa: E402
+from tests.support.shards import Written, write_manifest, write_shards  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,6 +67,7 @@ def restored(url: str, path: str, **args: Any) -> tf.data.Dataset:
 
 
 @pytest.mark.parametrize("taken", [0, 1, 11, 26, 27])
+@pytest.mark.slow
 def test_static_restore_reads_exactly_the_rest(data: tuple[str, Written], tmp_path: Path, taken: int) -> None:
     """27 samples in the rank's epoch: saved before any, mid-shard, at a shard's end, before the
     last, after the last (before the iteration's end: the rest is empty)."""
@@ -134,6 +135,7 @@ def test_a_buffered_pipeline_skips_what_its_buffers_held(data: tuple[str, Writte
     assert keys(restored(url, path, **STATIC)) == keys(ltf.dataset(url, **dict(STATIC, epoch=2)))
 
 
+@pytest.mark.slow
 def test_dynamic_restore_reads_the_rest_once(data: tuple[str, Written], master: str, tmp_path: Path) -> None:
     url, written = data
     args = {"fields": ("cls",), "job": "tfck", "master": master, "epochs": 1, "seed": 3, "readahead": False}

@@ -16,8 +16,8 @@ import pytest
 
 from loader import ShardLoader
 from loader.stall import WaitMeter
-from tests.daemon.faultproxy import FaultProxy
-from tests.loader.shards import Written, write_manifest, write_shards
+from tests.support.proxies import FaultProxy
+from tests.support.shards import Written, write_manifest, write_shards
 from wire.stall import WAIT_BUCKETS_S, validate_wait
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"), pytest.mark.timeout(120)]
@@ -52,7 +52,7 @@ def run_loop(items: Iterable[Any], compute_s: float) -> tuple[int, float, float]
             break
         waited += time.perf_counter() - asked
         steps += 1
-        time.sleep(compute_s)
+        time.sleep(compute_s)  # the training step's compute
     return steps, waited, time.perf_counter() - began
 
 
@@ -104,6 +104,7 @@ def test_a_slow_origin_is_reported_as_about_what_the_loop_waited(
     assert job_wait["trainers_waiting"] == 1 and job_wait["fraction_60s"] > 0.3
 
 
+@pytest.mark.slow
 def test_a_fast_origin_reports_almost_no_wait(dataset: tuple[str, Written], master: str) -> None:
     url, written = dataset
     static = ShardLoader(url, seed=2)
@@ -124,6 +125,7 @@ def test_a_fast_origin_reports_almost_no_wait(dataset: tuple[str, Written], mast
     assert wait["seconds"] == pytest.approx(dynamic.wait_stats()["seconds"], abs=0.01)
 
 
+@pytest.mark.slow
 def test_many_renews_count_each_wait_once(slow_s3: tuple[str, Written], master: str) -> None:
     url, written = slow_s3
     # A 1 s TTL renews every 0.33 s: about ten renews carry deltas, then the final report.
@@ -138,6 +140,7 @@ def test_many_renews_count_each_wait_once(slow_s3: tuple[str, Written], master: 
     assert abs(stats["seconds"] - waited) <= 0.1 * waited + 0.05
 
 
+@pytest.mark.slow
 def test_the_drop_in_dataloader_reports_batches_a_plain_one_nothing(
     slow_s3: tuple[str, Written], master: str
 ) -> None:
@@ -171,7 +174,7 @@ def test_a_failed_send_keeps_its_delta_for_the_next_report() -> None:
     assert meter.take() is None  # no step yet: nothing to say
     items = meter.timed(iter(range(3)))
     for _ in items:
-        time.sleep(0.01)
+        time.sleep(0.01)  # a step's compute
     first = meter.take()
     assert first is not None and first.steps == 3 and sum(first.buckets) == 3
     meter.restore(first)  # the send failed
@@ -190,7 +193,7 @@ def test_a_failed_send_keeps_its_delta_for_the_next_report() -> None:
 def test_a_wait_in_progress_is_reported_before_it_ends() -> None:
     meter = WaitMeter()
     token = meter.start()
-    time.sleep(0.3)
+    time.sleep(0.3)  # the wait being measured (the subject): 0.3 s, then 0.1 s more
     during = meter.take()
     assert during is not None and during.steps == 0 and during.seconds >= 0.25
     assert during.seconds <= during.elapsed_s

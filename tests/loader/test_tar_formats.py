@@ -202,6 +202,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, bytes], 
 
 
 @pytest.mark.parametrize("fmt", list(SPARSE_FORMATS))
+@pytest.mark.slow
 def test_sparse_members_read_as_the_files_they_stand_for(
     fmt: str, shards: tuple[dict[str, bytes], dict[str, bytes]], tmp_path: Path
 ) -> None:
@@ -235,6 +236,7 @@ def test_resuming_skips_sparse_samples(fmt: str, shards: tuple[dict[str, bytes],
 
 
 @pytest.mark.parametrize("fmt", list(SPARSE_FORMATS))
+@pytest.mark.slow
 def test_max_member_bytes_applies_to_the_real_size(fmt: str, tmp_path: Path) -> None:
     """A 64 MiB sparse file stores 4 KiB: still refused under a 1 MiB limit, by its name."""
     src = tmp_path / "src"

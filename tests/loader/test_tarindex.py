@@ -16,7 +16,7 @@ from loader import CorruptShard, LoaderSettings, ShardLoader, iter_samples
 from loader import shardloader as shardloader_module
 from loader.tar import MemberLog
 from loader.tarindex import IndexRegistry, TarIndex, file_identity, iter_indexed
-from tests.loader.shards import Written, write_manifest, write_shards
+from tests.support.shards import Written, write_manifest, write_shards
 
 
 def _tar(tmp_path: Path, samples: list[dict[str, Any]]) -> Path:

@@ -24,8 +24,10 @@ from loader.master.client import (
     NoSuchJob,
     NotLeaseHolder,
 )
-from tests.helpers import free_port, wait_until
-from tests.master.conftest import MasterThread, http, job_spec
+from tests.support.masters import http, job_spec
+from tests.support.processes import free_port
+from tests.support.threads import MasterThread
+from tests.support.waits import wait_until
 
 
 def new_job(master: MasterThread, n: int = 8, **extra: Any) -> str:

@@ -15,10 +15,10 @@ import pytest
 from loader import ShardLoader
 from loader.master.client import MasterClient
 from loader.master.errors import Unauthorized
-from tests.helpers import PYTHON, REPO, free_port, wait_until
-from tests.loader.procs import Proc, master_args
-from tests.loader.shards import write_manifest, write_shards
-from tests.master.conftest import http, job_spec
+from tests.support.masters import MasterProcess, http, job_spec
+from tests.support.processes import PYTHON, REPO
+from tests.support.shards import write_manifest, write_shards
+from tests.support.waits import wait_until
 
 TOKEN = "s3cret-token-0123456789abcdef"
 
@@ -27,13 +27,12 @@ TOKEN = "s3cret-token-0123456789abcdef"
 def guarded(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = Proc("master", [*master_args(port, tmp_path / "m.db"), "--token-file", str(token_file)], tmp_path / "m.log", url + "/healthz")
+    master = MasterProcess(tmp_path, f"sqlite://{tmp_path / 'm.db'}", "--token-file", str(token_file), name="m", advertise=False)
+    master.start("healthz")
     try:
-        yield url, token_file
+        yield master.url, token_file
     finally:
-        proc.stop()
+        master.stop()
 
 
 def test_calls_without_the_token_are_refused_and_the_probes_stay_open(guarded: tuple[str, Path]) -> None:
@@ -63,6 +62,7 @@ def test_a_rotated_token_is_taken_without_a_restart(guarded: tuple[str, Path]) -
     assert http("GET", url + "/v1/jobs", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
 
 
+@pytest.mark.slow
 def test_trainers_and_status_send_the_token_from_the_environment(guarded: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url, _ = guarded
     written = write_shards(tmp_path / "root" / "b" / "ds", shards=3, per_shard=4)
@@ -89,6 +89,7 @@ def test_a_missing_or_empty_token_file_stops_the_start(tmp_path: Path) -> None:
         else:
             path.write_text(content)
         result = subprocess.run(
-            [*master_args(free_port(), tmp_path / "m.db"), "--token-file", str(path)], capture_output=True, text=True, timeout=30, env=env,
+            MasterProcess(tmp_path, f"sqlite://{tmp_path / 'm.db'}", "--token-file", str(path), advertise=False).command(),
+            capture_output=True, text=True, timeout=30, env=env,
         )
         assert result.returncode == 2 and "token file" in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from loader.master.client import MasterClient
-from tests.helpers import PYTHON, REPO, free_port, spawn, stop, wait_until
-from tests.master.conftest import job_spec
+from tests.support.masters import MasterProcess, job_spec
+from tests.support.processes import PYTHON, REPO, free_port, spawn, stop
+from tests.support.waits import wait_until
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -49,16 +50,15 @@ def test_unusable_state_file_exits_unavailable(tmp_path: Path) -> None:
 
 def test_second_master_on_the_same_file_is_refused(tmp_path: Path) -> None:
     state = f"sqlite://{tmp_path}/m.db"
-    port = free_port()
-    proc = spawn([PYTHON, "-m", "sidecar.cli", "master", "--listen", f"tcp://127.0.0.1:{port}", "--state", state], tmp_path / "m1.log")
+    first = MasterProcess(tmp_path, state, name="m1", advertise=False).launch()  # the client waits for it
     try:
-        client = MasterClient(f"http://127.0.0.1:{port}", retry_deadline_s=20)
+        client = MasterClient(first.url, retry_deadline_s=20)
         client.create_job(job_spec("solo", 2))
         result = run_cli("master", "--listen", f"tcp://127.0.0.1:{free_port()}", "--state", state)
         assert result.returncode == 69 and "another master is using" in result.stderr
         assert client.status("solo")["shards"]["total"] == 2
     finally:
-        stop(proc)
+        first.stop()
 
 
 def test_env_defaults_and_unix_socket(tmp_path: Path) -> None:

@@ -19,12 +19,14 @@ from typing import Any
 import pytest
 
 from loader import LoaderSettings, ShardLoader
-from tests.cli.support import make_shards, put_dataset, run_cli
-from tests.daemon.test_peers import Cluster
-from tests.helpers import kill9, wait_until
-from tests.master.conftest import MasterProcess
+from tests.support.cli import run_cli
+from tests.support.daemons import Cluster
+from tests.support.datasets import make_shards, put_dataset
+from tests.support.masters import MasterProcess
+from tests.support.processes import kill9
+from tests.support.waits import wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _json(url: str) -> Any:
@@ -116,12 +118,15 @@ def test_trainers_read_the_shards_their_node_owns(tmp_path: Path, s3_server: Any
 
 class _Garbage(http.server.BaseHTTPRequestHandler):
     answers = [b"not json", b'{"self": 1}', b'{"self": "x", "members": [{"url": 5}]}', b"[" * 10_000]
+    served: list[int] = []  # which answer each request got, in order
 
     def log_message(self, *args: Any) -> None:
         pass
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        body = self.answers[int(time.monotonic() * 10) % len(self.answers)]
+        index = int(time.monotonic() * 10) % len(self.answers)
+        self.served.append(index)
+        body = self.answers[index]
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -141,7 +146,9 @@ def test_a_daemon_answering_garbage_keeps_the_ring_and_says_why(tmp_path: Path) 
                                                       headers={"Content-Type": "application/json"}), timeout=10)
         wait_until(lambda: _locality(master, "j")["ring"]["source"]["error"], timeout=10,
                    what="the poll's error in the status")
-        time.sleep(1.0)  # every kind of garbage answered at least once
+        # Every kind of garbage answered at least once, and taken in: the master asked again since.
+        wait_until(lambda: set(_Garbage.served[:-1]) == set(range(len(_Garbage.answers))), timeout=10,
+                   what="every kind of garbage to be answered")
         locality = _locality(master, "j")
         assert locality["ring"]["members"] == 0 and "ring the master holds is kept" in locality["ring"]["source"]["error"]
         assert _json(f"{master.url}/v1/cluster")["members"] == []

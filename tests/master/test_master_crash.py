@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from loader.master.client import MasterClient
-from tests.master.conftest import EtcdServer, MasterProcess, Trainers, http, job_spec
+from tests.support.masters import EtcdServer, MasterProcess, Trainers, http, job_spec
+from tests.support.waits import wait_until
+
+pytestmark = pytest.mark.slow
 
 
 def state_url(kind: str, tmp_path: Path, etcd: EtcdServer | None) -> str:
@@ -37,12 +40,11 @@ def test_kill9_mid_epoch_loses_nothing_and_doubles_nothing(state: str, tmp_path:
     trainers = Trainers(master.url, job, 4, abandon_every=7, work_s=0.005).start()
     try:
         for _ in range(3):
-            deadline = time.monotonic() + 10
             before = len(trainers.completions)
-            while len(trainers.completions) < before + 12 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda b=before: len(trainers.completions) >= b + 12, timeout=10, interval=0.02,
+                       what="12 more completions")
             master.kill9()
-            time.sleep(0.3)
+            time.sleep(0.3)  # the master down a while: trainers' calls fail and are retried
             master.start()
     finally:
         trainers.join(120)

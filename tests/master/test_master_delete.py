@@ -18,21 +18,21 @@ import pytest
 
 from loader import ShardLoader
 from loader.master import JobInUse, MasterClient, NoSuchJob, TooManyJobs
-from loader.master.server.spec import JobSpec
-from loader.master.server.state import (
+from loader.master.server.events import (
     Complete,
     CreateJob,
     DeleteJob,
     Event,
     Lease,
-    MasterState,
     event_from_json,
     event_to_json,
     event_to_text,
 )
-from tests.loader.shards import write_manifest, write_shards
-from tests.master.conftest import MasterProcess, http, job_spec
-from tests.master.tcpforward import TcpForwarder
+from loader.master.server.spec import JobSpec
+from loader.master.server.state import MasterState
+from tests.support.masters import MasterProcess, http, job_spec
+from tests.support.proxies import TcpForwarder
+from tests.support.shards import write_manifest, write_shards
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,6 +132,7 @@ def test_delete_is_logged_and_replayed_and_the_snapshot_forgets_the_job() -> Non
     assert MasterState.from_text(m.state.snapshot_text()).to_json() == m.state.to_json()
 
 
+@pytest.mark.slow
 def test_deleting_a_large_job_gives_its_memory_back() -> None:
     """Live bytes (tracemalloc): a 200k-shard job created and half leased, then deleted, leaves
     nothing of it in the state."""
@@ -174,6 +175,7 @@ def master(tmp_path: Path, master_procs: list[MasterProcess]) -> MasterProcess:
     return proc.start()
 
 
+@pytest.mark.slow
 def test_delete_over_http_refuses_live_leases_then_forces_and_survives_a_restart(
     master: MasterProcess, clients: Callable[..., MasterClient]
 ) -> None:
@@ -283,6 +285,7 @@ def test_a_delete_retried_after_its_answer_was_lost_is_answered_as_done(
         proxy.close()
 
 
+@pytest.mark.slow
 def test_a_deleted_large_job_gives_the_master_its_memory_back(
     master: MasterProcess, clients: Callable[..., MasterClient]
 ) -> None:
@@ -307,6 +310,7 @@ def test_a_deleted_large_job_gives_the_master_its_memory_back(
     )
 
 
+@pytest.mark.slow
 def test_a_loader_whose_job_is_deleted_under_it_stops_with_no_such_job(
     tmp_path: Path, master: MasterProcess
 ) -> None:

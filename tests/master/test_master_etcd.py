@@ -7,9 +7,13 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from loader.master.client import MasterClient
-from tests.helpers import http_ok, wait_until
-from tests.master.conftest import EtcdServer, MasterProcess, Trainers, http, job_spec
+from tests.support.masters import EtcdServer, MasterProcess, Trainers, http, job_spec
+from tests.support.waits import http_ok, wait_until
+
+pytestmark = pytest.mark.slow
 
 
 def etcd_state(etcd: EtcdServer) -> str:

@@ -29,23 +29,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from loader.master.errors import BadRequest, JobConflict, LeaseLost, MasterError, NoSuchJob, NotLeaseHolder
-from loader.master.server.state import (
-    MAX_COUNT,
-    MAX_OPEN_EPOCHS,
-    OPEN_SLACK,
+from loader.master.server.events import (
     Complete,
     CreateJob,
     Event,
     Fail,
-    JobSpec,
     Lease,
-    MasterState,
     Placement,
     Release,
     Renew,
     Resume,
-    ShardSpec,
 )
+from loader.master.server.spec import JobSpec, ShardSpec
+from loader.master.server.state import MAX_COUNT, MAX_OPEN_EPOCHS, OPEN_SLACK, MasterState
 
 TRAINERS = ("t0", "t1", "t2")
 NODE_OF = {"t0": "n0", "t1": "n1", "t2": "n0"}

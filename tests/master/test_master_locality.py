@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from loader.master.errors import BadRequest
+from loader.master.server.events import Complete, CreateJob, Lease, Placement
 from loader.master.server.locality import Owners, Ring
 from loader.master.server.spec import JobSpec, ShardSpec
-from loader.master.server.state import Complete, CreateJob, Lease, MasterState, Placement
+from loader.master.server.state import MasterState
 from wire.rendezvous import owner
 from wire.shuffle import EpochOrder
 

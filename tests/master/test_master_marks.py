@@ -47,26 +47,26 @@ from hypothesis import strategies as st
 
 from loader.master.errors import BadRequest, CheckpointGone, LeaseLost, MasterError
 from loader.master.server import marks as marks_mod
-from loader.master.server.marks import MAX_MARKS, RETAIN_S
-from loader.master.server.state import (
+from loader.master.server.events import (
     Complete,
     CreateJob,
     DeleteJob,
     Event,
     Fail,
-    JobSpec,
     Lease,
     Mark,
-    MasterState,
     Release,
     Renew,
     Resume,
     Rewind,
-    ShardSpec,
     event_from_json,
     event_to_json,
 )
-from tests.master.conftest import MasterProcess, MasterThread, http, job_spec
+from loader.master.server.marks import MAX_MARKS, RETAIN_S
+from loader.master.server.spec import JobSpec, ShardSpec
+from loader.master.server.state import MasterState
+from tests.support.masters import MasterProcess, http, job_spec
+from tests.support.threads import MasterThread
 
 JOB = "job"
 T0 = 1000.0
@@ -493,6 +493,7 @@ MODEL_SETTINGS = settings(max_examples=100, deadline=None, database=None,
 
 
 @pytest.mark.parametrize("all_report", [True, False], ids=["every-trainer-reports", "one-trainer-reports"])
+@pytest.mark.slow
 def test_resumed_attempts_train_every_sample_once_or_at_least_once(all_report: bool) -> None:
     @MODEL_SETTINGS
     @given(cfg=configs(all_report))
@@ -504,6 +505,7 @@ def test_resumed_attempts_train_every_sample_once_or_at_least_once(all_report: b
     check()
 
 
+@pytest.mark.slow
 def test_resumed_attempts_at_epoch_boundaries_train_every_sample_once() -> None:
     """Many short runs of fixed seeds (not hypothesis: the same runs whatever its version)."""
     for seed in range(EPOCH_BOUNDARY_RUNS):

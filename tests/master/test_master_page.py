@@ -26,11 +26,12 @@ import aiohttp
 import pytest
 
 from loader.master.client import MasterClient
-from tests.helpers import spawn, stop, wait_until
-from tests.master.conftest import MasterProcess, http, job_spec
+from tests.support.masters import MasterProcess, http, job_spec
+from tests.support.processes import spawn, stop
+from tests.support.waits import wait_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [
+pytestmark = [pytest.mark.slow,
     pytest.mark.skipif(CHROMIUM is None, reason="chromium is missing: scripts/test.sh installs Debian's `chromium` "
                        "(apt-get install chromium); the status page test needs a real browser"),
     pytest.mark.timeout(60),

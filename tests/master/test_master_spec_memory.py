@@ -27,13 +27,14 @@ from hypothesis import strategies as st
 
 from loader.master.client import MasterClient
 from loader.master.errors import BadRequest, JobConflict, TooManyJobs
+from loader.master.server.events import Complete, CreateJob, Fail, Lease, event_from_json, event_to_text
 from loader.master.server.journal import Journal
 from loader.master.server.spec import JobSpec, ShardSpec, ShardTable, TableBuilder, read_log_spec, spec_diff
 from loader.master.server.spec_stream import SpecStream
-from loader.master.server.state import Complete, CreateJob, Fail, Lease, MasterState, event_from_json, event_to_text
+from loader.master.server.state import MasterState
 from loader.master.server.store_sqlite import SqliteStore
-from tests.master.conftest import MasterProcess, http, job_spec
-from tests.master.tcpforward import TcpForwarder
+from tests.support.masters import MasterProcess, http, job_spec
+from tests.support.proxies import TcpForwarder
 from wire.errors import InvalidBody
 from wire.web import decode_json_object
 
@@ -160,6 +161,7 @@ def test_a_snapshot_text_is_read_back_with_its_specs_in_columns() -> None:
     assert MasterState.from_text(MasterState().snapshot_text()).jobs == {}
 
 
+@pytest.mark.slow
 def test_reading_a_200k_shard_spec_back_costs_a_bounded_number_of_bytes_per_shard() -> None:
     """What a restart pays for a logged spec (tracemalloc), beyond the text it read: under 100 B a
     shard at its peak (the columns as they are collected), where ``json.loads`` made ~600 B."""
@@ -191,7 +193,10 @@ def test_the_journal_and_sqlite_let_go_of_the_last_record(tmp_path: Path) -> Non
             record = "x" * 5_000_000 + str(uuid.uuid4())  # its own object: nothing else shares it
             alone = sys.getrefcount(record)
             await journal.append((1, record))
-            await asyncio.sleep(0.05)
+            for _ in range(200):  # until the journal lets go of it once written (bounded: 2 s)
+                if sys.getrefcount(record) == alone:
+                    break
+                await asyncio.sleep(0.01)
             assert sys.getrefcount(record) == alone, "the journal still holds the last record it wrote"
             await journal.append((2, "y"))
             assert (await store.load())[2] == [(1, record), (2, "y")]
@@ -422,6 +427,7 @@ def test_a_new_job_pauses_for_the_build_gate_before_its_shard_list() -> None:
 # -- memory ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_200k_shard_spec_costs_a_bounded_number_of_bytes_per_shard() -> None:
     """Bounds, per shard of realistic 31-character keys, measured by tracemalloc:
 
@@ -517,6 +523,7 @@ def test_a_create_body_over_the_limit_is_413_counted_decompressed(limited_master
     assert _post(limited_master, small, {})[0] == 200
 
 
+@pytest.mark.slow
 def test_a_gzip_bomb_is_413_and_the_master_stays_up(limited_master: MasterProcess) -> None:
     packer = zlib.compressobj(9, zlib.DEFLATED, 31)
     block = b'{"name": "bomb", "dataset": "s3://b/", "shards": [' + b" " * (1 << 20)
@@ -641,6 +648,7 @@ def test_past_max_jobs_a_new_job_is_refused_and_joining_still_works(
     assert http("POST", master.url + "/v1/jobs", job_spec("third", 3))[0] == 201
 
 
+@pytest.mark.slow
 def test_a_master_restarted_on_large_jobs_reads_them_without_decoding_them_whole(
     tmp_path: Path, master_procs: list[MasterProcess]
 ) -> None:

@@ -16,7 +16,7 @@ from loader.master.errors import StateError
 from loader.master.server.etcd import EtcdClient
 from loader.master.server.store_etcd import EtcdStore, Fenced
 from loader.master.server.store_sqlite import SqliteStore
-from tests.master.conftest import EtcdServer
+from tests.support.masters import EtcdServer
 
 
 def big_state(size: int) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def test_etcd_store_chunks_and_fencing(etcd_server: EtcdServer) -> None:
 
 
 def test_etcd_unreachable_is_a_state_error() -> None:
-    from tests.helpers import free_port
+    from tests.support.processes import free_port
 
     async def main() -> None:
         async with EtcdClient([f"http://127.0.0.1:{free_port()}"], timeout_s=1) as etcd:

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from loader.master.server.settings import MasterSettings
-from tests.helpers import ServerThread, free_port
-from tests.master.conftest import MasterProcess, MasterThread, http, job_spec
+from tests.support.masters import MasterProcess, http, job_spec
+from tests.support.processes import free_port
+from tests.support.threads import MasterThread, ServerThread
 from wire.stall import WAIT_BUCKETS_S, encode_wait, knows_wait
 
 pytestmark = pytest.mark.timeout(60)

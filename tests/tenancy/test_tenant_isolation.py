@@ -1,6 +1,6 @@
 """Many tenants on one node daemon (``--auth sigv4``), none reading another's data.
 
-Real processes throughout: an S3 endpoint enforcing IAM (moto, patched by tests/moto_sigv4.py so
+Real processes throughout: an S3 endpoint enforcing IAM (moto, patched by tests/support/moto_sigv4.py so
 that presigned requests, which the daemon's default HTTP client sends, work as on AWS), the node
 daemon with the ``node`` user's credentials (which may read everything), and one sidecar per
 tenant with that tenant's own credentials, talking to the daemon over its unix socket.
@@ -11,109 +11,23 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from sidecar.daemon.auth.proofs import SESSION_PATH, Target, prove, prove_identity
 from sidecar.daemon.auth.sigv4 import Credentials, amz_date
-from tests.helpers import PYTHON, free_port, http_ok, spawn, stop, wait_until
-from tests.tenancy.conftest import ACCOUNT, IamS3
-
-A, B = "tenant-a", "tenant-b"
-SHARD = "train/shard-000000.tar"
-NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SESSION_TOKEN": ""}
-
-
-@dataclass
-class Serve:
-    url: str
-    proc: Any
-    log: Path
-    cache: Path
-
-    def client(self) -> Any:
-        # The client's own credentials do not matter: the sidecar proves with the pod's.
-        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="x",
-                            aws_secret_access_key="x", config=Config(retries={"total_max_attempts": 1},
-                                                                     s3={"addressing_style": "path"}))
-
-    def json(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers={
-            "Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            text = exc.read()
-            try:
-                return exc.code, json.loads(text)
-            except ValueError:
-                return exc.code, text.decode()
-
-    def raw(self, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes, Any]:
-        request = urllib.request.Request(self.url + path, method=method, headers=headers or {})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                return resp.status, resp.read(), resp.headers
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read(), exc.headers
-
-
-def _serve(tmp: Path, name: str, args: list[str], env: dict[str, str]) -> Serve:
-    port = free_port()
-    log = tmp / f"{name}.log"
-    cache = tmp / f"cache-{name}"
-    proc = spawn([PYTHON, "-m", "sidecar.cli", "serve", "--listen", f"tcp://127.0.0.1:{port}", "--cache-dir", str(cache),
-                  "--cache-size", "1GiB", "--min-free", "0", "--retries", "1", *args], log, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: proc.poll() is not None or http_ok(url + "/readyz"), timeout=30, what=f"{name} ready")
-    except TimeoutError:
-        stop(proc)
-        raise
-    assert proc.poll() is None, log.read_text()[-3000:]
-    return Serve(url, proc, log, cache)
-
-
-@dataclass
-class Node:
-    daemon: Serve
-    sock: Path
-    sidecars: dict[str, Serve]
-
-
-def _node(tmp: Path, iam: IamS3, extra: list[str], tenants: dict[str, Any], auth: str = "sigv4") -> Iterator[Node]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    sock = tmp / f"daemon-{free_port()}.sock"
-    daemon = _serve(tmp, "daemon", ["--listen", f"unix://{sock}", "--s3-endpoint", iam.endpoint, "--auth", auth, *extra],
-                    iam.env("node"))
-    sidecars: dict[str, Serve] = {}
-    try:
-        for name, who in tenants.items():
-            env = iam.env(who) if who is not None else {**iam.env("node"), **NO_CREDENTIALS}
-            sidecars[name] = _serve(tmp, f"sidecar-{name}", ["--mode", "sidecar", "--upstream", f"unix://{sock}",
-                                                              "--s3-endpoint", iam.endpoint], env)
-        yield Node(daemon, sock, sidecars)
-    finally:
-        for serve in [*sidecars.values(), daemon]:
-            stop(serve.proc)
+from tests.support.processes import PYTHON
+from tests.support.tenancy import ACCOUNT, SHARD, A, B, IamS3, Node, Serve, tenant_node
+from tests.support.waits import wait_until
 
 
 @pytest.fixture(scope="module")
 def node(iam_s3: IamS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    yield from _node(tmp_path_factory.mktemp("tenancy"), iam_s3, [], {"alice": "alice", "bob": "bob"})
+    yield from tenant_node(tmp_path_factory.mktemp("tenancy"), iam_s3, [], {"alice": "alice", "bob": "bob"})
 
 
 def _cached(node: Node) -> set[tuple[str, str]]:
@@ -122,6 +36,10 @@ def _cached(node: Node) -> set[tuple[str, str]]:
         doc = json.loads(meta.read_text())
         found.add((doc["bucket"], doc["key"]))
     return found
+
+
+def _settled(serve: Serve) -> bool:
+    return bool(serve.json("GET", "/_shardcache/stats")[1]["fills_in_flight"] == 0)
 
 
 def _code(exc: pytest.ExceptionInfo[ClientError]) -> str:
@@ -286,9 +204,10 @@ def test_stats_show_each_tenant_only_its_own(node: Node) -> None:
     assert status == 200 and "tenant" not in anyone and "alice" not in json.dumps(anyone)
 
 
+@pytest.mark.slow
 def test_temporary_credentials_are_the_role(iam_s3: IamS3, tmp_path: Path) -> None:
     role = iam_s3.assume_reader_a("pod-1")
-    for node in _node(tmp_path, iam_s3, [], {"pod": role}):
+    for node in tenant_node(tmp_path, iam_s3, [], {"pod": role}):
         client = node.sidecars["pod"].client()
         assert client.get_object(Bucket=A, Key=SHARD)["Body"].read() == iam_s3.objects[(A, SHARD)]
         with pytest.raises(ClientError):
@@ -298,8 +217,9 @@ def test_temporary_credentials_are_the_role(iam_s3: IamS3, tmp_path: Path) -> No
         assert stats["tenant"]["tenant"] == f"arn:aws:iam::{ACCOUNT}:role/reader-a"
 
 
+@pytest.mark.slow
 def test_access_key_identity(iam_s3: IamS3, tmp_path: Path) -> None:
-    for node in _node(tmp_path, iam_s3, ["--auth-identity", "access-key"], {"alice": "alice"}):
+    for node in tenant_node(tmp_path, iam_s3, ["--auth-identity", "access-key"], {"alice": "alice"}):
         client = node.sidecars["alice"].client()
         assert client.get_object(Bucket=A, Key=SHARD)["Body"].read() == iam_s3.objects[(A, SHARD)]
         with pytest.raises(ClientError):
@@ -311,15 +231,17 @@ def test_access_key_identity(iam_s3: IamS3, tmp_path: Path) -> None:
         assert node.daemon.json("POST", SESSION_PATH, forged)[0] == 403
 
 
+@pytest.mark.slow
 def test_tenant_quota_evicts_the_tenants_own_entries_first(iam_s3: IamS3, tmp_path: Path) -> None:
     sizes = [len(iam_s3.objects[(A, f"train/shard-{i:06d}.tar")]) for i in range(4)]
     quota = sizes[0] + sizes[1] + sizes[2] // 2  # two of alice's shards fit, not three
-    for node in _node(tmp_path, iam_s3, ["--tenant-quota", str(quota)], {"alice": "alice", "bob": "bob"}):
+    for node in tenant_node(tmp_path, iam_s3, ["--tenant-quota", str(quota)], {"alice": "alice", "bob": "bob"}):
         alice, bob = node.sidecars["alice"].client(), node.sidecars["bob"].client()
         bob.get_object(Bucket=B, Key=SHARD)["Body"].read()
         for i in range(4):
             alice.get_object(Bucket=A, Key=f"train/shard-{i:06d}.tar")["Body"].read()
-            time.sleep(0.05)
+            # Published (and counted against the quota) before the next: a reader can finish first.
+            wait_until(functools.partial(_settled, node.daemon), what="the fill to publish")
         cached = _cached(node)
         assert (B, SHARD) in cached  # bob's entry is not alice's to evict
         assert {(A, "train/shard-000002.tar"), (A, "train/shard-000003.tar")} <= cached
@@ -329,28 +251,27 @@ def test_tenant_quota_evicts_the_tenants_own_entries_first(iam_s3: IamS3, tmp_pa
         assert stats["cache"]["tenants"]["quota_evictions"] >= 2
 
 
+@pytest.mark.slow
 def test_a_restarted_daemon_gets_a_new_session_unnoticed(iam_s3: IamS3, tmp_path: Path) -> None:
     """Sessions live in the daemon's memory: after a kill -9 and a restart the sidecar's session is
     unknown, the daemon says so (x-shardcache-auth: renew) and the sidecar opens a new one."""
-    for node in _node(tmp_path, iam_s3, [], {"alice": "alice"}):
+    for node in tenant_node(tmp_path, iam_s3, [], {"alice": "alice"}):
         client = node.sidecars["alice"].client()
         assert client.get_object(Bucket=A, Key=SHARD)["Body"].read() == iam_s3.objects[(A, SHARD)]
-        args = node.daemon.proc.args
-        stop(node.daemon.proc, signal.SIGKILL)
-        node.daemon.proc = spawn(args, node.daemon.log, env=iam_s3.env("node"))
-        url = node.daemon.url
-        wait_until(functools.partial(http_ok, url + "/readyz"), timeout=30, what="daemon restarted")
+        node.daemon.kill9()
+        node.daemon.start()  # the same command, environment (the node's credentials) and cache
         got = client.get_object(Bucket=A, Key=SHARD)
         assert got["Body"].read() == iam_s3.objects[(A, SHARD)]
         assert got["ResponseMetadata"]["HTTPHeaders"].get("x-shardcache-via") == "upstream"
         assert node.daemon.json("GET", "/_shardcache/stats")[1]["auth"]["sessions"] == 1
 
 
+@pytest.mark.slow
 def test_a_sidecar_without_credentials(iam_s3: IamS3, tmp_path: Path) -> None:
     """Where the daemon checks nothing, a pod needs no credentials (as before --auth); where it
     does, the pod is told what is missing."""
-    for node in _node(tmp_path / "plain", iam_s3, [], {"pod": None}, auth="none"):
+    for node in tenant_node(tmp_path / "plain", iam_s3, [], {"pod": None}, auth="none"):
         assert node.sidecars["pod"].client().get_object(Bucket=A, Key=SHARD)["Body"].read() == iam_s3.objects[(A, SHARD)]
-    for node in _node(tmp_path / "auth", iam_s3, [], {"pod": None}):
+    for node in tenant_node(tmp_path / "auth", iam_s3, [], {"pod": None}):
         status, body, _ = node.sidecars["pod"].raw("GET", f"/{A}/{SHARD}")
         assert status == 403 and b"found none" in body, body

@@ -16,7 +16,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.helpers import free_port
+from tests.support.processes import free_port
 from wire.errors import BodyTooLarge, InvalidBody, WireError
 from wire.web import (
     ConnectionGuard,

@@ -40,24 +40,12 @@ from loader.master.protocol import (
     REWIND_FIELDS,
 )
 from loader.master.server.auth import TokenFile, token_middleware
+from loader.master.server.events import Complete, DeleteJob, Fail, Lease, Mark, Release, Renew, Rewind
 from loader.master.server.page import PAGE_PATHS, add_page_routes
 from loader.master.server.service import MasterService
 from loader.master.server.settings import MasterSettings, listen_address
 from loader.master.server.spec import check_ident, check_int
-from loader.master.server.state import (
-    MAX_COUNT,
-    MAX_LEASE_WAIT_S,
-    Complete,
-    DeleteJob,
-    Fail,
-    Lease,
-    Mark,
-    Release,
-    Renew,
-    Rewind,
-    validate_job_name,
-    validate_lease_id,
-)
+from loader.master.server.state import MAX_COUNT, MAX_LEASE_WAIT_S, validate_job_name, validate_lease_id
 from wire import errors as wire_errors
 from wire.stall import WAIT_FEATURE, WaitReport, validate_wait
 from wire.web import ConnectionGuard, GuardedSite, error_middleware, http_code, read_json_object
@@ -145,12 +133,12 @@ _held_s: contextvars.ContextVar[float] = contextvars.ContextVar("held_s", defaul
 def _error_answer(request: web.Request, exc: Exception) -> web.Response:
     """The master's one error answer: ``{"error": code, "message": ...}`` with the status of the
     :class:`~loader.master.errors.MasterError` class; aiohttp's own errors get the same shape."""
-    if isinstance(exc, wire_errors.BodyTooLarge):
-        exc = BodyTooLarge(str(exc))
-    elif isinstance(exc, wire_errors.WireError):
-        exc = BadRequest(str(exc))
-    if isinstance(exc, MasterError):
+    if isinstance(exc, MasterError):  # first: the master's BadRequest is also wire's
         return _error(exc)
+    if isinstance(exc, wire_errors.BodyTooLarge):
+        return _error(BodyTooLarge(str(exc)))
+    if isinstance(exc, wire_errors.WireError):
+        return _error(BadRequest(str(exc)))
     if isinstance(exc, web.HTTPException):  # aiohttp's own: unknown route, bad method, body too large
         return _json({"error": http_code(exc.status), "message": f"{exc.reason}: {request.method} {request.path[:200]}"},
                      exc.status)

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from loader.master.errors import MasterError
-from loader.master.server.state import MasterState, Placement, Result
+from loader.master.server.events import Placement
+from loader.master.server.state import MasterState, Result
 from wire import jsontext
 from wire.peerview import parse_peers
 

@@ -24,21 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loader.master.errors import MasterError, NotLeader, StateError, TooManyJobs
+from loader.master.server.events import CreateJob, Event, Resume, event_from_json, event_to_text
 from loader.master.server.journal import Journal, Store
 from loader.master.server.metrics import MasterMetrics
 from loader.master.server.settings import MasterSettings, parse_state
-from loader.master.server.spec import ShardTable, read_log_spec
+from loader.master.server.spec import JobSpec, ShardTable, read_log_spec
 from loader.master.server.spec_stream import SpecStream, read_spec
-from loader.master.server.state import (
-    CreateJob,
-    Event,
-    JobSpec,
-    MasterState,
-    Result,
-    Resume,
-    event_from_json,
-    event_to_text,
-)
+from loader.master.server.state import MasterState, Result
 from loader.master.server.wait import JobWaits, WaitTotals
 from wire.retry import Backoff
 from wire.stall import WaitReport

@@ -46,34 +46,33 @@ from typing import Any
 
 from loader.master.errors import BadRequest, CheckpointGone, JobConflict, JobInUse, LeaseLost, NoSuchJob, NotLeaseHolder
 from loader.master.protocol import LeaseGrant
+from loader.master.server.events import (
+    Complete,
+    CreateJob,
+    DeleteJob,
+    Event,
+    Fail,
+    Lease,
+    Mark,
+    Placement,
+    Release,
+    Renew,
+    Resume,
+    Rewind,
+)
 from loader.master.server.locality import MAX_MEMBERS, STEP, JobLocality, Ring, Window
 from loader.master.server.marks import JobMarks
-from loader.master.server.spec import JobSpec, ShardSpec, check_ident, check_int, read_log_spec, spec_diff, validate_job_name
+from loader.master.server.snapshots import Snapshot, document, read_document, read_text, write_text
+from loader.master.server.spec import JobSpec, check_ident, check_int, spec_diff, validate_job_name
 from wire.dataset import parse_dataset_url
 from wire.errors import InvalidName
 from wire.shuffle import EpochOrder
 
 __all__ = [
-    "event_to_text",
-    "ShardSpec",
-    "JobSpec",
-    "CreateJob",
-    "Lease",
-    "Renew",
-    "Complete",
-    "Fail",
-    "Release",
-    "Resume",
-    "DeleteJob",
-    "Placement",
-    "Mark",
-    "Rewind",
-    "Event",
     "Result",
+    "EpochState",
     "JobState",
     "MasterState",
-    "event_to_json",
-    "event_from_json",
     "MAX_COUNT",
     "MAX_LEASE_WAIT_S",
     "MAX_OPEN_EPOCHS",
@@ -114,193 +113,6 @@ def validate_lease_id(lease: Any) -> str:
     if not isinstance(lease, str) or not _LEASE_ID_RE.match(lease):
         raise BadRequest(f"invalid lease id {str(lease)[:80]!r}: use the 'lease' value the master returned")
     return lease
-
-
-# -- events --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CreateJob:
-    spec: JobSpec
-
-
-@dataclass(frozen=True)
-class Lease:
-    job: str
-    trainer: str
-    node: str
-    count: int
-    epoch: int | None
-    lease_ids: tuple[str, ...]
-    """Fresh ids for the leases granted, supplied by the caller (the machine has no randomness)."""
-    request_id: str | None = None
-    stream: str | None = None
-    """Which of the trainer's lease streams asks (a DataLoader worker: ``w0``, ``w1``...); the
-    trainer holds the lease, any of its streams and the trainer itself may renew and close it."""
-
-
-@dataclass(frozen=True)
-class Renew:
-    job: str
-    lease: str
-    trainer: str
-    offset: int
-    clock: int | None = None
-    """The trainer's clock when its loop had received up to ``offset`` (marks.py); None: a
-    client that keeps none (never undone by a rewind)."""
-
-
-@dataclass(frozen=True)
-class Complete:
-    job: str
-    lease: str
-    trainer: str
-    clock: int | None = None
-
-
-@dataclass(frozen=True)
-class Fail:
-    job: str
-    lease: str
-    trainer: str
-    error: str
-
-
-@dataclass(frozen=True)
-class Release:
-    """A trainer gives a lease back before its end (it is leaving): the shard is handed out again
-    at once, from ``offset``, instead of after the lease's TTL. Not a failure."""
-
-    job: str
-    lease: str
-    trainer: str
-    offset: int
-    clock: int | None = None
-
-
-@dataclass(frozen=True)
-class Resume:
-    """A master took over the state (start, restart, election): every live lease gets a full TTL
-    from now, since its holder could not renew while no master was serving."""
-
-
-@dataclass(frozen=True)
-class DeleteJob:
-    """Forget a job and all its state. Refused (``JobInUse``) while it has live leases, unless
-    ``force``: its trainers' next calls then get ``NoSuchJob``."""
-
-    job: str
-    force: bool = False
-
-
-@dataclass(frozen=True)
-class Placement:
-    """The cluster cache's live members, as a daemon lists them (``/_shardcache/peers``): pairs of
-    (member id, node name or ""). Jobs with a ``locality_window`` place shards by it."""
-
-    members: tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True)
-class Mark:
-    """A checkpoint (``state_dict()``): ``trainer``'s loop had received each held lease up to its
-    offset at clock ``clock``; the job's mark at that clock is made or joined (marks.py)."""
-
-    job: str
-    trainer: str
-    clock: int
-    positions: tuple[tuple[str, int], ...]
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """A job resumed from a checkpoint (``load_state_dict()``): every delivery past the mark's
-    clock is undone, every lease revoked; from now on the master hands out exactly what the
-    loops had not received at the mark."""
-
-    job: str
-    trainer: str
-    mark: int
-    clock: int
-    created: float | None = None
-    """The job's creation time the state recorded: a namesake job created since refuses it."""
-
-
-Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob | Placement | Mark | Rewind
-
-
-def event_to_json(event: Event) -> dict[str, Any]:
-    if isinstance(event, CreateJob):
-        return {"t": "create", "spec": event.spec.to_json()}
-    if isinstance(event, Lease):
-        return {
-            "t": "lease", "job": event.job, "trainer": event.trainer, "node": event.node, "count": event.count,
-            "epoch": event.epoch, "ids": list(event.lease_ids), "rid": event.request_id, "stream": event.stream,
-        }
-    if isinstance(event, Renew):
-        return _clocked(event.clock, {"t": "renew", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset})
-    if isinstance(event, Complete):
-        return _clocked(event.clock, {"t": "complete", "job": event.job, "lease": event.lease, "trainer": event.trainer})
-    if isinstance(event, Fail):
-        return {"t": "fail", "job": event.job, "lease": event.lease, "trainer": event.trainer, "error": event.error}
-    if isinstance(event, Release):
-        return _clocked(event.clock, {"t": "release", "job": event.job, "lease": event.lease, "trainer": event.trainer, "offset": event.offset})
-    if isinstance(event, Mark):
-        return {"t": "mark", "job": event.job, "trainer": event.trainer, "clock": event.clock,
-                "positions": [list(p) for p in event.positions]}
-    if isinstance(event, Rewind):
-        return {"t": "rewind", "job": event.job, "trainer": event.trainer, "mark": event.mark, "clock": event.clock,
-                "created": event.created}
-    if isinstance(event, Resume):
-        return {"t": "resume"}
-    if isinstance(event, DeleteJob):
-        return {"t": "delete", "job": event.job, "force": event.force}
-    if isinstance(event, Placement):
-        return {"t": "placement", "members": [list(m) for m in event.members]}
-    raise TypeError(f"not an event: {event!r}")
-
-
-def _clocked(clock: int | None, out: dict[str, Any]) -> dict[str, Any]:
-    if clock is not None:
-        out["clock"] = clock  # only when set: a journal written before clocks reads as it was
-    return out
-
-
-def event_to_text(event: Event) -> str:
-    """``event_to_json`` as compact JSON text, reusing the cached text of a job spec."""
-    if isinstance(event, CreateJob):
-        return '{"t":"create","spec":' + event.spec.json_text + "}"
-    return json.dumps(event_to_json(event), separators=(",", ":"))
-
-
-def event_from_json(raw: dict[str, Any]) -> Event:
-    kind = raw["t"]
-    if kind == "create":
-        return CreateJob(JobSpec.from_log(raw["spec"]))
-    if kind == "lease":
-        return Lease(
-            raw["job"], raw["trainer"], raw["node"], raw["count"], raw["epoch"], tuple(raw["ids"]), raw["rid"],
-            raw.get("stream"),
-        )
-    if kind == "renew":
-        return Renew(raw["job"], raw["lease"], raw["trainer"], raw["offset"], raw.get("clock"))
-    if kind == "complete":
-        return Complete(raw["job"], raw["lease"], raw["trainer"], raw.get("clock"))
-    if kind == "fail":
-        return Fail(raw["job"], raw["lease"], raw["trainer"], raw["error"])
-    if kind == "release":
-        return Release(raw["job"], raw["lease"], raw["trainer"], raw["offset"], raw.get("clock"))
-    if kind == "mark":
-        return Mark(raw["job"], raw["trainer"], raw["clock"], tuple((str(lid), int(o)) for lid, o in raw["positions"]))
-    if kind == "rewind":
-        return Rewind(raw["job"], raw["trainer"], raw["mark"], raw["clock"], raw.get("created"))
-    if kind == "resume":
-        return Resume()
-    if kind == "delete":
-        return DeleteJob(raw["job"], bool(raw["force"]))
-    if kind == "placement":
-        return Placement(tuple((str(m), str(n)) for m, n in raw["members"]))
-    raise ValueError(f"unknown event type {kind!r}")
 
 
 @dataclass
@@ -733,11 +545,10 @@ class JobState:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], spec: JobSpec | None = None) -> JobState:
-        """A job from its snapshot; ``spec``: its spec, already read (then ``raw`` has none)."""
+        """A job from its snapshot (version 2's members: :mod:`~loader.master.server.snapshots`
+        upgrades older ones); ``spec``: its spec, already read (then ``raw`` has none)."""
         if spec is None:
             spec = JobSpec.from_log(raw["spec"])
-        if "open" not in raw:
-            return cls._from_v1(raw, spec)
         job = cls(spec, next_epoch=raw["next_epoch"], finished=raw["finished"])
         for item in raw["open"]:
             ep = EpochState.from_json(item, spec)
@@ -755,43 +566,6 @@ class JobState:
         if "marks" in raw:
             job.marks = JobMarks.from_json(raw["marks"], lambda item: EpochState.from_json(item, spec))
         job.created_at = float(raw.get("created_at", 0.0))
-        return job
-
-    @classmethod
-    def _from_v1(cls, raw: dict[str, Any], spec: JobSpec) -> JobState:
-        """A snapshot written before epochs could overlap (state version 1): one open epoch."""
-        epoch = raw["epoch"]
-        job = cls(spec, next_epoch=epoch + (0 if raw["finished"] else 1), finished=raw["finished"])
-        prev = list(raw.get("prev_failed") or [])
-        if raw["finished"]:
-            failed = set(raw["failed"])
-            progress = {s: Progress(o, f, e, b) for s, o, f, e, b in raw["progress"]}
-            last = [
-                {"key": spec.shards[s].key, "shard": s, "failures": (progress.get(s) or Progress()).failures,
-                 "last_error": (progress.get(s) or Progress()).last_error}
-                for s in sorted(failed)
-            ]
-            job.recent = [{"epoch": epoch - 1, "done": len(raw["done"]), "failed": last}, {"epoch": epoch - 2, "done": 0, "failed": prev}]
-        else:
-            ep = EpochState(epoch, len(spec.shards), spec.seed, spec.shuffle)
-            ep.cursor = raw["cursor"]
-            ep.requeue = deque(raw["requeue"])
-            ep.progress = {s: Progress(o, f, e, b) for s, o, f, e, b in raw["progress"]}
-            for shard in raw["done"]:
-                ep.mark_done(shard)
-            ep.failed = set(raw["failed"])
-            job.open[epoch] = ep
-            if epoch > 0:
-                job.recent = [{"epoch": epoch - 1, "done": 0, "failed": prev}]
-            for lid, shard, trainer, node, exp in raw["leases"]:
-                rec = LeaseRec(lid, shard, epoch, trainer, "", node, float(exp))
-                job.leases[lid] = rec
-                job._push(rec)
-        for k, t, o in [*raw.get("closed_prev", []), *raw.get("closed", [])]:
-            job.closed[k] = (t, o)
-        for t, rid, ids in raw.get("last_request", []):
-            job.last_request[(t, "")] = (rid, tuple(ids))
-        job.totals.update(raw["totals"])
         return job
 
 
@@ -1296,76 +1070,44 @@ class MasterState:
         return report
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": 2, "last_now": self.last_now}
-        if self.ring.version:
-            out["ring"] = self.ring.to_json()
-        out["jobs"] = [job.to_json() for job in self.jobs.values()]
-        return out
+        """The state as a snapshot document (:func:`~loader.master.server.snapshots.document`)."""
+        return document(self.last_now, self._ring_json(), [job.to_json() for job in self.jobs.values()])
 
     def snapshot_text(self) -> str:
-        """``to_json()`` as JSON text, spliced from each spec's cached text: the only part that
-        grows with the shard count is then the per-epoch progress, not the shard list."""
-        jobs = []
-        for job in self.jobs.values():
-            rest = json.dumps(job.to_json(with_spec=False), separators=(",", ":"))
-            jobs.append('{"spec":' + job.spec.json_text + "," + rest[1:])
-        ring = ',"ring":' + json.dumps(self.ring.to_json(), separators=(",", ":")) if self.ring.version else ""
-        return '{"version":2,"last_now":' + json.dumps(self.last_now) + ring + ',"jobs":[' + ",".join(jobs) + "]}"
+        """``to_json()`` as JSON text, spliced from each spec's cached text
+        (:func:`~loader.master.server.snapshots.write_text`)."""
+        jobs = ((job.spec.json_text, job.to_json(with_spec=False)) for job in self.jobs.values())
+        return write_text(self.last_now, self._ring_json(), jobs)
+
+    def _ring_json(self) -> Any:
+        return self.ring.to_json() if self.ring.version else None
 
     @classmethod
     def from_text(cls, text: str) -> MasterState:
         """A state from its snapshot's JSON text. The text :meth:`snapshot_text` writes is read in
-        place: each job's spec by :func:`~loader.master.server.spec.read_log_spec` (into columns,
-        never a dict a shard: ``json.loads`` made ~600 MB of them for 1M shards), the rest with
-        ``json``. Any other text (an older master's) is decoded whole, as :meth:`from_json` takes it."""
+        place (:func:`~loader.master.server.snapshots.read_text`: its specs into columns); any other
+        text (an older master's) is decoded whole, as :meth:`from_json` takes it."""
         try:
-            state = cls._from_snapshot_text(text)
+            snapshot = read_text(text)
+            state = cls._from_snapshot(snapshot) if snapshot is not None else None
         except (ValueError, KeyError, TypeError):  # not as snapshot_text writes it: decoded whole below
             state = None
         return state if state is not None else cls.from_json(json.loads(text))
 
     @classmethod
-    def _from_snapshot_text(cls, text: str) -> MasterState | None:
-        head = '{"version":2,"last_now":'
-        if not text.startswith(head):
-            return None
-        state = cls()
-        last_now, i = _DECODER.raw_decode(text, len(head))
-        state.last_now = float(last_now)
-        if text.startswith(',"ring":', i):
-            ring, i = _DECODER.raw_decode(text, i + len(',"ring":'))
-            state.ring = Ring.from_json(ring)
-        i = _expect(text, i, ',"jobs":[')
-        while not text.startswith("]}", i):
-            if state.jobs:
-                i = _expect(text, i, ",")
-            spec, i = read_log_spec(text, _expect(text, i, '{"spec":'))
-            rest: dict[str, Any] = {}
-            while text.startswith(",", i):  # the job's other members, each decoded alone
-                key, i = _DECODER.raw_decode(text, i + 1)
-                rest[key], i = _DECODER.raw_decode(text, _expect(text, i, ":"))
-            i = _expect(text, i, "}")
-            job = JobState.from_json(rest, spec)
-            state.jobs[spec.name] = job
-        if i + 2 != len(text):
-            raise ValueError("trailing text after the snapshot")
-        return state
+    def from_json(cls, raw: dict[str, Any]) -> MasterState:
+        """A state from its decoded snapshot document, of any version read."""
+        return cls._from_snapshot(read_document(raw))
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> MasterState:
-        if raw.get("version") not in (1, 2):
-            raise ValueError(f"unsupported master state version {raw.get('version')!r}")
+    def _from_snapshot(cls, snapshot: Snapshot) -> MasterState:
         state = cls()
-        state.last_now = float(raw["last_now"])
-        if "ring" in raw:
-            state.ring = Ring.from_json(raw["ring"])
-        for item in raw["jobs"]:
-            job = JobState.from_json(item)
-            state.jobs[job.spec.name] = job
+        state.last_now = snapshot.last_now
+        if snapshot.ring is not None:
+            state.ring = Ring.from_json(snapshot.ring)
+        for spec, raw in snapshot.jobs:
+            state.jobs[spec.name] = JobState.from_json(raw, spec)
         return state
-
-
-_DECODER = json.JSONDecoder()
 
 
 def _object_names(spec: JobSpec) -> Callable[[int], str] | None:
@@ -1384,13 +1126,6 @@ def _object_names(spec: JobSpec) -> Callable[[int], str] | None:
 def _check_clock(clock: Any) -> None:
     if clock is not None:
         check_int(clock, "clock")
-
-
-def _expect(text: str, i: int, literal: str) -> int:
-    """The index after ``literal``, which must be at ``text[i]`` (ValueError otherwise)."""
-    if not text.startswith(literal, i):
-        raise ValueError(f"expected {literal!r} at {i}")
-    return i + len(literal)
 
 
 def _lease_status(status: str, epoch: int, retry_after_s: float | None = None) -> dict[str, Any]:

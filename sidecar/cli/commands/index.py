@@ -3,26 +3,33 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any
 
-from sidecar.cli.util import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_UNAVAILABLE,
-    RawDefaultsFormatter,
-    UserError,
-    add_flag,
+from sidecar.cli.datasets import (
+    Counter,
+    ListedObject,
+    ObjectStore,
+    ShardInfo,
+    build_manifest,
+    compare,
+    dataset_errors,
+    list_shards,
+    manifest_bytes,
+    open_store,
+    quiet_libraries,
+    read_object,
+    scan_shard,
+    write_object,
 )
+from sidecar.cli.progress import Display, Progress, ProgressLine, RateMeter, format_bytes
+from sidecar.cli.util import EXIT_FAILED, EXIT_OK, RawDefaultsFormatter, UserError, add_flag
+from wire.dataset import MANIFEST_NAME, parse_dataset_url, parse_manifest
 
-if TYPE_CHECKING:
-    from sidecar.cli.datasets import ListedObject, ObjectStore, ShardInfo
-
-__all__ = ["dataset_errors", "quiet_libraries", "register", "run", "scan_all"]
+__all__ = ["register", "run", "scan_all"]
 
 EXAMPLES = """\
 examples:
@@ -80,17 +87,6 @@ def _jobs(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sidecar.cli.datasets import (
-        build_manifest,
-        compare,
-        list_shards,
-        manifest_bytes,
-        open_store,
-        read_object,
-        write_object,
-    )
-    from wire.dataset import MANIFEST_NAME, parse_dataset_url, parse_manifest
-
     quiet_libraries()
     try:
         dataset = parse_dataset_url(args.url)
@@ -143,8 +139,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json and target != "-":
         print(json.dumps({"ok": True, "manifest": where, "shards": len(found), "samples": samples, "bytes": size}))
     elif target != "-":
-        from sidecar.cli.progress import format_bytes
-
         print(f"indexed {len(found)} shards, {samples} samples, {format_bytes(size)} -> {where}")
     return EXIT_OK
 
@@ -167,47 +161,16 @@ def _report_verify(args: argparse.Namespace, url: str, target: str, expected: li
     return EXIT_FAILED if problems else EXIT_OK
 
 
-def quiet_libraries() -> None:
-    """boto3's INFO lines ("Found credentials in environment variables") are noise to an operator
-    reading a progress bar; keep them for --log-level DEBUG."""
-    import logging
-
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        for name in ("boto3", "botocore", "urllib3", "s3transfer"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-
-
-@contextlib.contextmanager
-def dataset_errors() -> Iterator[None]:
-    """Dataset access errors as one line with what to do, and the matching exit code."""
-    from sidecar.cli.datasets import (
-        DatasetAccessDenied,
-        DatasetNotFound,
-        DatasetUnavailable,
-    )
-
-    try:
-        yield
-    except DatasetNotFound as exc:
-        raise UserError(f"{exc} (check the URL)") from None
-    except DatasetAccessDenied as exc:
-        raise UserError(str(exc), EXIT_FAILED) from None
-    except DatasetUnavailable as exc:
-        raise UserError(str(exc), EXIT_UNAVAILABLE) from None
-
-
 class _Stopped(Exception):
-    pass
+    """Raised in a reader thread to end its scan once :func:`scan_all` is leaving (Ctrl-C, or
+    another scan's error). A signal, not an error: deliberately outside
+    :class:`~sidecar.errors.SidecarError`, so that no handler of errors takes it for one (nothing
+    collects a stopped scan's result)."""
 
 
 def scan_all(store: ObjectStore, objects: list[ListedObject], jobs: int, quiet: bool, label: str) -> list[ShardInfo]:
     """Scan shards on ``jobs`` threads with a progress display on stderr; Ctrl-C stops promptly
     (each reader checks a stop flag between reads)."""
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-
-    from sidecar.cli.datasets import Counter, scan_shard
-    from sidecar.cli.progress import Display, Progress, ProgressLine, RateMeter
-
     counter = Counter()
     stop = threading.Event()
     total_bytes = sum(obj.size for obj in objects)

@@ -10,6 +10,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from sidecar.cli.control import ControlClient, DaemonClientError
+from sidecar.cli.daemons import add_daemon_flag, daemon_addresses
+from sidecar.cli.progress import format_bytes, format_rate
 from sidecar.cli.util import (
     EXIT_FAILED,
     EXIT_OK,
@@ -52,8 +55,6 @@ exit status: 0 everything answered; 1 --job not found; 69 a daemon or master cou
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from sidecar.cli.commands.warmup import add_daemon_flag
-
     parser = sub.add_parser(
         "status",
         help="cache use, hit rate, throughput, warm-ups, jobs and their epoch progress",
@@ -91,8 +92,6 @@ def _peer_out(stats: dict[str, Any]) -> float:
 
 def daemon_report(url: str, label: str, interval: float) -> dict[str, Any]:
     """Stats of one daemon, with throughput measured over ``interval`` seconds."""
-    from sidecar.cli.control import ControlClient, DaemonClientError
-
     report: dict[str, Any] = {"daemon": label, "url": url, "error": None, "unreachable": False}
     with ControlClient(url, timeout=10.0) as client:
         try:
@@ -159,8 +158,6 @@ def _node_figures(stats: dict[str, Any]) -> dict[str, Any]:
 
 def _member_stats(url: str, timeout: float) -> tuple[dict[str, Any] | None, str | None, bool]:
     """(stats, error, unreachable) of one ring member, asked once."""
-    from sidecar.cli.control import ControlClient, DaemonClientError
-
     try:
         with ControlClient(url, timeout=timeout) as client:
             return client.stats(), None, False
@@ -218,6 +215,8 @@ def master_report(urls: list[str], job: str | None) -> dict[str, Any]:
 
     Each master is asked on its own, once (``retry_deadline_s=0``): status reports what answers
     now, where a trainer's client would keep retrying and following the leader."""
+    # Here and in _master_urls, not at the top: importing the loader package takes ~150 ms,
+    # which `shardcache --help` and a status of daemons alone need not pay.
     from loader.master import MasterClient, MasterError, MasterUnavailable, NoSuchJob
 
     masters: list[dict[str, Any]] = []
@@ -288,8 +287,6 @@ def _warn_wait(raw: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sidecar.cli.commands.warmup import daemon_addresses
-
     try:
         interval = float(args.interval)
     except ValueError:
@@ -341,8 +338,6 @@ def _table(rows: list[list[str]]) -> None:
 
 
 def _print_daemons(reports: list[dict[str, Any]]) -> None:
-    from sidecar.cli.progress import format_bytes, format_rate
-
     if not reports:
         return
     rows = [["DAEMON", "MODE", "CACHE USED", "ITEMS", "HIT RATE", "ORIGIN", "SERVED", "FILLS", "WARM-UPS"]]
@@ -391,8 +386,6 @@ def _print_daemons(reports: list[dict[str, Any]]) -> None:
 def node_rows(nodes: list[dict[str, Any]]) -> list[list[str]]:
     """The rows of the per-node table (header first): each member's clients' bytes by where they
     came from, its local share and what it served to other members."""
-    from sidecar.cli.progress import format_bytes
-
     rows = [["NODE", "MEMBER", "LIVE", "LOCAL", "PEER", "ORIGIN", "LOCAL HIT", "TO PEERS"]]
     for row in nodes:
         state = {"live": "yes"}.get(row["state"], row["state"])
@@ -412,8 +405,6 @@ def node_rows(nodes: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def _print_nodes(nodes: list[dict[str, Any]]) -> None:
-    from sidecar.cli.progress import format_bytes
-
     print()
     _table(node_rows(nodes))
     answered = [n for n in nodes if isinstance((n.get("node_reads") or {}).get("bytes"), dict)]
@@ -448,8 +439,6 @@ def cluster_lines(report: dict[str, Any]) -> list[str]:
     """One daemon's cluster: its identity, the members it sees (live/dead, node names), whether
     peer links are authenticated, and the bytes it read from and served to peers. Nothing for a
     daemon without peers' stats, so a standalone daemon's output stays as it was."""
-    from sidecar.cli.progress import format_bytes, format_rate
-
     stats = report["stats"]
     block = stats.get("cluster")
     if not isinstance(block, dict):
@@ -484,8 +473,6 @@ def tenant_lines(stats: dict[str, Any]) -> list[str]:
     """The per-tenant quota of one daemon: its totals (``cache.tenants``, no names: every tenant
     reads them), and the caller's own use when the daemon knows who asks (top-level ``tenant``).
     Nothing for a daemon with no quota and no tenants, so output without auth stays as it was."""
-    from sidecar.cli.progress import format_bytes
-
     lines: list[str] = []
     block = (stats.get("cache") or {}).get("tenants")
     if isinstance(block, dict) and (block.get("quota_bytes") or block.get("count")):

@@ -11,13 +11,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import xxhash
+
+from sidecar.cli.control import (
+    DEFAULT_DAEMON,
+    ControlClient,
+    DaemonAddress,
+    DaemonAPIError,
+    DaemonClientError,
+    DaemonUnavailable,
+    PeerView,
+    RingMember,
+)
+from sidecar.cli.daemons import add_daemon_flag, daemon_addresses
+from sidecar.cli.datasets import dataset_errors, list_shards, open_store, quiet_libraries
+from sidecar.cli.progress import Display, Progress, ProgressLine, format_bytes, format_rate
 from sidecar.cli.util import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -28,18 +42,15 @@ from sidecar.cli.util import (
     add_flag,
     parse_size,
 )
+from wire.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, DatasetURL, parse_dataset_url, parse_manifest
 from wire.names import split_origin_path, warmup_id
-
-if TYPE_CHECKING:
-    from sidecar.cli.control import ControlClient, DaemonAddress
-    from wire.dataset import DatasetURL
+from wire.rendezvous import owner
 
 __all__ = [
     "PlannedShard",
     "Ring",
     "WarmupOptions",
     "build_options",
-    "daemon_addresses",
     "load_shards",
     "map_dataset",
     "place",
@@ -112,31 +123,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def add_daemon_flag(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--daemon", action="append", default=None, metavar="ADDR",
-             help="node daemon: http://host:port, host:port or unix:///path.sock; repeatable; a DNS name "
-             "stands for every A record it resolves to (default SHARDCACHE_ENDPOINT, else "
-             "http://127.0.0.1:8600)")
-
-
-def daemon_addresses(given: list[str] | None, resolver: Callable[[str, int], list[str]] | None = None) -> list[DaemonAddress]:
-    """``--daemon`` values (or the environment's default) resolved into daemons; UserError if bad."""
-    import socket
-
-    from sidecar.cli.control import DEFAULT_DAEMON, resolve_addresses
-
-    raw = [part for value in (given or []) for part in value.split(",") if part.strip()]
-    if not raw:
-        raw = [os.environ.get("SHARDCACHE_ENDPOINT", "").strip() or DEFAULT_DAEMON]
-    try:
-        return resolve_addresses(raw, resolver) if resolver else resolve_addresses(raw)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    except OSError as exc:  # socket.gaierror
-        name = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else str(exc)
-        raise UserError(f"cannot resolve daemon address {', '.join(raw)}: {name}", EXIT_UNAVAILABLE) from None
-
-
 # -- what to warm ---------------------------------------------------------------------------------
 
 
@@ -149,10 +135,6 @@ class PlannedShard:
 
 def load_shards(dataset: DatasetURL, s3_endpoint: str | None) -> tuple[list[PlannedShard], str]:
     """The dataset's shards from its manifest (with checksums), else from a listing of ``*.tar``."""
-    from sidecar.cli.commands.index import dataset_errors
-    from sidecar.cli.datasets import list_shards, open_store
-    from wire.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
-
     with dataset_errors():
         store = open_store(dataset, s3_endpoint)
         data = store.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
@@ -178,8 +160,6 @@ def place(keys: list[str], daemons: list[str]) -> dict[str, list[str]]:
     """Rendezvous (highest-random-weight) placement: each key on exactly one daemon; the same
     daemons always give the same placement, and adding or removing one daemon moves only the keys
     that land on (or were on) it."""
-    import xxhash
-
     placed: dict[str, list[str]] = {daemon: [] for daemon in daemons}
     if not daemons:
         return placed
@@ -279,8 +259,6 @@ class Target:
 
 
 def _connect(targets: list[Target], dataset: DatasetURL) -> None:
-    from sidecar.cli.control import DaemonClientError, DaemonUnavailable
-
     for target in targets:
         try:
             stats = target.client.stats()
@@ -319,8 +297,6 @@ class Ring:
 
     def place(self, shards: list[PlannedShard]) -> dict[str, list[PlannedShard]]:
         """Each shard on exactly one member: member -> its shards (also kept in ``owners``)."""
-        from wire.rendezvous import owner
-
         if self.has_ring:
             for shard in shards:
                 found = owner(self.members, f"{self.bucket}/{self.prefix}{shard.key}")
@@ -338,16 +314,6 @@ class Ring:
 
 def _read_ring(targets: list[Target], dataset: DatasetURL, out: Output, warn: bool) -> Ring:
     """Ask each reachable daemon for its ring and turn the answers into the daemons to warm."""
-    from sidecar.cli.control import (
-        DEFAULT_DAEMON,
-        ControlClient,
-        DaemonAddress,
-        DaemonClientError,
-        DaemonUnavailable,
-        PeerView,
-        RingMember,
-    )
-
     views: list[tuple[Target, PeerView]] = []
     ringless: list[Target] = []
     for target in targets:
@@ -432,8 +398,6 @@ def _seconds(text: str | None, flag: str) -> float:
 
 
 def build_options(args: argparse.Namespace) -> WarmupOptions:
-    import re
-
     modes = [flag for flag in ("check", "dry_run", "cancel") if getattr(args, flag)]
     if len(modes) > 1:
         raise UserError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} do not go together")
@@ -458,10 +422,6 @@ def build_options(args: argparse.Namespace) -> WarmupOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sidecar.cli.commands.index import quiet_libraries
-    from sidecar.cli.control import ControlClient
-    from wire.dataset import parse_dataset_url
-
     quiet_libraries()
     try:
         dataset = parse_dataset_url(args.url)
@@ -550,8 +510,6 @@ def _exit_for_problems(targets: list[Target]) -> int:
 
 def _dry_run(targets: list[Target], dataset: DatasetURL, source: str, out: Output, spread: bool,
              ring: Ring | None) -> int:
-    from sidecar.cli.progress import format_bytes
-
     out.problems(targets)
     for target in targets:
         if target.problem is not None:
@@ -601,9 +559,6 @@ def _fraction(done_bytes: int, total_bytes: int, done_files: int, files: int) ->
 
 def _check(targets: list[Target], dataset: DatasetURL, out: Output, shards: list[PlannedShard],
            ring: Ring | None, spread: bool) -> int:
-    from sidecar.cli.control import DaemonClientError
-    from sidecar.cli.progress import format_bytes
-
     cluster = ring is not None and ring.has_ring
     if cluster:
         assert ring is not None
@@ -674,8 +629,6 @@ def _check(targets: list[Target], dataset: DatasetURL, out: Output, shards: list
 
 
 def _cancel(targets: list[Target], out: Output) -> int:
-    from sidecar.cli.control import DaemonAPIError, DaemonClientError
-
     for target in targets:
         if target.problem is not None:
             continue
@@ -709,8 +662,6 @@ def _submit(target: Target, options: WarmupOptions) -> bool:
 
 
 def _progress_of(status: dict[str, Any]) -> Any:
-    from sidecar.cli.progress import Progress
-
     files, size = status["files"], status["bytes"]
     return Progress(
         files_done=files["done"], files_total=files["total"],
@@ -721,8 +672,6 @@ def _progress_of(status: dict[str, Any]) -> Any:
 
 
 def _lines(targets: list[Target], dataset: DatasetURL) -> list[Any]:
-    from sidecar.cli.progress import Progress, ProgressLine
-
     lines = []
     total = Progress(state="running")
     etas: list[float] = []
@@ -752,12 +701,6 @@ def _lines(targets: list[Target], dataset: DatasetURL) -> list[Any]:
 
 
 def _poll(target: Target, options: WarmupOptions, out: Output) -> None:
-    from sidecar.cli.control import (
-        DaemonAPIError,
-        DaemonClientError,
-        DaemonUnavailable,
-    )
-
     try:
         try:
             target.status = target.client.warmup(target.job_id)
@@ -781,9 +724,6 @@ def _poll(target: Target, options: WarmupOptions, out: Output) -> None:
 
 
 def _warm(targets: list[Target], dataset: DatasetURL, url: str, options: WarmupOptions, out: Output) -> int:
-    from sidecar.cli.control import DaemonClientError, DaemonUnavailable
-    from sidecar.cli.progress import Display
-
     for target in targets:
         if target.problem is not None:
             continue
@@ -859,8 +799,6 @@ def _progress_event(target: Target) -> dict[str, Any]:
 
 
 def _summary(targets: list[Target], dataset: DatasetURL, out: Output, timed_out: bool = False) -> int:
-    from sidecar.cli.progress import format_bytes, format_rate
-
     failed: list[dict[str, str]] = []
     daemons: list[dict[str, Any]] = []
     for target in targets:

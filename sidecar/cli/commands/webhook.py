@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sidecar.cli.commands.inject import add_injection_flags, injection_config
+from sidecar.cli.injection import add_injection_flags, injection_config
 from sidecar.cli.util import (
     EXIT_UNAVAILABLE,
     RawDefaultsFormatter,

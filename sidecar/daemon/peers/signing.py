@@ -12,6 +12,8 @@ import hashlib
 import hmac
 import time
 
+from sidecar.errors import SidecarError
+
 __all__ = ["IF_CACHED_HEADER", "PEER_HEADER", "PeerRefused", "sign", "verify"]
 
 PEER_HEADER = "x-shardcache-peer"
@@ -21,7 +23,7 @@ new owner of an object asks the member that owned it before (a hand-off); unsign
 narrows what the answer may do."""
 
 
-class PeerRefused(Exception):
+class PeerRefused(SidecarError, PermissionError):
     """A peer header that does not prove a peer; the message says why (for the log and the 403)."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["SHOWN", "assert_same", "differences", "report", "scrub"]
+
 SHOWN = 40  # differences listed in a failure message; the rest are counted
 
 

@@ -1,20 +1,25 @@
-"""A real HTTP/1.1 proxy between the daemon and the origin that counts requests and injects faults.
+"""Proxies between a client and a real server, each on its own thread over real sockets:
+:class:`FaultProxy` between the daemon and the S3 origin counts requests and injects faults
+(503 SlowDown, resets, stalls, truncated or flipped bodies, a trickle); :class:`TcpForwarder`
+forwards TCP to a real master, the base of the test proxies that count what a client sends or lose
+an answer on the way back.
 
-It runs on its own thread and event loop, on a real socket, so the daemon sees real connection
-resets, truncated bodies, 503s and delays. Each request is forwarded on a fresh upstream connection
-(``Connection: close``) and the whole answer is read before it is (maybe mangled and) sent back.
+The fault proxy forwards each request on a fresh upstream connection (``Connection: close``) and
+reads the whole answer before it is (maybe mangled and) sent back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["FaultProxy", "Faults"]
+__all__ = ["FaultProxy", "Faults", "TcpForwarder"]
 
 _LEN_RE = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
 
@@ -174,3 +179,47 @@ class FaultProxy:
         header_end = response.index(b"\r\n\r\n")
         headers = [h for h in response[:header_end].split(b"\r\n") if not h.lower().startswith(b"connection:")]
         return b"\r\n".join(headers) + b"\r\n\r\n" + response[header_end + 4:]
+
+
+class TcpForwarder:
+    """Forwards every connection to ``127.0.0.1:port`` both ways. Subclasses override
+    :meth:`serve` (what to do with a new connection) or :meth:`seen` (bytes the client sent)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(client,), daemon=True).start()
+
+    def serve(self, client: socket.socket) -> None:
+        self.forward(client, socket.create_connection(("127.0.0.1", self.target)))
+
+    def forward(self, client: socket.socket, upstream: socket.socket) -> None:
+        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def seen(self, data: bytes) -> None:
+        """Bytes the client sent (called before they are forwarded)."""
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if from_client:
+                    self.seen(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()

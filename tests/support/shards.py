@@ -12,6 +12,8 @@ from typing import Any
 
 import xxhash
 
+__all__ = ["Expected", "Written", "delivered", "env_without_shardcache", "write_manifest", "write_shards"]
+
 Expected = dict[tuple[str, str], dict[str, bytes]]
 
 

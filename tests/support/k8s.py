@@ -1,14 +1,17 @@
-"""Helpers for the Kubernetes tests: Helm rendering, schema validation of Kubernetes objects,
-TLS material, and a real ``shardcache webhook`` process over HTTPS."""
+"""The Kubernetes tests' machinery: Helm rendering and the chart's documented value sets, schema
+validation of Kubernetes objects, TLS material, a real ``shardcache webhook`` process over HTTPS,
+``shardcache inject`` as a process, and NetworkPolicy evaluation."""
 
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import datetime
 import http.client
 import ipaddress
 import json
+import os
 import shutil
 import socket
 import ssl
@@ -21,9 +24,12 @@ import pytest
 import yaml
 
 from sidecar.k8s.inject import INJECT_LABEL
-from tests.helpers import PYTHON, REPO, free_port, spawn, stop, wait_until
+from tests.support.processes import PYTHON, REPO, free_port, spawn, stop
+from tests.support.waits import wait_until
 
-FIXTURES = Path(__file__).parent / "fixtures"
+__all__ = ["CHART", "FIXTURES", "OPTIONS", "RELEASE_NAMESPACE", "Renderer", "TEMPLATE_PATHS", "TLSFiles", "VAP_API", "WebhookProcess", "admission_review", "admits", "apply_patch", "chart_webhook_args", "check_pod_semantics", "client_context", "default_cell", "dig", "docs", "documented_values", "find", "kubectl_parse", "load_fixture_docs", "make_tls", "opted_in_deployment", "pod_templates", "run_inject", "selects", "start_webhook", "subcommands", "validate_k8s"]
+
+FIXTURES = REPO / "tests" / "k8s" / "fixtures"
 # What a cluster with the ValidatingAdmissionPolicy API reports (the chart renders its policy only then).
 VAP_API = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
 CHART = REPO / "charts" / "shardcache"
@@ -425,3 +431,110 @@ def documented_values(text: str) -> dict[str, tuple[Any, str]]:
 
 def default_cell(value: Any) -> str:
     return "`" + json.dumps(value, separators=(", ", ": ")) + "`"
+
+
+# ----------------------------------------------------------------------------- shardcache inject
+
+
+def run_inject(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
+    full_env.update({"PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.run(
+        [PYTHON, "-m", "sidecar.cli", "inject", *args],
+        input=stdin, capture_output=True, text=True, timeout=60, env=full_env, cwd=REPO,
+    )
+
+
+def docs(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+# ----------------------------------------------------------------------------- network policies
+
+
+RELEASE_NAMESPACE = "shardcache"  # the namespace the tests install the chart in
+
+
+def admits(policy: dict[str, Any], namespace: str, port: int, pod_labels: dict[str, str] | None = None,
+           release_namespace: str = RELEASE_NAMESPACE) -> bool:
+    """Whether ``policy`` admits a TCP connection to ``port`` from a pod in ``namespace``
+    (namespaces carry their kubernetes.io/metadata.name label). ipBlocks are not evaluated: pod
+    addresses in them are implementation-defined."""
+    ns_labels = {"kubernetes.io/metadata.name": namespace}
+    for rule in policy["spec"].get("ingress", []):
+        if not any(p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in rule.get("ports", [])):
+            continue
+        for peer in rule.get("from", []):
+            if "ipBlock" in peer:
+                continue
+            if "namespaceSelector" in peer:
+                ns_ok = selects(peer["namespaceSelector"], ns_labels)
+            else:
+                ns_ok = namespace == release_namespace
+            if ns_ok and selects(peer.get("podSelector", {}), pod_labels or {}):
+                return True
+    return False
+
+
+# ----------------------------------------------------------------------------- the chart's value sets
+
+
+# Every documented option set; each is linted, rendered, and checked by the generic tests.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "gpu-nodes": {
+        "node": {
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+            "priorityClassName": "gpu-infra",
+            "cache": {"hostPath": "/mnt/nvme0/shardcache", "size": "1.5TiB", "minFree": "5%", "eviction": "hold"},
+            "socketHostDir": "/var/run/shardcache",
+        },
+    },
+    "ephemeral-cache": {"node": {"cache": {"type": "ephemeral", "ephemeral": {"storageClassName": "local-path", "size": "800Gi"}}}},
+    "s3-credentials": {
+        "node": {"origin": {"s3": {"endpoint": "http://minio.storage:9000", "region": "us-east-1",
+                                    "credentialsSecret": {"name": "minio-creds", "accessKeyIdKey": "user", "secretAccessKeyKey": "password"}}},
+                 "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}}},
+    },
+    # --auth sigv4 (the default) checks callers against S3's IAM: a file origin goes without.
+    "file-origin": {"node": {"origin": {"type": "file", "file": {"hostPath": "/mnt/datasets"}}, "auth": {"mode": "none"}}},
+    "priority-class": {"priorityClass": {"create": True, "value": 2000000}},
+    "etcd-ha": {"master": {"replicas": 3, "state": {"type": "etcd", "etcd": {"endpoints": ["etcd-0.etcd:2379", "etcd-1.etcd:2379"], "prefix": "/sc"}}}},
+    "master-no-persistence": {"master": {"persistence": {"enabled": False}}},
+    "master-existing-claim": {"master": {"persistence": {"existingClaim": "my-claim"}}},
+    "cert-manager": {"webhook": {"tls": {"mode": "certManager"}}},
+    "cert-manager-issuer": {"webhook": {"tls": {"mode": "certManager", "certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}},
+    "tls-secret": {"webhook": {"tls": {"mode": "secret", "secret": {"name": "my-tls", "caBundle": base64.b64encode(b"-----BEGIN CERTIFICATE-----\n").decode()}}}},
+    "old-cluster": {"webhook": {"nativeSidecar": False}},
+    "fail-closed": {"webhook": {"failurePolicy": "Fail", "timeoutSeconds": 10, "replicas": 3}},
+    "namespaces": {"webhook": {"namespaceSelector": {"matchLabels": {"shardcache.io/enabled": "true"}}}},
+    "workloads": {"webhook": {"injectWorkloads": True}},
+    # Pods restricted by default (namespaces labelled shardcache.io/mode=hostpath keep the socket);
+    # the admission policy only reporting, in its own namespaces (rendered where the API exists).
+    "restricted-default": {"webhook": {"injectWorkloads": True, "sidecar": {"mode": "restricted"}},
+                           "admissionPolicy": {"validationActions": ["Warn", "Audit"],
+                                               "namespaceSelector": {"matchLabels": {"training": "true"}}}},
+    "sidecar": {"webhook": {"sidecar": {"image": {"repository": "mirror.local/shardcache", "tag": "9.9.9"}, "port": 9600,
+                                        "shortCircuit": False, "podCacheSize": "40Gi",
+                                        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": 2, "memory": "2Gi"}}}}},
+    "service-monitor": {"metrics": {"podAnnotations": False, "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}}},
+    "single-webhook": {"webhook": {"replicas": 1}},
+    "pinned-image": {"image": {"repository": "mirror.local/sc", "digest": "sha256:" + "a" * 64},
+                     "imagePullSecrets": [{"name": "regcred"}], "commonLabels": {"team": "ml-infra"}},
+    "names": {"fullnameOverride": "cache"},
+    "only-node": {"master": {"enabled": False}, "webhook": {"enabled": False}},
+    "tenancy": {
+        "networkPolicy": {
+            "trainingNamespaceSelector": {"matchLabels": {"shardcache.io/training": "true"}},
+            "metricsNamespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["prom"]}]},
+            "apiServerCIDRs": ["10.0.0.0/28"],
+            "extraFrom": {"node": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}],
+                          "webhook": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                                       "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}}}]},
+        },
+        "webhook": {"allowedSidecarImages": ["mirror.local/shardcache:*", "registry.example.com/ml/*", "ghcr.io/shardcache/shardcache:0.1.0"]},
+        "master": {"auth": {"existingSecret": "my-master-token"}},
+    },
+    "open": {"networkPolicy": {"enabled": False}, "master": {"auth": {"enabled": False}}},
+}

@@ -2,7 +2,7 @@
 appends one JSON line per delivered sample to ``out`` with unbuffered appends, so a ``kill -9``
 loses nothing that was delivered. The loader's lease log (DEBUG) goes to ``log``.
 
-    python -m tests.loader.trainer_proc '{"url": ..., "job": ..., "master": ..., "trainer": ..., ...}'
+    python -m tests.support.trainer_proc '{"url": ..., "job": ..., "master": ..., "trainer": ..., ...}'
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 import time
+
+__all__ = ["main"]
 
 
 def main() -> int:

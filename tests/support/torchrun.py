@@ -1,4 +1,4 @@
-"""Running ``train.py`` under real torchrun, bounded in time, and reading what it did.
+"""Running ``tests/distributed/train.py`` under real torchrun, bounded in time, and reading what it did.
 
 :class:`TorchRun` starts ``python -m torch.distributed.run`` (the module behind the ``torchrun``
 command, run with this interpreter so its workers import this checkout) with c10d rendezvous on a
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import PYTHON, free_port, spawn
-from tests.loader.shards import Written, write_manifest, write_shards
+from tests.support.processes import PYTHON, REPO, free_port, spawn
+from tests.support.shards import Written, write_manifest, write_shards
 
 __all__ = ["Ident", "Logs", "Stall", "TorchRun", "job_status", "lease_lines", "make_dataset", "sample_offsets"]
 
-SCRIPT = Path(__file__).with_name("train.py")
+SCRIPT = REPO / "tests" / "distributed" / "train.py"  # what torchrun runs (collect_ignore there)
 TOKEN_VAR = "DISTTEST_RUN_TOKEN"  # only read here, to find the run's processes
 
 Ident = tuple[str, str]  # (shard key, sample key)

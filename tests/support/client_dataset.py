@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = ["BIG_SIZES", "Dataset", "MANY", "MiB", "NESTED_KEYS", "ODD_KEYS", "Obj", "TAR", "TEXT", "build_objects", "parquet_parts", "sha256", "upload"]
+
 MiB = 1024 * 1024
 # More than S3's page of 1,000 keys: a listing of this prefix needs a continuation token / marker.
 MANY = 1050

@@ -2,10 +2,10 @@
 
 A drop-in for ``python -m moto.server`` (same arguments)::
 
-    python -m tests.moto_sigv4 -H 127.0.0.1 -p PORT      # or: python tests/moto_sigv4.py ...
+    python -m tests.support.moto_sigv4 -H 127.0.0.1 -p PORT      # or: python tests/support/moto_sigv4.py ...
 
 then create users and policies and ``POST /moto-api/reset-auth`` with body ``0`` to enforce IAM
-(``tests/tenancy/conftest.py`` does all of it). The patches must run inside the server process:
+(``tests/support/tenancy.py`` does all of it). The patches must run inside the server process:
 patching moto in the pytest process does not reach a server started as a subprocess.
 
 What stock moto 5.2.1 gets wrong once it enforces IAM, each fixed below by the patch that names it:
@@ -98,7 +98,7 @@ def _replaces(owner: type, name: str, params: tuple[str, ...]) -> Callable[[F], 
         found = tuple(inspect.signature(original).parameters) if callable(original) else None
         if found != params:
             raise SystemExit(
-                f"tests/moto_sigv4.py: moto {moto.__version__} changed {owner.__module__}.{owner.__qualname__}.{name} "
+                f"tests/support/moto_sigv4.py: moto {moto.__version__} changed {owner.__module__}.{owner.__qualname__}.{name} "
                 f"(parameters {found}, the patch expects {params}); review the patch against this moto, "
                 f"or install moto {' / '.join(v + '.x' for v in TESTED_MOTO)}"
             )
@@ -356,7 +356,7 @@ def _get_access_key(self: BaseResponse) -> str:
 
 def main(argv: list[str]) -> None:
     if not moto.__version__.startswith(TESTED_MOTO):
-        print(f"tests/moto_sigv4.py: written against moto {TESTED_MOTO}, running {moto.__version__}", file=sys.stderr)
+        print(f"tests/support/moto_sigv4.py: written against moto {TESTED_MOTO}, running {moto.__version__}", file=sys.stderr)
     from moto.server import main as moto_main
 
     moto_main(argv)

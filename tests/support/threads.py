@@ -1,29 +1,22 @@
-"""Utilities shared by the tests: free ports, waiting for servers, real processes."""
+"""Servers on a thread of the test process, each with its own event loop, so the autouse
+blocking-call guard (tests/conftest.py) watches that loop: a stdlib server (:func:`serving`),
+any server coroutine (:class:`ServerThread`), the daemon's app (:class:`DaemonThread`) and the
+master's (:class:`MasterThread`)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
+import json
 import socketserver
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Self
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.waits import wait_until
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["DaemonThread", "MasterThread", "ServerThread", "serving"]
 
 
 @contextmanager
@@ -38,66 +31,6 @@ def serving(server: socketserver.BaseServer) -> Iterator[None]:
         server.shutdown()
         server.server_close()
         thread.join(10)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except Exception:
-            pass
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return 200 <= resp.status < 300
-    except Exception:
-        return False
-
-
-def wait_port(port: int, host: str = "127.0.0.1", timeout: float = 20.0) -> None:
-    def connectable() -> bool:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-
-    wait_until(connectable, timeout=timeout, what=f"{host}:{port} to accept connections")
-
-
-def spawn(args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a process in its own session, output to ``log`` (read it when a test fails)."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    full_env.setdefault("PYTHONPATH", str(REPO))
-    with open(log, "ab") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(
-            list(args), stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO), start_new_session=True
-        )
-
-
-def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout)
-
-
-def kill9(proc: subprocess.Popen[bytes]) -> None:
-    stop(proc, signal.SIGKILL)
-
-
-PYTHON = sys.executable
 
 
 class ServerThread:
@@ -144,7 +77,8 @@ class ServerThread:
 
 
 class DaemonThread(ServerThread):
-    """``shardcache serve`` (its aiohttp app) running in this process; see :class:`ServerThread`."""
+    """``shardcache serve`` (its aiohttp app) running in this process, with the S3 client and the
+    stats the tests read; see :class:`ServerThread`."""
 
     def __init__(self, settings: Any) -> None:
         super().__init__("daemon")
@@ -162,3 +96,36 @@ class DaemonThread(ServerThread):
             await serve_forever(self.settings, ready, stop)
         finally:
             notify.cancel()
+
+    def client(self, retries: int = 0) -> Any:
+        from tests.support.s3 import s3_client
+
+        return s3_client(self.url, retries)
+
+    def stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/_shardcache/stats", timeout=10) as resp:
+            answer: dict[str, Any] = json.loads(resp.read())
+        return answer
+
+    def settle(self) -> None:
+        """Wait until no fill is in flight (a reader may finish before the fill is published)."""
+        wait_until(lambda: self.stats()["fills_in_flight"] == 0, timeout=20, what="fills to finish")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+
+class MasterThread(ServerThread):
+    """A master serving in this process, on a thread with its own event loop."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__("master")
+        self.settings = settings
+        self.port = int(settings.listen[0].rsplit(":", 1)[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
+        from loader.master.server.app import serve
+
+        await serve(self.settings, stop=stop, on_ready=on_ready)

@@ -29,7 +29,11 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import free_port, spawn, stop, wait_until
+from tests.support.masters import EtcdServer
+from tests.support.processes import free_port, spawn, stop
+from tests.support.waits import wait_until
+
+__all__ = ["ADMISSION_PLUGINS", "APISERVER_ENV", "Answer", "ApiError", "CONTROLLERS", "CONTROLLER_MANAGER_ENV", "ControlPlane", "Kube", "Resource", "binary", "control_plane", "eventually", "require_apiserver"]
 
 APISERVER_ENV = "SHARDCACHE_TEST_KUBE_APISERVER"
 CONTROLLER_MANAGER_ENV = "SHARDCACHE_TEST_KUBE_CONTROLLER_MANAGER"
@@ -224,13 +228,11 @@ def control_plane(directory: Path) -> Iterator[ControlPlane]:
     directory.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        client_port, peer_port = free_port(), free_port()
-        procs.append(spawn([
-            "etcd", "--data-dir", str(directory / "etcd"), "--name", "default",
-            "--listen-client-urls", f"http://127.0.0.1:{client_port}", "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
-        ], directory / "etcd.log"))
+        etcd = EtcdServer(directory, binary="etcd", data_dir="etcd", log_level=None)
+        etcd.launch()
+        assert etcd.proc is not None
+        procs.append(etcd.proc)
+        etcd.wait_ready()
         token = secrets.token_hex(16)
         (directory / "tokens.csv").write_text(f"{token},admin,admin-uid,system:masters\n")
         private, public = _write_keys(directory)
@@ -238,7 +240,7 @@ def control_plane(directory: Path) -> Iterator[ControlPlane]:
         certs = directory / "certs"
         procs.append(spawn([
             apiserver, "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(port),
-            "--etcd-servers", f"http://127.0.0.1:{client_port}", "--cert-dir", str(certs),
+            "--etcd-servers", etcd.endpoint, "--cert-dir", str(certs),
             "--service-cluster-ip-range", "10.0.0.0/24",
             "--service-account-issuer", "https://kubernetes.default.svc",
             "--service-account-signing-key-file", str(private), "--service-account-key-file", str(public),
