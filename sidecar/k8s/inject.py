@@ -660,7 +660,18 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
 
     before = copy.deepcopy(template)
     sidecar_at = _find(init_containers, SIDECAR_NAME)
-    if sidecar_at is None and _find(containers, SIDECAR_NAME) is None:
+    present = init_containers[sidecar_at] if sidecar_at is not None else (
+        containers[found] if (found := _find(containers, SIDECAR_NAME)) is not None else None
+    )
+    if present is not None and not _our_sidecar_image(present.get("image"), config):
+        # A container written by hand under the sidecar's name would get the node daemon's socket
+        # (and the pod's handles) with whatever it runs: only the sidecar's own image may.
+        raise InjectionError(
+            f"{where}a container named {SIDECAR_NAME!r} runs image {shown(present.get('image'))}, which is not the "
+            f"shardcache sidecar's ({config.image}, any tag of it, or webhook.allowedSidecarImages): rename that "
+            "container (the webhook adds the sidecar itself), or use the shardcache.io/sidecar-image annotation"
+        )
+    if present is None:
         _check_conflicts(containers + init_containers, volumes, effective, where)
         sidecar = _sidecar(effective)
         # Only the sidecar created now runs the image we chose: a pod that already has one (a
@@ -1101,6 +1112,23 @@ def image_allowed(image: str, config: InjectConfig) -> bool:
         if rest is not None and _AFTER_PREFIX[prefix[-1]].fullmatch(rest):
             return True
     return False
+
+
+def _repository(image: str) -> str:
+    """``image`` without its tag and digest (a registry port's colon is not a tag's)."""
+    name = image.split("@", 1)[0]
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    return name[:colon] if colon > slash else name
+
+
+def _our_sidecar_image(image: object, config: InjectConfig) -> bool:
+    """Whether a sidecar already in a pod runs an image the injector may give the socket to: an
+    allowed one (:func:`image_allowed`), or another tag or digest of the configured image (a
+    template injected before an upgrade of the chart, injected again after it)."""
+    if not isinstance(image, str) or not _IMAGE_RE.fullmatch(image):
+        return False
+    return image_allowed(image, config) or _repository(image) == _repository(config.image)
 
 
 def _check_allowed_image(entry: str) -> None:

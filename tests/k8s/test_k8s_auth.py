@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import dataclasses
 import hashlib
 import http.server
 import json
@@ -40,6 +41,7 @@ from sidecar.k8s.inject import (
     NODE_ENV,
     SIDECAR_NAME,
     InjectConfig,
+    InjectionError,
     inject,
 )
 from sidecar.k8s.patch import json_patch
@@ -514,8 +516,35 @@ def test_reinjection_changes_nothing(shape: str, config: InjectConfig) -> None:
     twice, outcome = inject(once, config)
     assert twice == once and outcome.result == "unchanged"
     assert json_patch(once, twice) == []
-    other = InjectConfig(image="other/image:9", native_sidecar=not config.native_sidecar, env=(("AWS_REGION", "ap-south-1"),))
+    # A webhook moved to another image (a mirror) keeps the pods injected with the old one when the
+    # allow-list names it, and another tag of its own image always.
+    other = InjectConfig(image="other/image:9", native_sidecar=not config.native_sidecar, env=(("AWS_REGION", "ap-south-1"),),
+                         allowed_sidecar_images=(config.image,))
     assert inject(once, other) == (once, inject(once, other)[1])
+    upgraded = dataclasses.replace(config, image="registry.example.com/shardcache:next")
+    assert inject(once, upgraded)[0] == once
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_hand_written_sidecar_of_another_image_gets_no_socket(native: bool) -> None:
+    """A container written by hand under the sidecar's name is not the sidecar: the injector would
+    otherwise give it the node daemon's socket (and the app containers its handles) whatever it
+    runs. Refused with the reason; its own image, another tag of it or an allowed one are kept."""
+    config = CONFIG if native else FALLBACK
+    for image in ("attacker/tool:1", "registry.example.com/shardcache-evil:test", "registry.example.com:5000/shardcache:test",
+                  None, 7):
+        obj = pod([trainer()])
+        fake = {"name": "shardcache", **({"image": image} if image is not None else {})}
+        obj["spec"]["initContainers" if native else "containers"] = [fake, *obj["spec"].get("containers", [])] if not native else [fake]
+        with pytest.raises(InjectionError, match="a container named 'shardcache' runs image .* which is not the shardcache sidecar"):
+            inject(obj, config)
+    allowed = dataclasses.replace(config, allowed_sidecar_images=("attacker/tool:1",))
+    obj = pod([trainer()])
+    obj["spec"]["initContainers" if native else "containers"] = (
+        [{"name": "shardcache", "image": "attacker/tool:1"}] if native
+        else [{"name": "shardcache", "image": "attacker/tool:1"}, *obj["spec"]["containers"]])
+    done, outcome = inject(obj, allowed)
+    assert outcome.result == "injected"
 
 
 def test_credentials_a_later_webhook_adds_reach_the_sidecar_on_reinvocation() -> None:
@@ -582,7 +611,7 @@ def _credential_pods(draw: st.DrawFn) -> dict[str, Any]:
         containers.append(container)
     obj = pod(containers, [{"name": v, "emptyDir": {}} for v in _volumes])
     if draw(st.booleans()):  # a sidecar already there, with a name and a path of its own
-        obj["spec"]["initContainers"] = [{"name": SIDECAR_NAME, "image": "i:1", "restartPolicy": "Always",
+        obj["spec"]["initContainers"] = [{"name": SIDECAR_NAME, "image": CONFIG.image, "restartPolicy": "Always",
                                           "env": [{"name": "AWS_REGION", "value": "mine"}],
                                           "volumeMounts": [{"name": "v1", "mountPath": IRSA_TOKEN_DIR, "readOnly": True}]}]
     return obj

@@ -255,8 +255,10 @@ def test_injecting_twice_changes_nothing(obj: dict[str, Any], config: InjectConf
     once, _ = inject(obj, config)
     twice, outcome = inject(once, config)
     assert twice == once and outcome.result == "unchanged"
-    # Even with another configuration: an existing sidecar is never replaced.
-    other = InjectConfig(image="other/image:9", native_sidecar=not config.native_sidecar)
+    # Even with another configuration: an existing sidecar is never replaced (its image allowed:
+    # a sidecar of an image the webhook does not know is refused, test_k8s_auth).
+    other = InjectConfig(image="other/image:9", native_sidecar=not config.native_sidecar,
+                         allowed_sidecar_images=(config.image,))
     assert inject(once, other) == (once, inject(once, other)[1])
     assert inject(once, other)[1].result == "unchanged"
 
@@ -297,7 +299,7 @@ def test_existing_env_and_pod_socket_path_are_kept() -> None:
 
 
 def test_init_containers_before_an_existing_sidecar_are_left_alone() -> None:
-    obj = pod(initContainers=[{"name": "early", "image": "busybox"}, {"name": SIDECAR_NAME, "image": "x", "restartPolicy": "Always"}, {"name": "late", "image": "busybox"}])
+    obj = pod(initContainers=[{"name": "early", "image": "busybox"}, {"name": SIDECAR_NAME, "image": CONFIG.image, "restartPolicy": "Always"}, {"name": "late", "image": "busybox"}])
     out, _ = inject(obj, CONFIG)
     early, _, late = out["spec"]["initContainers"]
     assert ENDPOINT_ENV not in env_of(early)
