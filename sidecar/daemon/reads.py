@@ -150,10 +150,6 @@ def mismatch(what: str, etag: str, vouched: str, digest: str, claim: str) -> Che
     )
 
 
-def _not_counted(result: str) -> None:
-    pass
-
-
 class ReadService:
     """Reads through the node's cache (``store`` ``None``: a daemon without one, everything
     streams from the origin). Loop-only, as the fetcher and the claims it uses."""
@@ -210,7 +206,6 @@ class ReadService:
         ``for_others``: a hit's descriptor goes to another process (:meth:`cache.Store.open_verified`).
         ``before_fill``: awaited before a fill is started or joined (a warm-up's rate limit)."""
         store = self.store
-        count = self._count if ctx.counted else _not_counted
         if store is None or not ctx.cacheable:
             reason = "no cache on this daemon" if store is None else "never cached (the mutable index of its shards)"
             return await self._uncached(ctx, decide, reason)
@@ -219,12 +214,12 @@ class ReadService:
             entry = await self._disputed(entry, ctx)
         if entry is not None:
             if decide is not None and (answer := decide(entry, "hit")) is not None:
-                count("hit")
+                self._count(ctx, "hit")
                 return Decided(answer)
             force = ctx.recheck and self.claims.may_recheck(entry)
             fd = await self.open(entry, force=force, for_others=for_others)
             if fd is not None:
-                count("hit")
+                self._count(ctx, "hit")
                 return Hit(entry, fd)
 
         if ctx.peer is not None and ctx.if_cached:
@@ -239,7 +234,7 @@ class ReadService:
             ctx.bucket, ctx.key, ctx.priority, tenant=ctx.tenant, origin_only=ctx.origin_only
         )
         state = "miss" if created else "coalesced"
-        count(state)
+        self._count(ctx, state)
         info = await fill.wait_info()
         # The fill goes on whatever the conditions say: the object is wanted, in this version.
         if decide is not None and (answer := decide(info, state)) is not None:
@@ -255,12 +250,12 @@ class ReadService:
                 raise mismatch(f"{ctx.bucket}/{ctx.key}: the origin's bytes", info.etag, vouched, digest, ctx.claim)
         return Filling(fill, info, state, miss_source(state, info.source))
 
-    def _count(self, result: str) -> None:
-        self.metrics.cache_lookups.labels(result=result).inc()
+    def _count(self, ctx: ReadContext, result: str) -> None:
+        if ctx.counted:
+            self.metrics.cache_lookups.labels(result=result).inc()
 
     async def _uncached(self, ctx: ReadContext, decide: Decide[T] | None, reason: str) -> Uncached | Decided[T]:
-        if ctx.counted:
-            self._count("miss")
+        self._count(ctx, "miss")
         info = await self._origin_head(ctx)
         if decide is not None and (answer := decide(info, "miss")) is not None:
             return Decided(answer)

@@ -164,7 +164,8 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
     # A peer's read skips them: the asking daemon checked its own caller.
     tenant = "" if peer is not None else await object_access(request, bucket, key)
     ctx = ReadContext(
-        bucket, key, caller=caller_of(request), tenant=tenant, claim=expected,
+        # Who asks matters only to a disputed claim's refetch budget: no socket query without one.
+        bucket, key, caller=caller_of(request) if expected else "", tenant=tenant, claim=expected,
         recheck=request.headers.get("x-shardcache-recheck") == "1", peer=peer,
         if_cached=peer is not None and request.headers.get(IF_CACHED_HEADER) == "1",
     )

@@ -200,7 +200,6 @@ class WarmupManager:
 
     def __init__(self, reads: ReadService, default_concurrency: int) -> None:
         self.reads = reads
-        self.store = reads.store
         self.default_concurrency = default_concurrency
         self.jobs: dict[tuple[str, str], WarmupJob] = {}  # by (owner, id): tenants never share ids
 
@@ -309,7 +308,7 @@ class WarmupManager:
 
     async def _recheck(self, job: WarmupJob) -> None:
         """Done means in the cache now: an object evicted while others filled is a failure."""
-        store = self.store
+        store = self.reads.store
         if store is None:
             return
         done = [item for item in job.items if (item.bucket, item.key) in job.done_entries]
@@ -329,7 +328,7 @@ class WarmupManager:
 
     async def _warm(self, job: WarmupJob, item: WarmupItem, bucket: TokenBucket | None) -> None:
         name = (item.bucket, item.key)
-        if self.store is None:
+        if self.reads.store is None:
             job.failures[name] = "this daemon runs without a cache"
             return
         # The manifest's checksum is a claim (sidecar/daemon/claims.py): it refetches only an

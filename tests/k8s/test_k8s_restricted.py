@@ -561,15 +561,9 @@ def test_the_policy_is_rendered_where_the_cluster_has_the_api(renderer: Renderer
 def test_the_chart_fails_loudly_on_a_cluster_without_the_policy_api(renderer: Renderer) -> None:
     """A cluster before 1.30 serves no ValidatingAdmissionPolicy: the chart refuses to render
     (install) without it, saying what to do, rather than skip it; unless it is turned off."""
-    from helm_python import _native
 
     def render_at(kube_version: str, values: dict[str, Any], api_versions: tuple[str, ...] = ()) -> dict[str, str]:
-        # helm template --kube-version (Renderer.files exposes --api-versions only).
-        opts = {"name": "sc", "namespace": NS, "is_install": True, "kube_version": kube_version,
-                "api_versions": list(api_versions)}
-        rendered: dict[str, str] = json.loads(
-            _native.call_string("helm_render", renderer.chart._raw(), json.dumps(values), json.dumps(opts)))
-        return rendered
+        return renderer.files(values, namespace=NS, api_versions=api_versions, kube_version=kube_version)
 
     with pytest.raises(renderer.helm.HelmRenderError) as info:
         render_at("v1.29.0", {})

@@ -151,15 +151,18 @@ class Renderer:
         self.chart = helm_python.Chart.load(str(CHART))
 
     def files(self, values: dict[str, Any] | None = None, *, namespace: str = "shardcache", name: str = "sc",
-              api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+              api_versions: tuple[str, ...] = (), kube_version: str | None = None) -> dict[str, str]:
         """Rendered files by path; ``api_versions``: what a cluster's discovery would report (what
-        ``helm template --api-versions`` passes). The SDK's ``Chart.render`` does not expose that
-        option, so its native call is made with Chart.render's options plus that one."""
-        if not api_versions:
+        ``helm template --api-versions`` passes), ``kube_version`` its version (``--kube-version``).
+        The SDK's ``Chart.render`` exposes neither option, so its native call is made with
+        Chart.render's options plus those."""
+        if not api_versions and kube_version is None:
             return self.chart.render(values=values or {}, name=name, namespace=namespace, is_install=True)
         from helm_python import _native
 
-        opts = {"name": name, "namespace": namespace, "is_install": True, "api_versions": list(api_versions)}
+        opts: dict[str, Any] = {"name": name, "namespace": namespace, "is_install": True, "api_versions": list(api_versions)}
+        if kube_version is not None:
+            opts["kube_version"] = kube_version
         files: dict[str, str] = json.loads(_native.call_string("helm_render", self.chart._raw(), json.dumps(values or {}), json.dumps(opts)))
         return files
 
