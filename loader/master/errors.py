@@ -30,6 +30,7 @@ __all__ = [
     "ProtocolError",
     "NotLeaseHolder",
     "Unauthorized",
+    "Forbidden",
     "MasterUnavailable",
     "NotLeader",
     "StateError",
@@ -157,6 +158,14 @@ class Unauthorized(MasterError, PermissionError):
     status = 401
 
 
+class Forbidden(MasterError, PermissionError):
+    """The job belongs to another tenant (``--tenant-tokens``): only its owner and the operator may
+    see or change it."""
+
+    code = "Forbidden"
+    status = 403
+
+
 ERRORS_BY_CODE: dict[str, type[MasterError]] = {
     cls.code: cls
     for cls in (
@@ -164,6 +173,7 @@ ERRORS_BY_CODE: dict[str, type[MasterError]] = {
         BadRequest,
         BodyTooLarge,
         NoSuchJob,
+        Forbidden,
         JobConflict,
         TooManyJobs,
         JobInUse,

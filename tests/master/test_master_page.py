@@ -306,6 +306,33 @@ def test_with_a_token_file_the_page_asks_for_the_token_once(tmp_path: Path, tab:
         master.stop()
 
 
+def test_a_tenants_page_shows_its_own_jobs_only(tmp_path: Path, tab: Tab) -> None:
+    """With ``--tenant-tokens`` the page, fed the token of tenant B, shows B's job and not A's."""
+    (tmp_path / "operator").write_text(TOKEN)
+    tenants = tmp_path / "tenants"
+    tenants.mkdir()
+    (tenants / "team-a").write_text("team-a-page-token-0123456789")
+    (tenants / "team-b").write_text("team-b-page-token-0123456789")
+    master = _master(tmp_path, "--token-file", str(tmp_path / "operator"), "--tenant-tokens", str(tenants)).start()
+    try:
+        for tenant, job in (("team-a", "a-secret-job"), ("team-b", "b-job")):
+            with MasterClient(master.url, retry_deadline_s=10, token=(tenants / tenant).read_text()) as client:
+                client.create_job(job_spec(job, n=4))
+                client.lease(job, f"{tenant}-trainer", "node-x", 1)
+        tab.navigate(master.url + "/")
+        tab.wait_for("!document.getElementById('token-form').hidden", "the token form")
+        tab.evaluate(f"sessionStorage.clear(); document.getElementById('token').value = "
+                     f"{json.dumps((tenants / 'team-b').read_text())}; document.getElementById('token-form').requestSubmit()")
+        tab.wait_for("document.querySelector('[data-job=\"b-job\"] [data-trainer=\"team-b-trainer\"]')", "B's job")
+        shown = tab.evaluate("[...document.querySelectorAll('[data-job]')].map(e => e.dataset.job)")
+        assert set(shown) == {"b-job"}, shown
+        assert "a-secret-job" not in tab.evaluate("document.body.innerText")
+        assert not tab.errors(), tab.errors()
+    finally:
+        tab.evaluate("sessionStorage.clear()")
+        master.stop()
+
+
 def test_the_page_is_served_with_a_strict_policy(tmp_path: Path) -> None:
     master = _master(tmp_path).start()
     try:

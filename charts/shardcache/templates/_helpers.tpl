@@ -208,6 +208,13 @@ matchExpressions:
 
 {{- define "shardcache.master.tokenDir" -}}/etc/shardcache/master-token{{- end }}
 
+{{/* The Secret of the tenants' master tokens (one key per namespace in master.auth.tenants). */}}
+{{- define "shardcache.master.tenantsSecretName" -}}
+{{- printf "%s-tenants" (include "shardcache.componentName" (dict "ctx" . "component" "master")) }}
+{{- end }}
+
+{{- define "shardcache.master.tenantsDir" -}}/etc/shardcache/master-tenants{{- end }}
+
 {{/* The Secret the node daemons sign their reads from each other with (key "secret"): the user's, or the chart's. */}}
 {{- define "shardcache.node.peerSecretName" -}}
 {{- default (printf "%s-peer-secret" (include "shardcache.componentName" (dict "ctx" . "component" "node"))) .Values.node.cluster.peerSecret.existingSecret }}

@@ -26,7 +26,7 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError, NotLeaseHolder
 from loader.master.protocol import (
@@ -39,7 +39,7 @@ from loader.master.protocol import (
     RENEW_FIELDS,
     REWIND_FIELDS,
 )
-from loader.master.server.auth import TokenFile, token_middleware
+from loader.master.server.auth import Identities, TenantTokens, TokenFile, auth_middleware, caller_of
 from loader.master.server.events import Complete, DeleteJob, Fail, Lease, Mark, Release, Renew, Rewind
 from loader.master.server.page import PAGE_PATHS, add_page_routes
 from loader.master.server.service import MasterService
@@ -172,7 +172,11 @@ def _service(request: web.Request) -> MasterService:
 
 
 def _job(request: web.Request) -> str:
-    return validate_job_name(request.match_info["job"])
+    """The job the path names, once its caller is known to be allowed to it (403 Forbidden
+    before anything is read or done; submit() checks again at the apply)."""
+    job = validate_job_name(request.match_info["job"])
+    _service(request).authorize(job, caller_of(request))
+    return job
 
 
 async def create_job(request: web.Request) -> web.Response:
@@ -185,7 +189,9 @@ async def create_job(request: web.Request) -> web.Response:
     if length is not None and length > limit:
         raise BodyTooLarge(f"request body of {length} bytes is over the {limit}-byte limit; {_create_advice(limit)}")
     encoded = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower() not in ("", "identity")
-    status, created = await service.create_job(_create_body(request, limit), length=None if encoded else length)
+    status, created = await service.create_job(
+        _create_body(request, limit), caller_of(request), length=None if encoded else length
+    )
     if created and status["shards"]["total"] >= _TRIM_SHARDS:
         _trim_soon()  # the parse's buffers and the create record's text are freed by now
     return _json(status, 201 if created else 200)
@@ -236,7 +242,7 @@ async def delete_job(request: web.Request) -> web.Response:
         raise BadRequest(f"'force' must be true or false, got {force[:40]!r}")
     state = service.require_state()
     found = state.jobs.get(job)
-    result = await service.submit(DeleteJob(job, force in ("true", "1")))
+    result = await service.submit(DeleteJob(job, force in ("true", "1")), caller_of(request))
     # What the service keeps per job beside the state (trainer presence, the samples/s window:
     # a point per completion) goes with it; a job created later under the name starts afresh.
     service.forget(job)
@@ -246,11 +252,11 @@ async def delete_job(request: web.Request) -> web.Response:
 
 
 async def list_jobs(request: web.Request) -> web.Response:
-    return _json({"jobs": _service(request).jobs()})
+    return _json({"jobs": _service(request).jobs(caller_of(request))})
 
 
 async def job_status(request: web.Request) -> web.Response:
-    return _json(_service(request).status(_job(request)))
+    return _json(_service(request).status(_job(request), caller_of(request)))
 
 
 async def lease(request: web.Request) -> web.Response:
@@ -268,7 +274,7 @@ async def lease(request: web.Request) -> web.Response:
         job, body.get("trainer"), body.get("node"), count, body.get("epoch"),  # type: ignore[arg-type]
         service.new_lease_ids(count), body.get("request_id"), body.get("stream"),
     )
-    result = await service.submit(event)
+    result = await service.submit(event, caller_of(request))
     answer = result.answer
     if wait_s and answer.get("status") == "wait":
         # Long poll: hold the request until the job changes (the last leases of the epoch
@@ -284,7 +290,7 @@ async def lease(request: web.Request) -> web.Response:
             held = time.monotonic() - started
             _held_s.set(held)
             service.metrics.lease_poll_wait.observe(held)
-        answer = dict((await service.submit(event)).answer)
+        answer = dict((await service.submit(event, caller_of(request))).answer)
         answer["waited_s"] = round(held, 3)
     service.note(job, event.trainer, event.node)
     return _json(answer)
@@ -313,7 +319,7 @@ async def _lease_call(request: web.Request, action: str, fields: Set[str], make:
     wait_epoch = service.wait_epoch(job, body["trainer"], lease_id) if report is not None else 0
     epochs = _closed_epochs(service, job)
     try:
-        result = await service.submit(make(job, lease_id, body))
+        result = await service.submit(make(job, lease_id, body), caller_of(request))
     except (LeaseLost, NotLeaseHolder) as exc:
         if isinstance(exc, LeaseLost):
             service.metrics.refused.labels(action).inc()
@@ -345,6 +351,7 @@ async def report_wait(request: web.Request) -> web.Response:
     epoch = body.get("epoch")
     if epoch is not None:
         check_int(epoch, "epoch")
+    service.authorize(job, caller_of(request))  # again: the body was read meanwhile
     service.require_state().job(job)  # 404 NoSuchJob for a job that does not exist (or not any more)
     service.report_wait(job, trainer, epoch if epoch is not None else service.wait_epoch(job, trainer), report)
     service.note(job, trainer, None)
@@ -397,7 +404,7 @@ async def _job_call(request: web.Request, fields: Set[str], make: Callable[[str,
     body = await read_json_object(request, service.settings.max_small_body_bytes)
     _only(body, fields)
     event = make(job, body)
-    result = await service.submit(event)
+    result = await service.submit(event, caller_of(request))
     service.note(job, event.trainer, None, result.progress)
     return _json(result.answer)
 
@@ -464,7 +471,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    data = generate_latest(_service(request).metrics.registry)
+    """Open, so that Prometheus scrapes the master's own series from pod annotations; a caller's
+    token adds the series of the jobs it may see (the operator's: every job)."""
+    data = await asyncio.to_thread(_service(request).metrics_text, caller_of(request))
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -473,7 +482,11 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     errors = error_middleware(_error_answer, known=(MasterError, wire_errors.WireError), log=log)
     # The token check sits inside the error middleware, so a refusal is the usual JSON answer.
     # The status page's own files hold no data and are served without the token.
-    checks = [token_middleware(TokenFile(settings.token_file), open_reads=PAGE_PATHS)] if settings.token_file is not None else []
+    identities = Identities(
+        TokenFile(settings.token_file) if settings.token_file is not None else None,
+        TenantTokens(settings.tenant_tokens_dir) if settings.tenant_tokens_dir is not None else None,
+    )
+    checks = [] if identities.open else [auth_middleware(identities, open_reads=PAGE_PATHS)]
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_observe, errors, *checks])
     app[SETTINGS_KEY] = settings
 

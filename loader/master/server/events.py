@@ -17,6 +17,7 @@ from loader.master.server.spec import JobSpec
 
 __all__ = [
     "CreateJob",
+    "create_head",
     "Lease",
     "Renew",
     "Complete",
@@ -37,6 +38,9 @@ __all__ = [
 @dataclass(frozen=True)
 class CreateJob:
     spec: JobSpec
+    owner: str | None = None
+    """The tenant the job belongs to (auth.py); None: the operator's, or a master without tenants.
+    Not part of the spec: two tenants' equal specs are still two owners' jobs."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJ
 
 def event_to_json(event: Event) -> dict[str, Any]:
     if isinstance(event, CreateJob):
-        return {"t": "create", "spec": event.spec.to_json()}
+        return {"t": "create", **_owned(event.owner), "spec": event.spec.to_json()}
     if isinstance(event, Lease):
         return {
             "t": "lease", "job": event.job, "trainer": event.trainer, "node": event.node, "count": event.count,
@@ -181,17 +185,28 @@ def _clocked(clock: int | None, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _owned(owner: str | None) -> dict[str, str]:
+    # Written before the spec, and only when set: the service reads a create record's spec in
+    # place (it ends the record), and a journal of a master without tenants reads as it was.
+    return {"owner": owner} if owner is not None else {}
+
+
+def create_head(owner: str | None) -> str:
+    """A create record's text up to its spec's (event_to_text; read back by the service)."""
+    return '{"t":"create",' + (f'"owner":{json.dumps(owner)},' if owner is not None else "") + '"spec":'
+
+
 def event_to_text(event: Event) -> str:
     """``event_to_json`` as compact JSON text, reusing the cached text of a job spec."""
     if isinstance(event, CreateJob):
-        return '{"t":"create","spec":' + event.spec.json_text + "}"
+        return create_head(event.owner) + event.spec.json_text + "}"
     return json.dumps(event_to_json(event), separators=(",", ":"))
 
 
 def event_from_json(raw: dict[str, Any]) -> Event:
     kind = raw["t"]
     if kind == "create":
-        return CreateJob(JobSpec.from_log(raw["spec"]))
+        return CreateJob(JobSpec.from_log(raw["spec"]), raw.get("owner"))
     if kind == "lease":
         return Lease(
             raw["job"], raw["trainer"], raw["node"], raw["count"], raw["epoch"], tuple(raw["ids"]), raw["rid"],

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -157,11 +157,14 @@ class MasterMetrics:
         children[0].inc()
         children[1].observe(seconds)
 
-    def watch_jobs(self, source: Callable[[], list[dict[str, Any]]]) -> None:
-        self.registry.register(_JobCollector(source))
-
-    def watch_waits(self, source: Callable[[], list[tuple[str, WaitTotals, float | None]]]) -> None:
-        self.registry.register(_WaitCollector(source))
+    def render(self, jobs: list[dict[str, Any]], waits: list[tuple[str, WaitTotals, float | None]]) -> bytes:
+        """The exposition text: this master's own series, then the per-job ones of ``jobs`` and
+        ``waits`` (statuses and wait figures the caller may see, read from the live state now).
+        The job series are built per scrape, not registered: who asks decides which jobs appear."""
+        scrape = CollectorRegistry(auto_describe=False)
+        scrape.register(_JobCollector(lambda: jobs))
+        scrape.register(_WaitCollector(lambda: waits))
+        return generate_latest(self.registry) + generate_latest(scrape)
 
     def observe_commit(self, events: int, seconds: float) -> None:
         self.commit_batch.observe(events)

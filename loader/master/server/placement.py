@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from loader.master.errors import MasterError
+from loader.master.server.auth import OPERATOR, Caller
 from loader.master.server.events import Placement
 from loader.master.server.state import MasterState, Result
 from wire import jsontext
@@ -44,7 +45,7 @@ class Submitter(Protocol):
     role: str
     state: MasterState | None
 
-    async def submit(self, event: Placement) -> Result: ...
+    async def submit(self, event: Placement, caller: Caller) -> Result: ...
 
 
 class PlacementPoller:
@@ -88,7 +89,7 @@ class PlacementPoller:
             state = self.service.state
             if state is not None and dict(members) != state.ring.node_of:
                 try:
-                    await self.service.submit(Placement(members))
+                    await self.service.submit(Placement(members), OPERATOR)
                 except MasterError as exc:  # deposed or the store failed meanwhile: next poll
                     self.error = f"placement not recorded: {exc}"
                     return False

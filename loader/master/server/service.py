@@ -23,8 +23,9 @@ from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loader.master.errors import MasterError, NotLeader, StateError, TooManyJobs
-from loader.master.server.events import CreateJob, Event, Resume, event_from_json, event_to_text
+from loader.master.errors import Forbidden, MasterError, NotLeader, StateError, TooManyJobs
+from loader.master.server.auth import OPERATOR, Caller
+from loader.master.server.events import CreateJob, Event, Resume, create_head, event_from_json, event_to_text
 from loader.master.server.journal import Journal, Store
 from loader.master.server.metrics import MasterMetrics
 from loader.master.server.settings import MasterSettings, parse_state
@@ -111,8 +112,6 @@ class MasterService:
             from loader.master.server.placement import PlacementPoller
 
             self.placement = PlacementPoller(self, settings.cluster, settings.cluster_poll_s)
-        self.metrics.watch_jobs(self._job_statuses)
-        self.metrics.watch_waits(self._wait_figures)
 
     # -- lifecycle --
 
@@ -185,7 +184,8 @@ class MasterService:
         """Load the state (snapshot + replayed log), start a journal, resume the leases."""
         # Handed to the replay thread, which lets go of the snapshot's text once it is read.
         loaded = [await store.load_text()]
-        create_head = ',"ev":{"t":"create","spec":'
+        head = ',"ev":' + create_head(None)
+        owned_head = ',"ev":{"t":"create","owner":'
         decoder = json.JSONDecoder()
 
         def read(text: str) -> tuple[Event, float]:
@@ -193,11 +193,18 @@ class MasterService:
             # columns (json.loads of a 1M-shard job's 73 MB record made ~600 MB of dicts).
             if text.startswith('{"now":'):
                 now, i = decoder.raw_decode(text, 7)
-                if text.startswith(create_head, i):
+                owner: str | None = None
+                start = i + len(head) if text.startswith(head, i) else -1
+                if start < 0 and text.startswith(owned_head, i):
                     with contextlib.suppress(ValueError):
-                        spec, end = read_log_spec(text, i + len(create_head))
+                        owner, j = decoder.raw_decode(text, i + len(owned_head))
+                        if isinstance(owner, str) and text.startswith(',"spec":', j):
+                            start = j + len(',"spec":')
+                if start >= 0:
+                    with contextlib.suppress(ValueError):
+                        spec, end = read_log_spec(text, start)
                         if text.endswith("}}") and end == len(text) - 2:
-                            return CreateJob(spec), float(now)
+                            return CreateJob(spec, owner), float(now)
             raw = json.loads(text)
             return event_from_json(raw["ev"]), raw["now"]
 
@@ -231,7 +238,7 @@ class MasterService:
         self.role = "leader"
         self.metrics.leader.set(1)
         log.info("serving %d job(s) from %s (replayed %d events after snapshot %d)", len(state.jobs), store, replayed, snap_seq)
-        await self.submit(Resume())
+        await self.submit(Resume(), OPERATOR)
 
     def _snapshot_due(self) -> tuple[int, str] | None:
         state = self.state
@@ -311,8 +318,26 @@ class MasterService:
             raise NotLeader("this master is a standby: send requests to the leader", leader=self.leader_url())
         raise StateError(f"the master is {self.role}; retry shortly")
 
-    async def submit(self, event: Event) -> Result:
+    def authorize(self, job: str, caller: Caller) -> None:
+        """:class:`Forbidden` unless ``caller`` may see and act on ``job`` (a job that does not
+        exist is the state's NoSuchJob to say). The owner is not named: it is no one else's business."""
         state = self.require_state()
+        found = state.jobs.get(job)
+        if found is not None and not caller.may(found.owner):
+            raise Forbidden(
+                f"job {job!r} belongs to another tenant: only its owner and the operator may see or change it. Job "
+                "names are shared by every tenant of this master: name yours differently (a prefix of your namespace)",
+                job=job,
+            )
+
+    async def submit(self, event: Event, caller: Caller) -> Result:
+        """Apply ``event`` for ``caller`` and make it durable. The ownership check and the apply
+        happen with nothing awaited between them, so a job deleted and created again by another
+        tenant while a request was read is judged as it is now."""
+        state = self.require_state()
+        job = _event_job(event)
+        if job and not isinstance(event, CreateJob):
+            self.authorize(job, caller)
         result = state.apply(event, self.clock())
         if result.mutated:
             assert self._journal is not None and result.record is not None
@@ -379,7 +404,7 @@ class MasterService:
     _create_gate: asyncio.Semaphore | None = None
 
     async def create_job(
-        self, body: dict[str, Any] | AsyncIterable[bytes], *, length: int | None = None
+        self, body: dict[str, Any] | AsyncIterable[bytes], caller: Caller, *, length: int | None = None
     ) -> tuple[dict[str, Any], bool]:
         """Create a job or join the identical one: (its status, created). ``body`` is the decoded
         spec, or a create body's chunks, parsed as they arrive (``length``: the body's size when
@@ -415,6 +440,7 @@ class MasterService:
         # Checked here, not in the state machine: a replay must accept what was accepted, whatever
         # --max-jobs is now. Nothing awaits between this check and the event's apply in submit().
         state = self.require_state()
+        self.authorize(spec.name, caller)  # joining another tenant's job is acting on it
         if spec.name not in state.jobs and len(state.jobs) >= settings.max_jobs:
             raise TooManyJobs(
                 f"this master holds {len(state.jobs)} jobs, its limit (--max-jobs {settings.max_jobs}); finished jobs "
@@ -423,8 +449,8 @@ class MasterService:
                 "(its own --state)",
                 jobs=len(state.jobs), max_jobs=settings.max_jobs,
             )
-        result = await self.submit(CreateJob(spec))
-        return self.status(spec.name), result.created
+        result = await self.submit(CreateJob(spec, caller.owner), caller)
+        return self.status(spec.name, caller), result.created
 
     def _job_shards(self, name: str) -> ShardTable | None:
         """The shard list of the job named ``name``, if it exists (read by a parse thread: a
@@ -439,7 +465,8 @@ class MasterService:
         raw = base64.urlsafe_b64encode(secrets.token_bytes(12 * count)).decode()
         return tuple(raw[16 * i : 16 * i + 16] for i in range(count))
 
-    def status(self, name: str) -> dict[str, Any]:
+    def status(self, name: str, caller: Caller) -> dict[str, Any]:
+        self.authorize(name, caller)
         state = self.require_state()
         now = self.clock()
         out = state.status(name, now)
@@ -484,15 +511,20 @@ class MasterService:
             "source": self.placement.status() if self.placement is not None else None,
         }
 
-    def jobs(self) -> list[dict[str, Any]]:
+    def jobs(self, caller: Caller) -> list[dict[str, Any]]:
+        """The status of every job ``caller`` may see."""
         state = self.require_state()
-        return [self.status(name) for name in sorted(state.jobs)]
+        return [self.status(name, caller) for name, job in sorted(state.jobs.items()) if caller.may(job.owner)]
 
-    def _job_statuses(self) -> list[dict[str, Any]]:
+    def metrics_text(self, caller: Caller) -> bytes:
+        """``/metrics`` for ``caller``: the master's own series, and those of the jobs it may see
+        (none for an anonymous scrape)."""
         try:
-            return self.jobs()
-        except MasterError:
-            return []
+            statuses = self.jobs(caller)
+        except MasterError:  # a standby, or loading: no jobs to show
+            statuses = []
+        shown = {status["name"] for status in statuses}
+        return self.metrics.render(statuses, [w for w in self._wait_figures() if w[0] in shown])
 
 
 def _event_job(event: Event) -> str:

@@ -52,7 +52,11 @@ class MasterSettings:
     1,000,000-shard spec with keys of up to ~190 characters."""
 
     token_file: Path | None = None
-    """File holding the bearer token every API call must carry (``--token-file``); None: open."""
+    """File holding the operator's bearer token (``--token-file``): it may see and do everything."""
+
+    tenant_tokens_dir: Path | None = None
+    """Directory of the tenants' tokens (``--tenant-tokens``), one file per tenant named after it:
+    a tenant sees and changes only the jobs it created. Neither this nor ``token_file``: open."""
 
     max_small_body_bytes: int = 64 * 1024
     """Largest body of every other request."""

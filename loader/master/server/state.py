@@ -376,6 +376,8 @@ class JobState:
     """Checkpoint marks and the deliveries a rewind to one undoes (marks.py)."""
     created_at: float = 0.0
     """When the job was created (a checkpoint of a deleted job's namesake is refused by it)."""
+    owner: str | None = None
+    """The tenant the job belongs to (auth.py); None: the operator's."""
 
     def __post_init__(self) -> None:
         if self.spec.locality_window > 0 and self.locality is None:
@@ -541,6 +543,8 @@ class JobState:
             out["marks"] = self.marks.to_json(EpochState.to_json)
         if self.created_at:
             out["created_at"] = self.created_at
+        if self.owner is not None:
+            out["owner"] = self.owner
         return out
 
     @classmethod
@@ -566,6 +570,7 @@ class JobState:
         if "marks" in raw:
             job.marks = JobMarks.from_json(raw["marks"], lambda item: EpochState.from_json(item, spec))
         job.created_at = float(raw.get("created_at", 0.0))
+        job.owner = raw.get("owner")
         return job
 
 
@@ -649,7 +654,7 @@ class MasterState:
                     differs=spec_diff(existing.spec, event.spec),
                 )
             return Result(self.status(event.spec.name, now), mutated=False)
-        job = self.jobs[event.spec.name] = JobState(event.spec, created_at=now)
+        job = self.jobs[event.spec.name] = JobState(event.spec, created_at=now, owner=event.owner)
         job.open_next()
         return Result(self.status(event.spec.name, now), mutated=True, created=True)
 
@@ -1045,6 +1050,7 @@ class MasterState:
             previous = recent[1]["failed"] if len(recent) > 1 else []
         return {
             "name": name,
+            "owner": job.owner,
             "dataset": job.spec.dataset,
             "epoch": job.epoch,
             "epochs": job.spec.epochs,

@@ -57,9 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              help="most jobs this master holds; creating one more is refused (TooManyJobs), joining one still "
              "works. Nothing deletes jobs yet: finished jobs count")
     add_flag(parser, "--token-file", default=None, metavar="PATH",
-             help="refuse API calls without 'Authorization: Bearer <token>', the token being this file's "
-             "content (re-read when it changes; trainers send SHARDCACHE_MASTER_TOKEN); /healthz, /readyz "
-             "and /metrics stay open")
+             help="refuse API calls without 'Authorization: Bearer <token>'; this file's content is the "
+             "operator's token, which may see and do everything (re-read when it changes; trainers send "
+             "SHARDCACHE_MASTER_TOKEN); /healthz, /readyz and /metrics stay open")
+    add_flag(parser, "--tenant-tokens", default=None, metavar="DIR",
+             help="one token per tenant: each file of DIR is named after a tenant (a training namespace) and "
+             "holds its token (a mounted Secret); a tenant's jobs are its own, other tenants get 403 "
+             "(re-read when the files change; the chart's master.auth.tenants makes them)")
     add_flag(parser, "--snapshot-events", default="10000", metavar="N",
              help="snapshot the state (and drop the log below it) after at least N logged changes "
              "and twice the total shard count")
@@ -90,6 +94,16 @@ def _token_file(path: str | None) -> Path | None:
     return Path(path)
 
 
+def _tenant_tokens(path: str | None) -> Path | None:
+    """The tenants' token directory, checked now (readable, one token per tenant)."""
+    if not path:
+        return None
+    from loader.master.server.auth import TenantTokens
+
+    TenantTokens(Path(path))  # raises ValueError saying what is wrong
+    return Path(path)
+
+
 def run(args: argparse.Namespace) -> int:
     from loader.master.errors import MasterError
     from loader.master.server.settings import MasterSettings
@@ -108,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             max_jobs=int(_number(args.max_jobs, "--max-jobs", int)),
             snapshot_min_events=int(_number(args.snapshot_events, "--snapshot-events", int)),
             token_file=_token_file(args.token_file),
+            tenant_tokens_dir=_tenant_tokens(args.tenant_tokens),
             cluster=tuple(args.cluster or ()),
             cluster_poll_s=_number(args.cluster_poll, "--cluster-poll"),
             connections=connection_limits(args),
