@@ -42,8 +42,10 @@ per request (small) or per GB (large), which other processes' noise moves less t
 with the sidecar's own functions: the part of the check that grows with requests.
 
 The cold path: the daemon's ``auth.replays`` over the first reads, less the one identity replay
-per session, per object: the extra origin request (a signed ``HEAD``) a first read costs.
-Replays during the measured rounds are reported too (0 while the decisions are fresh).
+per session, per object: the extra origin request (a signed ``GET`` of the object's first byte) a
+first read costs, and ``replay_ms``, how long the daemon waited for the origin's answer to one
+(``auth.replay_us`` over ``auth.replays``; with the fills of the same reads in flight on the same
+origin). Replays during the measured rounds are reported too (0 while the decisions are fresh).
 
 Writes ``bench/results/auth.json`` (``auth-quick.json`` with ``--quick``) and prints a table.
 """
@@ -343,9 +345,12 @@ def warm(nodes: dict[str, Node], objects: Objects, threads: int) -> dict[str, An
         if after["auth"]["mode"] == "sigv4":
             sessions = after["auth"]["sessions"] - before["auth"]["sessions"]
             replays = after["auth"]["replays"] - before["auth"]["replays"]
-            # One identity replay opens each session; the rest is one signed HEAD per object.
+            # One identity replay opens each session; the rest is one signed ranged GET per object.
             cold[variant].update({"sessions": sessions, "replays": replays,
                                   "replays_per_object": round((replays - sessions) / len(objects.keys), 4)})
+            if "replay_us" in after["auth"]:  # the daemon's wait on the origin per replay
+                waited = after["auth"]["replay_us"] - before["auth"]["replay_us"]
+                cold[variant]["replay_ms"] = round(waited / max(replays, 1) / 1000, 3)
     for variant, node in nodes.items():
         # A reader can finish before its fill is published (fsync, rename), and a read that
         # finds it unpublished is a miss again: wait for the fills, read, until all are hits.
@@ -487,6 +492,10 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"\ncold path under --auth: {(replays - sessions) / objects:.2f} extra origin request(s) per object "
           f"({replays} replays for {objects} objects and {sessions} session(s)); replays during the measured "
           f"rounds: {results['measured_replays']}; one proof costs the sidecar {results['sidecar_sign_us']:.1f} us of CPU")
+    waits = [c["auth"]["replay_ms"] for c in cold.values() if "replay_ms" in c["auth"]]
+    if waits:
+        print("a replay (the origin's answer to one proof) kept the daemon waiting "
+              + ", ".join(f"{kind} {c['auth']['replay_ms']:.2f} ms" for kind, c in cold.items() if "replay_ms" in c["auth"]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

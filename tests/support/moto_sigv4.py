@@ -27,6 +27,13 @@ What stock moto 5.2.1 gets wrong once it enforces IAM, each fixed below by the p
 5. ``IAMRequestBase._create_aws_request`` hashes ``self._body or self._data`` as the payload: with
    no body that is the parsed query dict, so a header-signed ``GET /?Action=...`` (STS) is refused.
 6. No date is checked anywhere: a header signature or presigned URL is good forever.
+7. ``moto/iam/access_control.py`` ``IAMRequestBase.check_action_permitted`` ignores the session
+   policy of AssumeRole's ``Policy``: AWS grants a session what both the role's policies and the
+   session policy allow, moto what the role's do.
+8. The same check asks nothing of KMS for a read of an SSE-KMS object. AWS asks ``kms:Decrypt`` on
+   the object's key of a GET, which returns the bytes, and not of a HEAD, which returns metadata
+   (https://docs.aws.amazon.com/AmazonS3/latest/userguide/UsingKMSEncryption.html: "to download an
+   object encrypted with an AWS KMS key, the requester needs kms:Decrypt").
 
 The fixes: the canonical request is built from the raw request target (werkzeug's ``RAW_URI``),
 its query canonicalized as AWS does (each name and value percent-decoded, re-encoded RFC 3986,
@@ -352,6 +359,66 @@ def _get_access_key(self: BaseResponse) -> str:
         if credential:
             return str(credential[0]).split("/")[0]
     return _original(BaseResponse, "get_access_key")(self)
+
+
+# -- 7, 8: session policies; kms:Decrypt for the GET of an SSE-KMS object --------------------------
+
+
+def _permitted(policies: list[Any], action: str, resource: str) -> bool:
+    """moto's own evaluation of ``policies``: one allows, none denies."""
+    permitted = False
+    for policy in policies:
+        result = ac.IAMPolicy(policy).is_action_permitted(action, resource)
+        if result == ac.PermissionResult.DENIED:
+            return False
+        permitted = permitted or result == ac.PermissionResult.PERMITTED
+    return permitted
+
+
+def _session_policy(request: ac.IAMRequestBase) -> str | None:
+    """The ``Policy`` the caller's AssumeRole passed, if it is an assumed role's with one."""
+    key = request._access_key
+    if not isinstance(key, ac.AssumedRoleAccessKey):
+        return None
+    for role in ac.sts_backends[request.account_id][ac.get_partition(request._region)].assumed_roles:
+        if role.access_key_id == key._access_key_id:
+            return str(role.policy) if role.policy else None
+    return None
+
+
+def _kms_key_read(request: ac.IAMRequestBase, resource: str) -> str | None:
+    """The KMS key ARN of the SSE-KMS object that ``request`` GETs (its bytes), else None."""
+    if not isinstance(request, ac.S3IAMRequest) or request._method != "GET" or request._action != "s3:GetObject":
+        return None
+    bucket, _, key = resource.partition(":::")[2].partition("/")
+    if not key:
+        return None
+    from moto.s3.models import s3_backends
+
+    try:
+        found = s3_backends[request.account_id][ac.get_partition(request._region)].get_object(bucket, key)
+    except Exception:  # no bucket: S3's own answer follows
+        return None
+    if found is None or found.encryption != "aws:kms" or not found.kms_key_id:
+        return None
+    key_id = str(found.kms_key_id)
+    return key_id if key_id.startswith("arn:") else f"arn:aws:kms:{request._region}:{request.account_id}:key/{key_id}"
+
+
+@_replaces(ac.IAMRequestBase, "check_action_permitted", ("self", "resource"))
+def _check_action_permitted(self: ac.IAMRequestBase, resource: str) -> None:
+    _original(ac.IAMRequestBase, "check_action_permitted")(self, resource)
+    if self._action == "sts:GetCallerIdentity":  # always allowed, as moto has it
+        return
+    session = _session_policy(self)
+    if session is not None and not _permitted([session], self._action, resource):
+        self._raise_access_denied()
+    kms_key = _kms_key_read(self, resource)
+    if kms_key is not None and not (
+        _permitted(self._access_key.collect_policies(), "kms:Decrypt", kms_key)
+        and (session is None or _permitted([session], "kms:Decrypt", kms_key))
+    ):
+        self._raise_access_denied()
 
 
 def main(argv: list[str]) -> None:

@@ -14,7 +14,7 @@ import json
 import subprocess
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +46,8 @@ __all__ = [
     "Node",
     "Serve",
     "SigV4MotoServer",
+    "add_user",
+    "iam_lifted",
     "start_iam_s3",
     "start_launcher",
     "start_serve",
@@ -143,9 +145,12 @@ class IamS3:
         """A boto3 client acting as ``who``: SigV4 (presigned URLs too), path style, one attempt."""
         return _client(service, self.endpoint, self.creds(who))
 
-    def assume_reader_a(self, session_name: str = "tenancy-test") -> tuple[str, str, str]:
-        """Temporary credentials for role reader-a (tenant-a read-only), by STS AssumeRole as alice."""
-        answer = self.client("alice", "sts").assume_role(RoleArn=self.reader_a_arn, RoleSessionName=session_name, DurationSeconds=900)
+    def assume_reader_a(self, session_name: str = "tenancy-test", policy: dict[str, Any] | None = None) -> tuple[str, str, str]:
+        """Temporary credentials for role reader-a (tenant-a read-only), by STS AssumeRole as alice;
+        ``policy``: a session policy, which narrows the session further (enforced: moto_sigv4.py)."""
+        extra = {"Policy": json.dumps(policy)} if policy is not None else {}
+        answer = self.client("alice", "sts").assume_role(RoleArn=self.reader_a_arn, RoleSessionName=session_name,
+                                                         DurationSeconds=900, **extra)
         c = answer["Credentials"]
         return c["AccessKeyId"], c["SecretAccessKey"], c["SessionToken"]
 
@@ -195,6 +200,17 @@ def _reset_auth(endpoint: str, free_actions: str) -> None:
         answer = json.loads(resp.read())
     if answer.get("status") != "ok":
         raise RuntimeError(f"moto refused reset-auth {free_actions!r}: {answer}")
+
+
+@contextmanager
+def iam_lifted(iam: IamS3) -> Iterator[Callable[[str], Any]]:
+    """IAM not enforced inside, for a test module's own set-up: yields a maker of moto's
+    administrator's clients (by service name); enforced again on exit."""
+    _reset_auth(iam.endpoint, "inf")
+    try:
+        yield lambda service: _client(service, iam.endpoint, _ADMIN)
+    finally:
+        _reset_auth(iam.endpoint, "0")
 
 
 def _policy(*statements: dict[str, Any]) -> str:
@@ -262,6 +278,20 @@ def start_iam_s3(log: Path) -> Iterator[IamS3]:
             reader_a_arn=role_arn,
             log=log,
         )
+
+
+def add_user(iam: IamS3, name: str, *statements: dict[str, Any]) -> tuple[str, str]:
+    """A new IAM user ``name`` with ``statements`` as its only policy, on an endpoint that already
+    enforces IAM (for a module's own principals: each module gets a fresh endpoint); its key."""
+    _reset_auth(iam.endpoint, "inf")  # the administrator is refused while IAM is enforced
+    try:
+        client = _client("iam", iam.endpoint, _ADMIN)
+        client.create_user(UserName=name)
+        client.put_user_policy(UserName=name, PolicyName="s3", PolicyDocument=_policy(*statements))
+        key = client.create_access_key(UserName=name)["AccessKey"]
+    finally:
+        _reset_auth(iam.endpoint, "0")
+    return key["AccessKeyId"], key["SecretAccessKey"]
 
 
 class Serve(DaemonProcess):

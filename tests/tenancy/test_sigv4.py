@@ -10,7 +10,17 @@ from botocore.auth import S3SigV4Auth, SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials as BotoCredentials
 
-from sidecar.daemon.auth.proofs import STS_BODY, Target, identity_request, list_url, object_url, prove, prove_identity
+from sidecar.daemon.auth.proofs import (
+    OBJECT_RANGE,
+    STS_BODY,
+    Target,
+    identity_request,
+    list_url,
+    object_url,
+    prove,
+    prove_batch,
+    prove_identity,
+)
 from sidecar.daemon.auth.sigv4 import Credentials, amz_date, canonical_host
 
 AT = dt.datetime(2026, 12, 1, 17, 45, 0, tzinfo=dt.UTC)
@@ -19,8 +29,8 @@ CREDS = [Credentials("AKIDEXAMPLE0000000", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPL
          Credentials("ASIAEXAMPLE0000000", "secret/with+chars", "FwoGZXIvYXdzEJr//////////token+/=")]
 
 
-def _target(style: str = "path", endpoint: str = "http://127.0.0.1:5055") -> Target:
-    return Target(endpoint, "eu-west-1", style, endpoint, "eu-west-1", "aud123")
+def _target(style: str = "path", endpoint: str = "http://127.0.0.1:5055", object_proof: str = "GET") -> Target:
+    return Target(endpoint, "eu-west-1", style, endpoint, "eu-west-1", "aud123", object_proof=object_proof)
 
 
 def _botocore(creds: Credentials, method: str, url: str, service: str, region: str,
@@ -43,9 +53,15 @@ def test_object_and_listing_proofs_match_botocore(creds: Credentials, key: str) 
     target = _target()
     date = amz_date(AT)
     proof = prove(creds, target, date, "tenant-a", key)
-    assert proof.signature == _botocore(creds, "HEAD", object_url(target, "tenant-a", key), "s3", "eu-west-1")
+    # A read of the first byte, the range signed (botocore signs every header it is given).
+    url = object_url(target, "tenant-a", key)
+    assert proof.signature == _botocore(creds, "GET", url, "s3", "eu-west-1", {"Range": OBJECT_RANGE})
+    assert prove_batch(creds, target, date, [("tenant-a", key)]).signatures == proof.signature
     listing = prove(creds, target, date, "tenant-a", prefix=key)
     assert listing.signature == _botocore(creds, "GET", list_url(target, "tenant-a", key), "s3", "eu-west-1")
+    # For a daemon older than GET proofs (it publishes no object_proof), the HEAD it replays.
+    older = _target(object_proof="HEAD")
+    assert prove(creds, older, date, "tenant-a", key).signature == _botocore(creds, "HEAD", url, "s3", "eu-west-1")
 
 
 def test_virtual_hosted_urls() -> None:
@@ -66,7 +82,7 @@ def test_identity_proof_matches_botocore(creds: Credentials) -> None:
     assert payload == STS_BODY and method == "POST"
     unsigned = {k: v for k, v in headers.items() if k not in ("host", "x-amz-date", "x-amz-security-token")}
     assert body["proof"].rsplit(";", 1)[1] == _botocore(creds, method, url, "sts", "eu-west-1", unsigned, payload)
-    assert body["security_token"] == creds.token
+    assert body["security_token"] == creds.token and body["object_proof"] == "GET"
 
 
 @pytest.mark.parametrize("key", ["minioadmin", "testing", "AKIDEXAMPLE0000000"])

@@ -4,15 +4,25 @@ A pod's sidecar first proves who it is (``POST /_shardcache/auth/session``: an S
 ``GetCallerIdentity`` signed with the pod's credentials, replayed here against the origin's STS)
 and gets a session token. Every later request names the session and carries a proof of the one
 thing it asks (:mod:`sidecar.daemon.auth.proofs`). The origin's answer to a replayed proof is
-cached per (caller, bucket, key) for ``decision_ttl_s``: a warm read then costs two dictionary
-lookups, and the origin sees one ``HEAD`` per object and caller per TTL. Concurrent checks of the
-same thing share one replay.
+cached per (credential, bucket, key) for ``decision_ttl_s``: a warm read then costs two dictionary
+lookups, and the origin sees one ranged ``GET`` of one byte per object and credential per TTL.
+Concurrent checks of the same thing share one replay.
 
-Two names for the caller: ``principal``, exactly what STS reports (an assumed role's session
-ARN), keys the decisions, so sessions of one role with different session policies are never
-told apart wrongly; ``tenant``, the principal with an assumed role's session name dropped
+A decision is the origin's judgement of one credential, so the credential keys it: the
+``principal`` STS reports (an assumed role's session ARN) *and* the access key id the session was
+opened with, which every proof of the session must be signed with. Two sessions that STS names
+alike (one role, one session name) may differ in what they may read: a session policy, session
+tags, a source identity. Each such session has its own temporary credentials (a new session
+policy means a new AssumeRole, so a new access key id), so neither ever uses the other's
+decisions. ``tenant``, the principal with an assumed role's session name dropped
 (``arn:aws:iam::123456789012:role/trainer``), stable across IRSA's hourly key rotation, owns
-warm-ups and counts for ``--tenant-quota``.
+warm-ups, counts for ``--tenant-quota`` and bounds what this daemon keeps for a caller.
+
+Bounds: sessions and decisions are kept per tenant (at most ``max_sessions_per_tenant`` and
+``max_decisions_per_tenant``, the tenant's oldest dropped first) and in all (``max_sessions``,
+``max_decisions``, dropped from whichever tenant holds most), so a tenant that opens sessions or
+asks for decisions by the thousand drops its own and never another's (:class:`_Owned`). A dropped
+session is renewed by its sidecar unnoticed (``renew``), a dropped decision costs one replay.
 """
 
 from __future__ import annotations
@@ -25,9 +35,9 @@ import secrets
 import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sidecar.daemon.auth.proofs import (
     InvalidProof,
@@ -35,26 +45,31 @@ from sidecar.daemon.auth.proofs import (
     ProofBatch,
     Target,
     identity_request,
-    list_url,
-    object_url,
+    proof_request,
     replay_headers,
 )
-from sidecar.daemon.auth.sigv4 import EMPTY_SHA256, canonical_host, parse_amz_date
-from sidecar.errors import NotAuthorized, ObjectNotFound, OriginUnavailable
+from sidecar.daemon.auth.sigv4 import parse_amz_date
+from sidecar.errors import BucketNotFound, NotAuthorized, ObjectNotFound, OriginUnavailable
 
 __all__ = ["AuthSettings", "Authorizer", "Session", "IDENTITIES", "tenant_of"]
 
 log = logging.getLogger(__name__)
 
 IDENTITIES = ("sts", "access-key")
-_MAX_SESSIONS = 10_000
-_MAX_DECISIONS = 200_000
 _ARN = re.compile(r"arn:[a-z0-9-]{1,32}:(?:iam|sts)::\d{12}:[\x21-\x7e]{1,1024}")
 _ASSUMED = re.compile(r"arn:([a-z0-9-]+):sts::(\d{12}):assumed-role/([^/]+)/.+")
 # What a 403 says when the signature, not the policy, is at fault: no decision to cache.
 _BAD_SIGNATURE = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "RequestTimeTooSkewed", "IncompleteSignature",
                   "InvalidClientTokenId", "MissingAuthenticationToken")
 _EXPIRED = ("ExpiredToken", "ExpiredTokenException", "InvalidToken", "TokenRefreshRequired")
+# A 403 that says the object cannot be read now (archived), not that the caller may not: no decision.
+_NOT_A_DECISION = ("InvalidObjectState",)
+_OLD_SIDECAR = (
+    "this pod's shardcache sidecar proves reads with signed HEADs, which S3 answers without asking "
+    "kms:Decrypt of an SSE-KMS object's key; this node daemon accepts only proofs that are reads (a ranged "
+    "GET of one byte). Upgrade the sidecar to the node daemon's shardcache version (restart the pod: the "
+    "injector adds the current one)"
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,19 @@ class AuthSettings:
     replays_at_once: int = 32
     """Proofs being replayed against the origin at a time."""
 
+    max_sessions: int = 10_000
+    """Sessions kept in all (taken from the tenant that holds most when full)."""
+
+    max_sessions_per_tenant: int = 1_000
+    """Sessions kept per tenant, its oldest dropped first: more than a node runs pods of one role,
+    each with a session renewed every ``session_ttl_s * 2/3``."""
+
+    max_decisions: int = 200_000
+    """Decisions kept in all (taken from the tenant that holds most when full)."""
+
+    max_decisions_per_tenant: int = 100_000
+    """Decisions kept per tenant, its oldest dropped first (a dropped one costs one replay)."""
+
     def __post_init__(self) -> None:
         if self.mode not in ("none", "sigv4"):
             raise ValueError("auth mode must be none or sigv4")
@@ -92,6 +120,10 @@ class AuthSettings:
             raise ValueError(f"auth identity must be one of {IDENTITIES}")
         if self.decision_ttl_s < 0 or self.session_ttl_s <= 0:
             raise ValueError("auth TTLs must be positive")
+        if not 0 < self.max_sessions_per_tenant <= self.max_sessions:
+            raise ValueError("auth session bounds: 0 < max_sessions_per_tenant <= max_sessions")
+        if not 0 < self.max_decisions_per_tenant <= self.max_decisions:
+            raise ValueError("auth decision bounds: 0 < max_decisions_per_tenant <= max_decisions")
 
 
 @dataclass(frozen=True)
@@ -129,6 +161,59 @@ def _arn(body: bytes) -> str | None:
 
 
 Replay = Callable[[str, str, dict[str, str], bytes], Awaitable[tuple[int, bytes]]]
+# (principal, access key id, "o" | "l", bucket, key or prefix): what the origin judged, for whom.
+Decision = tuple[str, str, str, str, str]
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Owned(Generic[K, V]):
+    """Entries each owned by a tenant, bounded per tenant (its oldest go first) and in all (from the
+    tenant holding most), so that one tenant's flood drops only its own. Lookups are one dict get;
+    order is insertion (a ``put`` of a present key makes it the newest)."""
+
+    def __init__(self, per_owner: int, total: int) -> None:
+        self.per_owner = per_owner
+        self.total = total
+        self._entries: dict[K, V] = {}
+        self._owned: dict[str, OrderedDict[K, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        return self._entries.get(key)
+
+    def held(self, owner: str) -> int:
+        keys = self._owned.get(owner)
+        return len(keys) if keys is not None else 0
+
+    def put(self, owner: str, key: K, value: V) -> None:
+        keys = self._owned.setdefault(owner, OrderedDict())
+        self._entries[key] = value
+        keys[key] = None
+        keys.move_to_end(key)
+        while len(keys) > self.per_owner:
+            self._drop_oldest(owner)
+        while len(self._entries) > self.total:
+            # Rare (only while several tenants are near their bound): a scan of the tenants.
+            self._drop_oldest(max(self._owned, key=lambda name: len(self._owned[name])))
+
+    def pop(self, owner: str, key: K) -> None:
+        if self._entries.pop(key, None) is not None:
+            keys = self._owned[owner]
+            del keys[key]
+            if not keys:
+                del self._owned[owner]
+
+    def _drop_oldest(self, owner: str) -> None:
+        keys = self._owned[owner]
+        key, _ = keys.popitem(last=False)
+        del self._entries[key]
+        if not keys:
+            del self._owned[owner]
 
 
 class Authorizer:
@@ -141,11 +226,13 @@ class Authorizer:
             s3_endpoint if "amazonaws.com" not in s3_endpoint else f"https://sts.{region}.amazonaws.com"
         )
         self.target = Target(s3_endpoint, region, style, sts, region, secrets.token_hex(8), settings.identity)
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
-        self._decisions: OrderedDict[tuple[str, str, str, str], tuple[float, bool]] = OrderedDict()
-        self._checking: dict[tuple[str, str, str, str], asyncio.Future[bool]] = {}
+        self._sessions: _Owned[str, Session] = _Owned(settings.max_sessions_per_tenant, settings.max_sessions)
+        self._decisions: _Owned[Decision, tuple[float, bool]] = _Owned(
+            settings.max_decisions_per_tenant, settings.max_decisions)
+        self._checking: dict[Decision, asyncio.Future[bool]] = {}
         self._replays = asyncio.Semaphore(settings.replays_at_once)
-        self.counts = {"sessions": 0, "allowed": 0, "denied": 0, "replays": 0, "cached": 0}
+        # replay_us: time spent waiting on the origin's answers to replays (bench.auth_bench reads it).
+        self.counts = {"sessions": 0, "allowed": 0, "denied": 0, "replays": 0, "replay_us": 0, "cached": 0}
 
     def describe(self) -> dict[str, Any]:
         return {"auth": "sigv4", **self.target.to_json(), "session_ttl_s": self.settings.session_ttl_s,
@@ -165,6 +252,8 @@ class Authorizer:
         """A session for whoever signed ``body['proof']`` (see :func:`proofs.prove_identity`)."""
         if not isinstance(body.get("proof"), str):
             raise InvalidProof("a session needs {'proof': ...}: made by the pod's shardcache sidecar")
+        if body.get("object_proof") != self.target.object_proof:
+            raise InvalidProof(_OLD_SIDECAR)  # before any replay: a sidecar that retries costs nothing
         token = body.get("security_token")
         if token is not None and (not isinstance(token, str) or not 0 < len(token) <= 8192 or not token.isprintable()):
             raise InvalidProof("'security_token' must be the printable session token of temporary credentials")
@@ -193,9 +282,7 @@ class Authorizer:
             access_key=proof.access_key, security_token=token,
             expires=time.monotonic() + self.settings.session_ttl_s,
         )
-        self._sessions[session.token] = session
-        while len(self._sessions) > _MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+        self._sessions.put(session.tenant, session.token, session)
         self.counts["sessions"] += 1
         log.info("session for %s (key %s)", principal, proof.access_key)
         return session
@@ -208,7 +295,8 @@ class Authorizer:
             )
         session = self._sessions.get(token)
         if session is None or session.expires < time.monotonic():
-            self._sessions.pop(token, None)
+            if session is not None:
+                self._sessions.pop(session.tenant, token)
             raise NotAuthorized("unknown or expired session: start a new one", renew=True)
         return session
 
@@ -222,12 +310,22 @@ class Authorizer:
     async def _send(self, method: str, url: str, headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
         async with self._replays:
             self.counts["replays"] += 1
-            return await self._replay(method, url, headers, body)
+            began = time.perf_counter()
+            try:
+                return await self._replay(method, url, headers, body)
+            finally:
+                self.counts["replay_us"] += round((time.perf_counter() - began) * 1e6)
+
+    @staticmethod
+    def _decision(session: Session, bucket: str, key: str | None, prefix: str) -> Decision:
+        """The one home of what a decision is for: the session's credential and the thing asked."""
+        if key is not None:
+            return session.principal, session.access_key, "o", bucket, key
+        return session.principal, session.access_key, "l", bucket, prefix
 
     def cached(self, session: Session, bucket: str, key: str | None, prefix: str = "") -> bool | None:
         """The decision still valid for this, if any (no proof needed then)."""
-        name = ("o", bucket, key) if key is not None else ("l", bucket, prefix)
-        found = self._decisions.get((session.principal, *name))
+        found = self._decisions.get(self._decision(session, bucket, key, prefix))
         if found is None or found[0] < time.monotonic():
             return None
         return found[1]
@@ -243,6 +341,13 @@ class Authorizer:
                 raise NotAuthorized("no proof of access (x-shardcache-proof): read through the pod's shardcache sidecar")
             if isinstance(proof, str):
                 proof = Proof.from_header(proof)
+            if proof.access_key != session.access_key:
+                # Before joining a running check: a decision is for the session's credential only.
+                raise NotAuthorized(
+                    f"proof signed with access key {proof.access_key}, the session with {session.access_key}: "
+                    "a session's proofs are signed with the credentials that opened it; start a new session",
+                    renew=True,
+                )
             decided = await self._decide(session, proof, bucket, key, prefix, check_date)
         else:
             self.counts["cached"] += 1
@@ -252,12 +357,10 @@ class Authorizer:
 
     async def _decide(self, session: Session, proof: Proof, bucket: str, key: str | None, prefix: str,
                       check_date: bool) -> bool:
-        decision = (session.principal, "o" if key is not None else "l", bucket, key if key is not None else prefix)
+        decision = self._decision(session, bucket, key, prefix)
         running = self._checking.get(decision)
         if running is not None:
             return await asyncio.shield(running)
-        if proof.access_key != session.access_key:
-            raise NotAuthorized("proof signed with other credentials than the session's: start a new session", renew=True)
         proof.check_scope(self.target.region, "s3")
         if check_date:
             self.check_date(proof)
@@ -272,36 +375,28 @@ class Authorizer:
         else:
             future.set_result(allowed)
             ttl = self.settings.decision_ttl_s if allowed else self.settings.denial_ttl_s
-            self._decisions[decision] = (time.monotonic() + ttl, allowed)
-            self._decisions.move_to_end(decision)
-            while len(self._decisions) > _MAX_DECISIONS:
-                self._decisions.popitem(last=False)
+            self._decisions.put(session.tenant, decision, (time.monotonic() + ttl, allowed))
             self.counts["allowed" if allowed else "denied"] += 1
             return allowed
         finally:
             del self._checking[decision]
 
     async def _replay_proof(self, session: Session, proof: Proof, bucket: str, key: str | None, prefix: str) -> bool:
-        if key is not None:
-            method, url = "HEAD", object_url(self.target, bucket, key)
-        else:
-            method, url = "GET", list_url(self.target, bucket, prefix)
-        signed = {"host": canonical_host(url), "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": proof.date}
-        if session.security_token:
-            signed["x-amz-security-token"] = session.security_token
+        method, url, signed = proof_request(self.target, proof.date, session.security_token, bucket, key, prefix)
+        # The answer's body (one byte of the object, or an error document) is read and dropped.
         status, body = await self._send(method, url, replay_headers(proof, signed), b"")
         if status in (200, 206):
             return True
+        code = _error_code(body)
+        if status == 416 and key is not None and code in ("InvalidRange", ""):
+            return True  # an empty object: the GET was allowed, it has no first byte to return
         if status == 404 and key is not None:
             # Only a caller allowed to list learns that a key is missing (S3's rule): its answer.
             raise ObjectNotFound(f"{bucket}/{key} does not exist")
         if status == 404:
-            from sidecar.errors import BucketNotFound
-
             raise BucketNotFound(f"bucket {bucket!r} does not exist")
-        code = _error_code(body)
-        if status == 403 and code not in _BAD_SIGNATURE and code not in _EXPIRED:
-            return False  # the policy's no (a HEAD's 403 has no body: counted as one too)
+        if status == 403 and code not in _BAD_SIGNATURE and code not in _EXPIRED and code not in _NOT_A_DECISION:
+            return False  # the policy's no (an answer without a body counted as one too)
         raise self._refusal(f"the origin refused the proof for {bucket}/{key if key is not None else prefix}",
                             status, code)
 

@@ -7,7 +7,13 @@ hands its secret over; the daemon never trusts a claim it did not have the origi
 Three requests are proved, each rebuilt by the daemon from what the request names (never from a
 URL the pod sends, so a proof cannot point the daemon elsewhere), with the same functions here:
 
-* reading an object: ``HEAD /{bucket}/{key}`` (S3 asks ``s3:GetObject`` of a HEAD);
+* reading an object: ``GET /{bucket}/{key}`` with ``Range: bytes=0-0`` signed (:data:`OBJECT_RANGE`).
+  A read, not a ``HEAD``: S3 asks ``s3:GetObject`` of both, but ``kms:Decrypt`` on the key of an
+  SSE-KMS object only of a request that returns its bytes, and the daemon decrypts with its own
+  credentials, so a HEAD would let a caller without the key read the plaintext. One byte, the
+  range signed: the answer costs nothing to read (the daemon reads and drops it), and a proof that
+  leaks (a log) is good for that byte only, for 15 minutes. An empty object answers ``416``: the
+  GET was allowed, there is no byte to return;
 * listing: ``GET /{bucket}?list-type=2&max-keys=0&prefix={prefix}`` (``s3:ListBucket``, with the
   prefix a policy's ``s3:prefix`` condition sees);
 * who the caller is: STS ``GetCallerIdentity`` (a form POST), with the daemon's ``audience`` as a
@@ -15,11 +21,17 @@ URL the pod sends, so a proof cannot point the daemon elsewhere), with the same 
   access-key``, S3 ``ListBuckets`` (``GET /``), whose answer says the signature is good even when
   it is ``AccessDenied``.
 
-Signed headers are fixed: ``host;x-amz-content-sha256;x-amz-date`` (plus
-``x-amz-security-token`` for temporary credentials), so an object proof travels as one short
+Signed headers are fixed: ``host;x-amz-content-sha256;x-amz-date`` (``host;range;...`` for an
+object, plus ``x-amz-security-token`` for temporary credentials), so an object proof travels as one short
 header, ``x-shardcache-proof: {credential};{x-amz-date};{signature}``, and a warm-up of many
 objects as one date and one signature per object (:class:`ProofBatch`). The security token
 travels once, with the identity proof, and the daemon keeps it with the session.
+
+Which request proves a read is :attr:`Target.object_proof`: ``GET`` (:data:`OBJECT_RANGE`) for a
+daemon of this version, which publishes it, ``HEAD`` for an older one, which publishes nothing (so a
+newer sidecar still works with it during a rolling upgrade). The sidecar names what it signs when it
+opens a session, and a daemon of this version refuses one that signs HEADs, before any replay, with
+an answer that says to upgrade the sidecar (:func:`prove_identity`, ``Authorizer.open_session``).
 """
 
 from __future__ import annotations
@@ -41,9 +53,9 @@ from sidecar.daemon.auth.sigv4 import (
 from sidecar.errors import NotAuthorized
 
 __all__ = [
-    "AUTH_PATH", "SESSION_PATH", "SESSION_HEADER", "PROOF_HEADER", "RENEW_HEADER", "STS_BODY",
-    "InvalidProof", "Proof", "ProofBatch", "Target", "identity_request", "list_url", "object_url",
-    "prove", "prove_batch", "prove_identity", "replay_headers",
+    "AUTH_PATH", "SESSION_PATH", "SESSION_HEADER", "PROOF_HEADER", "RENEW_HEADER", "STS_BODY", "OBJECT_PROOFS",
+    "OBJECT_RANGE", "InvalidProof", "Proof", "ProofBatch", "Target", "identity_request", "list_url", "object_url",
+    "proof_request", "prove", "prove_batch", "prove_identity", "replay_headers",
 ]
 
 AUTH_PATH = "/_shardcache/auth"
@@ -54,6 +66,11 @@ RENEW_HEADER = "x-shardcache-auth"
 """Set to ``renew`` on a 403 that a new session would cure (expired, rotated credentials)."""
 
 STS_BODY = b"Action=GetCallerIdentity&Version=2011-06-15"
+OBJECT_RANGE = "bytes=0-0"
+"""The ``Range`` an object proof signs: the first byte (see the module's docstring)."""
+OBJECT_PROOFS = ("GET", "HEAD")
+"""What may prove a read (:attr:`Target.object_proof`): ``GET`` of :data:`OBJECT_RANGE`, what this
+version's daemon checks; ``HEAD``, what a daemon before it checked (a sidecar still signs it for one)."""
 _STS_CONTENT_TYPE = "application/x-www-form-urlencoded; charset=utf-8"
 AUDIENCE_HEADER = "x-shardcache-audience"
 
@@ -81,10 +98,15 @@ class Target:
     sts_region: str
     audience: str
     identity: str = "sts"  # sts | access-key
+    object_proof: str = "GET"  # OBJECT_PROOFS: GET for this version's daemon
+
+    def __post_init__(self) -> None:
+        if self.object_proof not in OBJECT_PROOFS:
+            raise ValueError(f"object_proof must be one of {OBJECT_PROOFS}, not {self.object_proof[:20]!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "identity": self.identity, "audience": self.audience,
+            "identity": self.identity, "audience": self.audience, "object_proof": self.object_proof,
             "s3": {"endpoint_url": self.s3_endpoint, "region": self.region, "addressing_style": self.addressing_style},
             "sts": {"endpoint_url": self.sts_endpoint, "region": self.sts_region},
         }
@@ -93,9 +115,10 @@ class Target:
     def from_json(cls, data: Any) -> Target:
         try:
             s3, sts = data["s3"], data["sts"]
+            # No object_proof: a daemon older than it, which replays HEADs.
             return cls(str(s3["endpoint_url"]), str(s3["region"]), str(s3["addressing_style"]),
                        str(sts["endpoint_url"]), str(sts["region"]), str(data["audience"]),
-                       str(data.get("identity", "sts")))
+                       str(data.get("identity", "sts")), str(data.get("object_proof", "HEAD")))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a shardcache auth description: {exc}") from exc
 
@@ -208,23 +231,34 @@ def _signed_headers(url: str, date: str, token: str | None) -> dict[str, str]:
     return headers
 
 
-def _sign(creds: Credentials, target: Target, method: str, url: str, date: str) -> str:
-    return signature(creds, method, url, _signed_headers(url, date, creds.token), region=target.region,
-                     service="s3", date=date)
+def proof_request(target: Target, date: str, token: str | None, bucket: str, key: str | None = None,
+                  prefix: str = "") -> tuple[str, str, dict[str, str]]:
+    """(method, url, signed headers) of the request that proves reading ``bucket/key`` (``key``
+    given) or listing ``prefix`` in ``bucket``: what the sidecar signs and the daemon replays."""
+    if key is None:
+        url = list_url(target, bucket, prefix)
+        return "GET", url, _signed_headers(url, date, token)
+    url = object_url(target, bucket, key)
+    headers = _signed_headers(url, date, token)
+    if target.object_proof == "GET":
+        headers["range"] = OBJECT_RANGE
+    return target.object_proof, url, headers
+
+
+def _sign(creds: Credentials, target: Target, date: str, bucket: str, key: str | None, prefix: str = "") -> str:
+    method, url, headers = proof_request(target, date, creds.token, bucket, key, prefix)
+    return signature(creds, method, url, headers, region=target.region, service="s3", date=date)
 
 
 def prove(creds: Credentials, target: Target, date: str, bucket: str, key: str | None = None,
           prefix: str = "") -> Proof:
     """The proof of reading ``bucket/key`` (``key`` given) or of listing ``prefix`` in ``bucket``."""
-    if key is not None:
-        sig = _sign(creds, target, "HEAD", object_url(target, bucket, key), date)
-    else:
-        sig = _sign(creds, target, "GET", list_url(target, bucket, prefix), date)
-    return Proof(f"{creds.access_key}/{scope(date, target.region, 's3')}", date, sig)
+    return Proof(f"{creds.access_key}/{scope(date, target.region, 's3')}", date,
+                 _sign(creds, target, date, bucket, key, prefix))
 
 
 def prove_batch(creds: Credentials, target: Target, date: str, objects: list[tuple[str, str]]) -> ProofBatch:
-    sigs = "".join(_sign(creds, target, "HEAD", object_url(target, b, k), date) for b, k in objects)
+    sigs = "".join(_sign(creds, target, date, b, k) for b, k in objects)
     return ProofBatch(f"{creds.access_key}/{scope(date, target.region, 's3')}", date, sigs)
 
 
@@ -241,7 +275,9 @@ def identity_request(target: Target, date: str, token: str | None) -> tuple[str,
 
 
 def prove_identity(creds: Credentials, target: Target, date: str) -> dict[str, Any]:
-    """The body of ``POST /_shardcache/auth/session``."""
+    """The body of ``POST /_shardcache/auth/session``: the identity proof, the security token, and
+    what this sidecar signs to prove a read (``object_proof``: a daemon refuses a session whose
+    reads it would not accept, with words instead of failed signatures later)."""
     import hashlib
 
     method, url, headers, body = identity_request(target, date, creds.token)
@@ -249,7 +285,7 @@ def prove_identity(creds: Credentials, target: Target, date: str) -> dict[str, A
     payload = hashlib.sha256(body).hexdigest() if target.identity == "sts" else EMPTY_SHA256
     sig = signature(creds, method, url, headers, region=region, service=service, date=date, payload_sha256=payload)
     proof = Proof(f"{creds.access_key}/{scope(date, region, service)}", date, sig)
-    return {"proof": proof.to_header(), "security_token": creds.token}
+    return {"proof": proof.to_header(), "security_token": creds.token, "object_proof": target.object_proof}
 
 
 def replay_headers(proof: Proof, signed: dict[str, str]) -> dict[str, str]:

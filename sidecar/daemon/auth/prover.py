@@ -4,8 +4,10 @@ web identity, EKS Pod Identity), never sending the secret anywhere.
 
 The sidecar learns from the node daemon whether it checks proofs, and where to sign for
 (``GET /_shardcache/auth``), opens a session with an identity proof, then adds to each request
-the proof of what it asks (:mod:`sidecar.daemon.auth.proofs`): one header for an object read or a
-listing, one signature per object in a prefetch or warm-up body. Signing is CPU only (~10 us).
+the proof of what it asks (:mod:`sidecar.daemon.auth.proofs`): one header for an object read (a
+signed ranged GET of its first byte) or a listing, one signature per object in a prefetch or
+warm-up body. Signing is CPU only (~10 us). It signs what the daemon says it checks: an older daemon
+(HEADs) still works with a newer sidecar during a rolling upgrade, never the other way round.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class Prover:
                 return None
             self._target = Target.from_json(described)
             self._session = None
+            if self._target.object_proof != "GET":
+                log.warning("the node daemon is older than this sidecar: it checks reads with signed HEADs, which "
+                            "S3 answers without asking kms:Decrypt of SSE-KMS objects; upgrade the node daemon")
         # Only now: a sidecar without credentials works with a daemon that checks nothing.
         creds = await self._credentials()
         if self._session is None or self._session_key != creds.access_key or time.monotonic() >= self._renew_at:
