@@ -21,12 +21,14 @@ from loader.errors import (
 )
 from loader.master.errors import MasterError
 from loader.settings import LoaderSettings
+from loader.shardindex import ShardIndex
 from loader.shardloader import ShardLoader
 from loader.static import epoch_order, rank_shards, worker_shards
 from loader.tar import iter_members, iter_samples, split_name
 
 __all__ = [
     "ShardLoader",
+    "ShardIndex",
     "LoaderSettings",
     "Shard",
     "LoaderError",

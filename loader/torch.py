@@ -47,9 +47,10 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from loader.errors import ConfigError
 from loader.master.delivery import Delivery, Ledger, Progress
+from loader.shardindex import ShardIndex
 from loader.shardloader import ShardLoader
 
-__all__ = ["ShardDataset", "DataLoader"]
+__all__ = ["ShardDataset", "ShardMapDataset", "DataLoader"]
 
 
 class ShardDataset(torch.utils.data.IterableDataset):
@@ -101,6 +102,36 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
+
+
+class ShardMapDataset(torch.utils.data.Dataset):
+    """A map-style dataset of the samples of the tar shards at ``url``: ``len(ds)`` samples, and
+    ``ds[i]`` sample ``i`` with the streaming loader's fields (``__key__``, ``__url__``, one
+    ``bytes`` per member), passed through ``transform`` when given. Works with any sampler
+    (``DistributedSampler``, weighted, one that skips what a checkpoint saw) and ``num_workers > 0``
+    (each worker opens its own shards). ``__getitems__`` reads a sampler's batch grouped by shard.
+
+    Takes :class:`~loader.shardindex.ShardIndex`'s arguments (``endpoint``, ``settings``,
+    ``max_open_shards``); ``ds.index`` is that index."""
+
+    def __init__(
+        self, url: str, *, transform: Callable[[dict[str, Any]], Any] | None = None, **index_args: Any
+    ) -> None:
+        super().__init__()
+        self.index = ShardIndex(url, **index_args)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> Any:
+        sample = self.index.sample(int(i))
+        return sample if self.transform is None else self.transform(sample)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        # torch's fetcher calls this with a whole batch of the sampler's indices (torch >= 2.1).
+        samples = self.index.samples([int(i) for i in indices])
+        return samples if self.transform is None else [self.transform(s) for s in samples]
 
 
 Position = tuple[int, int, int, int]

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.masters import running_master
 
-collect_ignore = ["train.py"]
+collect_ignore = ["train.py", "train_map.py"]
 
 
 @pytest.fixture

@@ -1,0 +1,275 @@
+"""Samples by index: sample ``i`` of a dataset of tar shards, read through the node cache.
+
+:class:`ShardIndex` is the framework-neutral half of map-style datasets (``loader.torch``'s
+``ShardMapDataset``, a ``tf.data`` pipeline of indices): ``len()`` is the dataset's sample count,
+from the per-shard counts its manifest keeps (``shardcache index`` writes them), and
+``sample(i)`` is sample ``i`` with the fields the streaming loader yields
+(``{"__key__", "__url__", field: bytes, ...}``), in the dataset's order (shards sorted, samples
+in tar order).
+
+How a sample is found: ``i`` names a shard (a bisection of the cumulative counts) and a sample in
+it. The shard is opened once through the source the streaming loader uses (the node cache's
+descriptor when it serves one, the local file, else the bytes), read and checked whole the first
+time (size, checksum, sample count: what the manifest says), and its member table
+(:class:`~loader.tarindex.TarIndex`: each sample's members, offset and size) kept; every sample of
+it is then a slice of the mapping, no header parsed, in any order. Open shards are kept per
+process, least recently used dropped past ``max_open_shards``; the tables by file identity in the
+process's registry (:data:`~loader.tarindex.INDEXES`), so a shard opened again by the same file
+costs no parse.
+
+:meth:`ShardIndex.samples` reads a batch of indices grouped by shard: a sampler's batch that falls
+in a few shards costs a few opens, not one per sample.
+
+Not yet: the daemon answering a single sample of a cold shard with a ranged read while the shard
+fills behind it (a cold shard is read whole first, as webdataset's ``wids`` does), and a member
+index kept with the cache entry; see issue 31.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from itertools import accumulate
+from typing import Any
+
+from loader.dataset import DatasetURL, Shard, parse_dataset_url
+from loader.errors import ConfigError, CorruptShard, ManifestError
+from loader.settings import LoaderSettings
+from loader.sources import Reader, Source, make_source, resolve_shards
+from loader.tar import MemberLog, iter_samples
+from loader.tarindex import INDEXES, TarIndex, file_identity
+
+__all__ = ["ShardIndex"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPEN_SHARDS = 8
+"""Shards a process keeps open (mapped, or in memory when the source gives no file)."""
+
+
+@dataclass
+class _Open:
+    shard: Shard
+    buf: Any  # mmap.mmap of the shard's file, or its bytes
+    table: TarIndex
+    reader: Reader | None
+
+
+class ShardIndex:
+    """Sample ``i`` of the dataset at ``url`` (``s3://bucket/prefix/`` or ``file:///...``).
+
+    ``endpoint``: the node cache's URL (default ``SHARDCACHE_ENDPOINT``; ``""`` reads the origin
+    directly); ``settings``: a :class:`~loader.settings.LoaderSettings` (default: from the
+    environment); ``max_open_shards``: shards kept open by each process.
+
+    Picklable (DataLoader workers, ``tf.data``): a copy opens its own source and shards."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint: str | None = None,
+        settings: LoaderSettings | None = None,
+        max_open_shards: int = DEFAULT_OPEN_SHARDS,
+    ) -> None:
+        base = settings if settings is not None else LoaderSettings.from_env()
+        self.settings = replace(base, endpoint=endpoint) if endpoint is not None else base
+        self.location: DatasetURL = parse_dataset_url(url)
+        if max_open_shards < 1:
+            raise ConfigError(f"max_open_shards must be at least 1, not {max_open_shards}")
+        self.max_open_shards = max_open_shards
+        self._pid = os.getpid()
+        self._source: Source | None = None
+        self._open: OrderedDict[int, _Open] = OrderedDict()
+        self._lock = threading.Lock()
+        self.shards: list[Shard] = resolve_shards(self._get_source())
+        missing = [s.key for s in self.shards if s.samples is None]
+        if missing:
+            raise ManifestError(
+                f"{self.location.url}: {len(missing)} shard(s) without a sample count ({missing[0]}, ...): samples by "
+                "index need the count of every shard; write the manifest with `shardcache index` (it counts them)"
+            )
+        self._ends = list(accumulate(s.samples or 0 for s in self.shards))
+
+    # -- pickling: a copy in another process opens its own --
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_source"] = None
+        state["_open"] = OrderedDict()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _get_source(self) -> Source:
+        if self._source is None or self._pid != os.getpid():
+            # A forked child must not share its parent's sockets or mappings' bookkeeping.
+            self._pid = os.getpid()
+            self._open = OrderedDict()
+            self._source = make_source(self.location, self.settings)
+        return self._source
+
+    # -- lookups --
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def locate(self, i: int) -> tuple[Shard, int]:
+        """The shard holding sample ``i`` and the sample's position in it (negative ``i`` counts
+        from the end, as a sequence's)."""
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"sample indices are integers, not {type(i).__name__}")
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} is out of range: the dataset has {n} samples")
+        s = bisect.bisect_right(self._ends, i)
+        return self.shards[s], i - (self._ends[s - 1] if s else 0)
+
+    def sample(self, i: int) -> dict[str, Any]:
+        shard, j = self.locate(i)
+        return self._read(self._shard(shard), j)
+
+    def samples(self, indices: Iterable[int]) -> list[dict[str, Any]]:
+        """Samples ``indices``, in that order, each shard opened once for the batch."""
+        located = [self.locate(i) for i in indices]
+        by_shard: dict[int, list[int]] = {}
+        for n, (shard, _) in enumerate(located):
+            by_shard.setdefault(shard.index, []).append(n)
+        out: list[dict[str, Any]] = [{} for _ in located]
+        for positions in by_shard.values():
+            opened = self._shard(located[positions[0]][0])
+            for n in positions:
+                out[n] = self._read(opened, located[n][1])
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = list(self._open.values()), OrderedDict()
+        for item in opened:
+            _close(item)
+        if self._source is not None and self._pid == os.getpid():
+            self._source.close()
+        self._source = None
+
+    # -- shards --
+
+    def _shard(self, shard: Shard) -> _Open:
+        source = self._get_source()
+        with self._lock:
+            found = self._open.get(shard.index)
+            if found is not None:
+                self._open.move_to_end(shard.index)
+                return found
+        opened = self._load(source, shard)
+        dropped: list[_Open] = []
+        with self._lock:
+            raced = self._open.get(shard.index)
+            if raced is not None:  # another thread opened it meanwhile: keep one
+                dropped.append(opened)
+                opened = raced
+            else:
+                self._open[shard.index] = opened
+            while len(self._open) > self.max_open_shards:
+                dropped.append(self._open.popitem(last=False)[1])
+        for item in dropped:
+            _close(item)
+        return opened
+
+    def _load(self, source: Source, shard: Shard) -> _Open:
+        """Open ``shard``, check it whole the first time this process sees its file, and map it."""
+        url = self.location.object_url(shard.key)
+        for attempt in range(2):
+            reader = source.open(shard, recheck=attempt > 0)
+            try:
+                return self._check(reader, shard, url)
+            except CorruptShard as exc:
+                reader.close()
+                if attempt:
+                    raise
+                # As the streaming loader does: a cache in between re-hashes its copy on a recheck.
+                log.warning("%s; reading it again", exc)
+            except BaseException:
+                reader.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _check(self, reader: Reader, shard: Shard, url: str) -> _Open:
+        verify = self.settings.verify
+        identity = file_identity(reader)
+        if identity is not None:
+            fd = reader.fileno()  # type: ignore[attr-defined]
+            buf: Any = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            with contextlib.suppress(AttributeError, OSError):
+                buf.madvise(mmap.MADV_RANDOM)  # a sample at a time, anywhere
+            table = INDEXES.get(identity)
+            if table is not None and (table.checked_xxh3_128 == shard.xxh3_128 or not verify):
+                return _Open(shard, buf, table, reader)
+        else:
+            buf = _read_all(reader)
+            reader.close()
+            reader = None  # type: ignore[assignment]
+        members = MemberLog()
+        count = 0
+        expected_xxh3_128 = shard.xxh3_128 if verify else None
+        for _ in iter_samples(buf, url=url, max_member_bytes=self.settings.max_member_bytes,
+                              expected_size=shard.size if verify else None,
+                              expected_xxh3_128=expected_xxh3_128, map_files=False, log=members):
+            count += 1
+        if shard.samples is not None and count != shard.samples:
+            raise CorruptShard(f"holds {count} samples, the manifest says {shard.samples}", url=url)
+        table = TarIndex.from_log(members, len(buf))
+        if table is None:
+            raise CorruptShard("its members could not be indexed", url=url)
+        table = replace(table, checked_xxh3_128=expected_xxh3_128)
+        if identity is not None:
+            INDEXES.put(identity, table)
+        return _Open(shard, buf, table, reader)
+
+    def _read(self, opened: _Open, j: int) -> dict[str, Any]:
+        table, buf = opened.table, opened.buf
+        if j >= table.samples:
+            raise CorruptShard(f"has {table.samples} samples, sample {j} was asked for",
+                               url=self.location.object_url(opened.shard.key))
+        keys, key_ends = table.keys, table.key_ends
+        sample: dict[str, Any] = {"__key__": keys[key_ends[j - 1] if j else 0 : key_ends[j]],
+                                  "__url__": self.location.object_url(opened.shard.key)}
+        m = table.first[j]
+        for field in table.layouts[table.layout_of[j]]:
+            at = table.offsets[m]
+            sample[field] = bytes(buf[at : at + table.sizes[m]])
+            m += 1
+        return sample
+
+    def __repr__(self) -> str:
+        return f"ShardIndex({self.location.url!r}, {len(self)} samples in {len(self.shards)} shards)"
+
+
+def _read_all(reader: Reader) -> bytes:
+    parts: list[bytes] = []
+    while True:
+        chunk = reader.read(1 << 20)
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+
+
+def _close(item: _Open) -> None:
+    if isinstance(item.buf, mmap.mmap):
+        with contextlib.suppress(BufferError):  # a sample's view still held: the GC unmaps it
+            item.buf.close()
+    if item.reader is not None:
+        with contextlib.suppress(OSError):
+            item.reader.close()
+

@@ -1,0 +1,169 @@
+"""Samples by index (issue 31, first part): :class:`loader.ShardIndex` and
+``loader.torch.ShardMapDataset`` on a ``file://`` dataset and through a real node daemon (over
+HTTP, and by descriptor over its handle socket), with torch's own samplers and DataLoader workers.
+
+``ds[i]`` must be sample ``i`` of the dataset's order (shards sorted, samples in tar order) with
+the streaming loader's fields; a damaged shard is refused (and healed by a cache in between);
+bad indices and manifests without counts get clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loader import CorruptShard, LoaderSettings, ManifestError, ShardIndex
+from tests.support.daemons import DaemonProcess
+from tests.support.shards import Written, write_manifest, write_shards
+from tests.support.waits import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def in_order(written: Written) -> list[tuple[str, str]]:
+    return [(shard, key) for shard in written.keys for key in written.order[shard]]
+
+
+def ident(sample: dict[str, Any]) -> tuple[str, str]:
+    return sample["__url__"].rsplit("/", 1)[-1], sample["__key__"]
+
+
+def check(sample: dict[str, Any], written: Written) -> None:
+    fields = {k: v for k, v in sample.items() if not k.startswith("__")}
+    assert fields == written.samples[ident(sample)], ident(sample)
+
+
+def test_every_index_is_that_sample_in_any_order(dataset: tuple[str, Written]) -> None:
+    url, written = dataset
+    index = ShardIndex(url, endpoint="")
+    order = in_order(written)
+    assert len(index) == len(order) == written.total()
+    for i in reversed(range(len(index))):  # backwards: every shard's samples out of order
+        sample = index.sample(i)
+        assert ident(sample) == order[i]
+        check(sample, written)
+    assert ident(index.sample(-1)) == order[-1]
+    batch = index.samples([5, 40, 6, 0, 41])
+    assert [ident(s) for s in batch] == [order[i] for i in (5, 40, 6, 0, 41)]
+    for bad, error in ((len(order), IndexError), (-len(order) - 1, IndexError), ("3", TypeError), (True, TypeError)):
+        with pytest.raises(error):
+            index.sample(bad)  # type: ignore[arg-type]
+    index.close()
+
+
+def test_the_same_samples_as_the_streaming_loader(dataset: tuple[str, Written]) -> None:
+    from loader import ShardLoader
+
+    url, _ = dataset
+    streamed = list(ShardLoader(url, endpoint="", shuffle=False))
+    index = ShardIndex(url, endpoint="")
+    assert [index.sample(i) for i in range(len(index))] == streamed
+
+
+def test_a_manifest_without_counts_and_a_damaged_shard_are_refused(tmp_path: Path) -> None:
+    written = write_shards(tmp_path / "root" / "b" / "ds", shards=2, per_shard=5)
+    write_manifest(written, samples=False)
+    url = f"file://{tmp_path}/root/b/ds/"
+    with pytest.raises(ManifestError, match="shardcache index"):
+        ShardIndex(url, endpoint="")
+    write_manifest(written)
+    shard = written.root / written.keys[1]
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0xFF  # a flipped byte inside the first member's data
+    shard.write_bytes(bytes(data))
+    index = ShardIndex(url, endpoint="")
+    assert ident(index.sample(0)) == (written.keys[0], written.order[written.keys[0]][0])
+    with pytest.raises(CorruptShard, match="checksum mismatch"):
+        index.sample(5)
+
+
+def test_batches_open_each_shard_once(dataset: tuple[str, Written], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, written = dataset
+    index = ShardIndex(url, endpoint="", max_open_shards=1)
+    opened: list[str] = []
+    real = index._load
+
+    def counting(source: Any, shard: Any) -> Any:
+        opened.append(shard.key)
+        return real(source, shard)
+
+    monkeypatch.setattr(index, "_load", counting)
+    per = len(written.order[written.keys[0]])
+    # Two shards, interleaved: one open each, even with one shard kept open at a time.
+    index.samples([0, per, 1, per + 1, 2, per + 2])
+    assert opened == [written.keys[0], written.keys[1]]
+
+
+@pytest.fixture
+def node(dataset: tuple[str, Written], tmp_path: Path) -> Iterator[tuple[str, Written, str, Path]]:
+    """A real ``shardcache serve --handles`` on the dataset's root: (url, written, endpoint, handle socket)."""
+    url, written = dataset
+    root = url[len("file://"):].split("/bkt/")[0]
+    sockets = tmp_path / "node"
+    sockets.mkdir()
+    proc = DaemonProcess(["--min-free", "0%", "--listen", f"unix://{sockets}/daemon.sock",
+                          "--handles", f"unix://{sockets}/handles.sock", "--cache-dir", str(tmp_path / "cache"),
+                          "--cache-size", "1GiB", "--origin", f"file://{root}"], tmp_path / "node.log",
+                         ready_path="/healthz").start()
+    try:
+        wait_until(lambda: (sockets / "handles.sock").exists(), timeout=20, what="the handle socket")
+        yield "s3://bkt/ds/", written, proc.url, sockets / "handles.sock"
+    finally:
+        proc.stop()
+
+
+def _stats(endpoint: str) -> dict[str, Any]:
+    with urllib.request.urlopen(endpoint + "/_shardcache/stats", timeout=10) as resp:
+        return json.load(resp)
+
+
+def test_through_the_node_cache_over_http_and_by_descriptor(node: tuple[str, Written, str, Path]) -> None:
+    url, written, endpoint, handles = node
+    order = in_order(written)
+    over_http = ShardIndex(url, endpoint=endpoint, settings=LoaderSettings(short_circuit=False))
+    for i in (17, 3, 40, 0):
+        assert ident(over_http.sample(i)) == order[i]
+        check(over_http.sample(i), written)
+    wait_until(lambda: int(_stats(endpoint)["fills_in_flight"]) == 0, timeout=30, what="fills published")
+    over_http_bytes = int(_stats(endpoint)["served_bytes"]["hit"]) + int(_stats(endpoint)["served_bytes"]["miss"])
+    short_before = int(_stats(endpoint)["served_bytes"]["short_circuit"])
+    by_handle = ShardIndex(url, endpoint=endpoint, settings=LoaderSettings(handles=f"unix://{handles}"))
+    for i in range(len(by_handle)):
+        sample = by_handle.sample(i)
+        assert ident(sample) == order[i]
+        check(sample, written)
+    served = _stats(endpoint)["served_bytes"]
+    # Every shard by descriptor (counted as short-circuit bytes), none of them over HTTP again.
+    assert int(served["short_circuit"]) - short_before == sum((written.root / k).stat().st_size for k in written.keys)
+    assert int(served["hit"]) + int(served["miss"]) == over_http_bytes
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_distributed_sampler_and_dataloader_workers_see_every_index_once(dataset: tuple[str, Written], workers: int) -> None:
+    import torch.utils.data
+
+    from loader.torch import DataLoader, ShardMapDataset
+
+    url, written = dataset
+    ds = ShardMapDataset(url, endpoint="", transform=lambda s: (s["__url__"].rsplit("/", 1)[-1], s["__key__"]))
+    seen: list[tuple[str, str]] = []
+    world = 3
+    for epoch in range(2):
+        per_epoch: list[tuple[str, str]] = []
+        for rank in range(world):
+            sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=5,
+                                                          drop_last=False)
+            sampler.set_epoch(epoch)
+            loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers,
+                                collate_fn=lambda batch: batch)
+            per_epoch.extend(item for batch in loader for item in batch)
+        # DistributedSampler pads to a multiple of the world size with repeats of the first indices.
+        padding = (-len(ds)) % world
+        assert sorted(set(per_epoch)) == sorted(in_order(written)) and len(per_epoch) == len(ds) + padding
+        seen.extend(per_epoch)
+    assert len(seen) == 2 * (len(ds) + (-len(ds)) % world)
