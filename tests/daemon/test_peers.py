@@ -12,8 +12,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +19,8 @@ import pytest
 
 from cache import Store, StoreSettings
 from sidecar.daemon.peers.config import ClusterSettings
-from sidecar.daemon.peers.signing import PEER_HEADER, sign
-from tests.support.daemons import PEER_SECRET, Cluster, live_members, make_settings
+from sidecar.daemon.peers.signing import PEER_HEADER, PeerAsk, new_nonce, sign
+from tests.support.daemons import PEER_SECRET, Cluster, http_get, live_members, make_settings
 from tests.support.processes import PYTHON, REPO, free_port
 from tests.support.s3 import put_objects
 from tests.support.threads import serving
@@ -31,13 +29,7 @@ from wire.rendezvous import member_id, ranked
 
 pytestmark = pytest.mark.timeout(180)
 
-def _get(url: str, headers: dict[str, str] | None = None, timeout: float = 20) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+_get = http_get
 
 
 def _json(url: str) -> Any:
@@ -179,17 +171,23 @@ def test_peer_header_needs_the_secret(start_daemon: Any, tmp_path: Path, s3_serv
     daemon = start_daemon(settings)
     target = f"/{bucket}/a.bin"
     asker = "http://127.0.0.1:1"
+
+    def ask() -> PeerAsk:
+        return PeerAsk(asker, member_id(url), new_nonce())
+
     refused = {
         "unsigned": f"m={asker},open",
-        "wrong secret": sign(b"another-secret-of-16-bytes", asker, "GET", target),
-        "expired": sign(PEER_SECRET, asker, "GET", target, now=time.time() - 300),
-        "another path": sign(PEER_SECRET, asker, "GET", target + "x"),
+        "wrong secret": sign(b"another-secret-of-16-bytes", ask(), "GET", target),
+        "expired": sign(PEER_SECRET, ask(), "GET", target, now=time.time() - 300),
+        "another path": sign(PEER_SECRET, ask(), "GET", target + "x"),
+        "another member": sign(PEER_SECRET, PeerAsk(asker, "http://127.0.0.1:2", new_nonce()), "GET", target),
+        "no nonce": sign(PEER_SECRET, PeerAsk(asker, member_id(url), ""), "GET", target),
         "no member": "t=1,sig=00",
     }
     for why, value in refused.items():
         status, body = _get(daemon.url + target, {PEER_HEADER: value})
         assert status == 403 and b"<Code>AccessDenied</Code>" in body and b"not a peer" in body, why
-    status, body = _get(daemon.url + target, {PEER_HEADER: sign(PEER_SECRET, asker, "GET", target)})
+    status, body = _get(daemon.url + target, {PEER_HEADER: sign(PEER_SECRET, ask(), "GET", target)})
     assert status == 200 and body == b"x" * 1000
     assert daemon.stats()["served_bytes"]["peer"] == 1000
     status, body = _get(daemon.url + target)  # a client's read, no peer header: as ever

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,7 @@ __all__ = [
     "live_members",
     "make_settings",
     "replace_fetch",
+    "http_get",
 ]
 
 FAST_RETRY = FetchSettings(retries=3, backoff_base_s=0.01, backoff_max_s=0.05, part_size=1024 * 1024)
@@ -156,3 +158,13 @@ class Cluster:
 
 def _sees(url: str, expected: set[str]) -> bool:
     return live_members(url) == expected
+
+
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 20) -> tuple[int, bytes]:
+    """One plain GET: (status, body), an HTTP error's too."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()

@@ -164,7 +164,10 @@ class S3Origin(Origin):
     ) -> Response:
         assert self._pool is not None, "S3Origin.start() was not awaited"
         url, headers = self._target(method, op, params, headers)
-        resp = self._pool.request(method, url, headers)
+        return self._answered(self._pool.request(method, url, headers), method, params)
+
+    def _answered(self, resp: Response, method: str, params: dict[str, Any]) -> Response:
+        """``resp`` when it succeeded, else its S3 error raised (its body read, bounded, and closed)."""
         if resp.status >= 300:
             body = b""
             if method != "HEAD":
@@ -177,7 +180,7 @@ class S3Origin(Origin):
     def _target(
         self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None
     ) -> tuple[str, dict[str, str] | None]:
-        """The URL and headers of a request (a subclass may address another server: a peer)."""
+        """The URL (presigned) and headers of a request."""
         # Presigning is CPU-only once credentials are resolved; a refreshable credential provider
         # may do network I/O on refresh, which is fine here: this runs on a worker thread.
         return self._client.generate_presigned_url(op, Params=params, ExpiresIn=900, HttpMethod=method), headers

@@ -40,6 +40,10 @@ class ClusterSettings:
     max_skew_s: float = 60.0
     """How far a peer request's timestamp may be from this daemon's clock."""
 
+    replay_cache_entries: int = 100_000
+    """Nonces of peer requests remembered (a signed request is taken once): about 180 bytes each;
+    see :mod:`sidecar.daemon.peers.replay` for what happens beyond."""
+
     peer_connect_timeout_s: float = 1.0
     """Seconds to connect to a peer before trying the next candidate (or the origin)."""
 
@@ -52,6 +56,8 @@ class ClusterSettings:
         member_id(self.advertise_url)  # raises ValueError: not http(s)://host:port
         for url in self.peers:
             member_id(url)
+        if self.replay_cache_entries < 1:
+            raise ValueError("replay_cache_entries must be at least 1")
         if self.secret is not None and len(self.secret) < 16:
             raise ValueError("the peer secret must be at least 16 bytes (e.g. `openssl rand -hex 32`)")
 

@@ -1,6 +1,12 @@
 """Who is in the ring: this daemon, the ``--peer`` URLs and the records of ``--peers-dns``, each
 health-checked with ``GET /readyz``.
 
+A health check is a signed peer request (:mod:`.signing`) addressed to the member checked, with
+a fresh nonce, and only an answer signed by that member for that request counts (with a
+``--peer-secret-file``): whatever answers 200 at a member's address without the secret (a reused
+pod IP behind a stale DNS record) is not a member, and never gets a read. Why a member is not
+live is in ``GET /_shardcache/peers`` (``problem``) and logged when it changes.
+
 Self is always a member and always live. Every other member is checked every
 ``health_interval_s`` (timeout ``health_timeout_s``); it is live from its first success and dead
 after ``dead_after`` failures in a row, so a daemon started at the same moment as its peers finds
@@ -26,6 +32,7 @@ import aiohttp
 
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.peers.config import ClusterSettings
+from sidecar.daemon.peers.signing import ANSWER_HEADER, PEER_HEADER, PeerAsk, PeerRefused, check_answer, new_nonce, sign
 from wire.rendezvous import member_id
 
 __all__ = ["Member", "Membership"]
@@ -42,9 +49,12 @@ class Member:
     node: str | None = None
     self: bool = False
     from_dns: bool = False
+    problem: str | None = None
+    """Why its last health check failed (``None``: it passed)."""
 
     def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "url": self.url, "live": self.live, "node": self.node, "self": self.self}
+        return {"id": self.id, "url": self.url, "live": self.live, "node": self.node, "self": self.self,
+                "problem": self.problem}
 
 
 class Membership:
@@ -121,18 +131,30 @@ class Membership:
     async def _check(self, member: Member) -> None:
         assert self._session is not None
         node: str | None = None
+        problem: str | None = None
+        impostor = False
+        secret = self.settings.secret
+        ask = PeerAsk(self.self_id, member.id, new_nonce())
         try:
-            async with self._session.get(member.url + "/readyz") as resp:
-                ok = resp.status == 200
-                if ok:
+            headers = {PEER_HEADER: sign(secret, ask, "GET", "/readyz")}
+            async with self._session.get(member.url + "/readyz", headers=headers) as resp:
+                check_answer(secret, resp.headers.get(ANSWER_HEADER), ask, resp.status, resp.headers)
+                if resp.status != 200:
+                    problem = f"/readyz answered {resp.status}"
+                else:
                     with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
                         body = await resp.json()
                         node = body.get("node") if isinstance(body, dict) and isinstance(body.get("node"), str) else None
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-            ok = False
+        except PeerRefused as exc:
+            problem, impostor = f"not a member: {exc}", True
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            problem = f"unreachable: {exc or type(exc).__name__}"
         if self.members.get(member.id) is not member:
             return  # left the ring (DNS) meanwhile
-        if ok:
+        if impostor and problem != member.problem:
+            log.warning("peer %s: %s", member.id, problem)
+        member.problem = problem
+        if problem is None:
             member.failures = 0
             member.node = node
             if not member.live:
@@ -141,9 +163,11 @@ class Membership:
                 self._update()
             return
         member.failures += 1
-        if member.live and member.failures >= self.settings.dead_after:
-            log.warning("peer %s is dead after %d failed health checks: its objects go to the next candidate",
-                        member.id, member.failures)
+        # Dead after a few failures in a row (a member may miss one check), at once when what
+        # answers is no member: its answers would be refused anyway.
+        if member.live and (impostor or member.failures >= self.settings.dead_after):
+            log.warning("peer %s is dead after %d failed health checks (%s): its objects go to the next candidate",
+                        member.id, member.failures, problem)
             member.live = False
             self._update()
 

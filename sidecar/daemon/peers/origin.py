@@ -15,14 +15,27 @@ read, or its holder left), the cost is one refused request.
 
 A read for a peer (``origin_only``: the caller says so, :class:`sidecar.daemon.reads.ReadContext`)
 reads the real origin only, so two daemons whose views of the ring differ can never forward a
-read to each other in a loop. Bytes from a peer are checked like the origin's (its checksums
-travel with them, and its xxh3-128 on a hit); a fill that fails its check makes that object come
-from the origin for a while (:meth:`ClusterOrigin.refused`). A body says where it came from
+read to each other in a loop. A body says where it came from
 (:attr:`~sidecar.daemon.origins.base.Body.source`): its bytes count as the peer's or the origin's by it.
+
+Every peer request is signed for the member asked, and every answer must be signed by it
+(:mod:`.signing`): an answer that is not is the peer being unavailable (the next candidate, or
+the origin), and nothing of it is read. A fill from a peer is checked against what the *origin*
+says, never what the peer says: the real origin is asked (a HEAD with its checksums, while the
+peer answers: one origin request per fill from a peer, no bytes) and the peer's answer must be
+that version (ETag, size, and every checksum both state); the fill then takes the origin's
+checksums, ETag and headers, and the bytes are verified against them as they land
+(:mod:`sidecar.daemon.fills`); the peer's xxh3-128 of a hit is checked too. A fill that fails its
+check makes that object come from the origin for a while (:meth:`ClusterOrigin.refused`). Where
+the origin vouches for no checksum (a multipart upload's ETag without a full-object checksum,
+SSE-KMS/SSE-C, ``--no-verify-etag``) the copy is unverified, as one from the origin would be: it
+is the origin's version (ETag and size), but its bytes are as good as the member that sent them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -36,7 +49,16 @@ from sidecar.daemon.origins.httppool import HTTPPool, Response
 from sidecar.daemon.origins.s3 import S3Origin, S3Settings
 from sidecar.daemon.peers.config import ClusterSettings
 from sidecar.daemon.peers.membership import Membership
-from sidecar.daemon.peers.signing import IF_CACHED_HEADER, PEER_HEADER, sign
+from sidecar.daemon.peers.signing import (
+    ANSWER_HEADER,
+    IF_CACHED_HEADER,
+    PEER_HEADER,
+    PeerAsk,
+    PeerRefused,
+    check_answer,
+    new_nonce,
+    sign,
+)
 from sidecar.errors import AccessDenied, OriginBadResponse, OriginThrottled, OriginUnavailable
 from wire.errors import InvalidName
 from wire.names import validate_xxh3_128
@@ -55,6 +77,13 @@ _FALL_THROUGH = (OriginUnavailable, OriginBadResponse, OriginThrottled, AccessDe
 
 DISTRUST_S = 600.0
 """Seconds an object whose peer bytes failed their check is read from the origin only."""
+
+VOUCH_THREADS = 16
+"""Threads that ask the origin what an object is while a peer answers (one per fill from a peer
+in flight; more wait their turn). Threads of their own: the origin's may all be waiting on peers."""
+
+_FILE_HEAD_S = 30.0
+"""How long a fill from a peer waits for a non-S3 origin's HEAD (run on the loop) before the origin's bytes instead."""
 
 
 class PeerOrigin(S3Origin):
@@ -80,18 +109,23 @@ class PeerOrigin(S3Origin):
     def executor(self) -> Any:
         return self._owner.executor
 
-    def _target(
-        self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None
-    ) -> tuple[str, dict[str, str] | None]:
+    def _request(self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+        """S3Origin's request, to the peer: signed for it, with a fresh nonce, and its answer
+        refused (:class:`OriginUnavailable`: the next candidate) unless the member signed it."""
         path = "/" + quote(params["Bucket"], safe="") + "/" + quote(params.get("Key", ""), safe="/~")
         sent = dict(headers or {})
-        sent[PEER_HEADER] = sign(self._secret, self._asker, method, path)
         if self.if_cached:
             sent[IF_CACHED_HEADER] = "1"
-        return self.url + path, sent
-
-    def _request(self, method: str, op: str, params: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
-        resp = super()._request(method, op, params, headers)
+        ask = PeerAsk(self._asker, self.member, new_nonce())
+        sent[PEER_HEADER] = sign(self._secret, ask, method, path, sent)
+        assert self._pool is not None
+        resp = self._pool.request(method, self.url + path, sent)
+        try:
+            check_answer(self._secret, resp.headers.get(ANSWER_HEADER), ask, resp.status, resp.headers)
+        except PeerRefused as exc:
+            resp.close()
+            raise OriginUnavailable(f"{params['Bucket']}/{params.get('Key', '')}: {exc}") from None
+        resp = self._answered(resp, method, params)  # the member's S3 error, relayed
         self._local.headers = resp.headers  # open_first reads the xxh3-128 of a hit from it
         return resp
 
@@ -130,10 +164,20 @@ class ClusterOrigin(Origin):
         self._last_peer: dict[str, str] = {}  # object name -> member it was last read from (bounded)
         self.borrowing: dict[str, int] = {}  # object name -> reads of it from a peer in progress
         self.refusals = 0
+        self.vouches = 0
+        """Origin HEADs asked to check a peer's answer (one per fill from a peer)."""
+        self.vouch_wait_s = 0.0
+        """Seconds fills from peers waited for those HEADs after the peer had answered: what they cost."""
+        self.disowned = 0
+        """Peer answers refused because the origin says the object is another version."""
+        self._vouchers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         """Attach to the real origin, started already: its threads are this origin's threads."""
         self._executor = self.real.executor
+        self._loop = asyncio.get_running_loop()
+        self._vouchers = concurrent.futures.ThreadPoolExecutor(VOUCH_THREADS, thread_name_prefix="peer-vouch")
         self._pool = HTTPPool(
             max_idle_per_host=16,
             connect_timeout_s=self.settings.peer_connect_timeout_s,
@@ -145,6 +189,9 @@ class ClusterOrigin(Origin):
         if self._pool is not None:
             await self.call(self._pool.close)
             self._pool = None
+        if self._vouchers is not None:
+            self._vouchers.shutdown(wait=False, cancel_futures=True)
+            self._vouchers = None
         await self.real.close()
 
     # -- routing --------------------------------------------------------------------------------
@@ -255,10 +302,22 @@ class ClusterOrigin(Origin):
     def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         peers, borrowed = self._route(bucket, key, origin_only)
         name = f"{bucket}/{key}"
+        said: concurrent.futures.Future[ObjectInfo] | None = None  # what the origin says, once asked
         for peer in peers:
+            # Asked while the peer answers, but for a hand-off, which is often refused (a cold
+            # object): then only once the peer has a copy, so a cold read costs no extra request.
+            if said is None and not peer.if_cached:
+                said = self._ask_origin(bucket, key)
             self._borrow(name, 1)
             try:
-                result = peer.open_first(bucket, key)
+                info, body = peer.open_first(bucket, key)
+                try:
+                    if said is None:
+                        said = self._ask_origin(bucket, key)
+                    result = self._vouched(peer, info, self._origin_says(said)), body
+                except BaseException:
+                    body.close()
+                    raise
             except _FALL_THROUGH as exc:
                 self._tried(peer, name, exc)
                 continue
@@ -268,6 +327,55 @@ class ClusterOrigin(Origin):
             return result
         info, body = self.real.open_first(bucket, key)
         return dataclasses.replace(info, borrowed=borrowed), body
+
+    # -- what the origin says about a peer's answer -----------------------------------------------
+
+    def _ask_origin(self, bucket: str, key: str) -> concurrent.futures.Future[ObjectInfo]:
+        """The real origin's HEAD of ``bucket/key`` (with its checksums), on threads of its own."""
+        assert self._vouchers is not None, "ClusterOrigin.start() was not awaited"
+        with self._lock:
+            self.vouches += 1
+        return self._vouchers.submit(self._origin_head, bucket, key)
+
+    def _origin_head(self, bucket: str, key: str) -> ObjectInfo:
+        if isinstance(self.real, S3Origin):
+            return self.real._head(bucket, key)  # blocking, on this thread: no loop round trip
+        # Another origin (a file one) has only its coroutine: on the loop, bounded, in case the
+        # loop's worker threads are all taken.
+        assert self._loop is not None
+        try:
+            return asyncio.run_coroutine_threadsafe(self.real.head(bucket, key), self._loop).result(_FILE_HEAD_S)
+        except concurrent.futures.TimeoutError:
+            raise OriginUnavailable(f"{bucket}/{key}: the origin did not answer a HEAD in {_FILE_HEAD_S:g} s") from None
+
+    def _origin_says(self, said: concurrent.futures.Future[ObjectInfo]) -> ObjectInfo:
+        began = time.monotonic()
+        try:
+            return said.result()
+        finally:
+            waited = time.monotonic() - began
+            with self._lock:
+                self.vouch_wait_s += waited
+
+    def _vouched(self, peer: PeerOrigin, claimed: ObjectInfo, origin: ObjectInfo) -> ObjectInfo:
+        """What a fill from ``peer`` is checked against: the ``origin``'s info, once the peer's
+        answer (``claimed``) is of that version; else :class:`OriginBadResponse` (the next candidate)."""
+        name = f"{claimed.etag} ({claimed.size} B)"
+        problem = None
+        if claimed.etag != origin.etag or claimed.size != origin.size:
+            problem = f"is version {name}; the origin has {origin.etag} ({origin.size} B)"
+        else:
+            theirs = dict(origin.checksums)
+            for header, value in claimed.checksums:
+                if header in theirs and theirs[header] != value:
+                    problem = f"claims {header} {value[:100]}; the origin says {theirs[header]}"
+                    break
+        if problem is not None:
+            with self._lock:
+                self.disowned += 1
+            raise OriginBadResponse(f"peer {peer.member}'s answer {problem}: reading it elsewhere")
+        # The origin's checksums, ETag and headers; the peer's xxh3-128 of a hit is checked as well.
+        return dataclasses.replace(origin, source="peer", borrowed=claimed.borrowed, xxh3_128=claimed.xxh3_128)
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
         return await self.real.list_objects_v2(bucket, params)
