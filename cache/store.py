@@ -263,8 +263,8 @@ class Writer:
         if self.verifier is not None and not self.verifier.matches():
             self.store._count("integrity_failures")
             raise IntegrityError(
-                f"{self.bucket}/{self.key}: the origin sent bytes whose {self.verifier.algorithm} is "
-                f"{self.verifier.actual()}, not the {self.verifier.algorithm} it vouches for"
+                f"{self.bucket}/{self.key}: the bytes received have {self.verifier.algorithm} "
+                f"{self.verifier.actual()}, not the {self.verifier.algorithm} the origin vouches for"
             )
         self.digest = digest
         return digest

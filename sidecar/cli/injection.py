@@ -43,6 +43,9 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
              help="port of the sidecar's localhost endpoint (SHARDCACHE_ENDPOINT)")
     add_flag(parser, "--socket-host-dir", default=defaults["socket_host_dir"].default, metavar="DIR",
              help="host directory holding the node daemon's sockets (hostpath mode mounts it read-only into the sidecar)")
+    add_flag(parser, "--socket-group", default=str(defaults["socket_group"].default), metavar="GID",
+             help="the node daemon's --socket-group: hostpath-mode sidecars run with it as their group "
+             "(runAsGroup) to connect to its 0660 sockets; '' for none (a daemon whose sockets are 0666)")
     add_flag(parser, "--restricted-upstream", default=defaults["restricted_upstream"].default, metavar="tcp://HOST:PORT",
              help="the node daemon for restricted-mode sidecars: a Service with internalTrafficPolicy Local selecting "
              "the daemons (the chart's RELEASE-shardcache-local)")
@@ -80,6 +83,15 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
              "release named shardcache")
 
 
+def _socket_group(value: str) -> int | None:
+    raw = str(value).strip()
+    if not raw:
+        return None
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 10:
+        raise UserError(f"invalid --socket-group {value!r}: the node daemon's numeric group id, e.g. 8600, or '' for none")
+    return int(raw)  # its range: InjectConfig's check
+
+
 def injection_config(args: argparse.Namespace) -> InjectConfig:
     """Build the :class:`~sidecar.k8s.inject.InjectConfig` from parsed flags (UserError if invalid)."""
     env = []
@@ -96,6 +108,7 @@ def injection_config(args: argparse.Namespace) -> InjectConfig:
             native_sidecar=bool(args.native_sidecar),
             port=int(args.sidecar_port),
             socket_host_dir=args.socket_host_dir,
+            socket_group=_socket_group(args.socket_group),
             restricted_upstream=args.restricted_upstream,
             short_circuit=bool(args.short_circuit),
             pod_cache_size=args.pod_cache_size,

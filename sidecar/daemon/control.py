@@ -8,13 +8,13 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.daemon.auth.http import AUTH, batch_access, listing_access, optional_caller
-from sidecar.daemon.fills import retrying
+from sidecar.daemon.auth.http import AUTH, batch_access, caller, listing_access, optional_caller
 from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE, file_root
 from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_by, counter_value, node_reads
 from sidecar.daemon.peers.http import cluster_stats
@@ -137,6 +137,25 @@ async def stats_handler(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
+def _may_read(request: web.Request) -> Callable[[str, str], bool]:
+    """Whether the caller may learn if ``bucket/key`` is cached: only where it may read it.
+
+    Whether an object is cached says that someone on this node read it; a listing right does not
+    make that the caller's to know (a policy may grant ``s3:ListBucket`` on a bucket and
+    ``s3:GetObject`` on part of it, and a prefix that is one key would tell about that key). A
+    reader learns it anyway from its own GET, so the answer tells the cache state of the objects
+    whose read the origin allowed this caller within ``--auth-cache-ttl`` (a read, HEAD, prefetch
+    or warm-up through its sidecar): the decisions a read would be served on without a proof.
+    The rest count as ``unproven``. Proving each object here would need a signature per listed
+    key, which the sidecar cannot make before the daemon has listed them; ``shardcache warmup
+    --check`` asks those with a HEAD each instead (proved by the sidecar)."""
+    auth = request.app.get(AUTH)
+    session = caller(request)
+    if auth is None or session is None:
+        return lambda bucket, key: True
+    return lambda bucket, key: auth.cached(session, bucket, key) is True
+
+
 async def cached_handler(request: web.Request) -> web.Response:
     """What fraction of a dataset prefix is cached here: lists the origin, checks the index."""
     url = request.query.get("url")
@@ -147,11 +166,11 @@ async def cached_handler(request: web.Request) -> web.Response:
     bucket, prefix = parse_object_url(url, origin_root)
     validate_prefix(prefix)
     await listing_access(request, bucket, prefix)
+    may_read = _may_read(request)
     store = request.app.get(STORE)
     origin = request.app[ORIGIN]
-    fetch_settings = request.app[FETCHER].settings
-    metrics = request.app[METRICS]
-    objects = cached = size = cached_size = 0
+    fetcher = request.app[FETCHER]
+    objects = cached = size = cached_size = unproven = unproven_size = 0
     missing: list[str] = []
     token: str | None = None
     for _page in range(10_000):  # bounded: 10M objects
@@ -159,7 +178,7 @@ async def cached_handler(request: web.Request) -> web.Response:
         params = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
         if token:
             params["continuation-token"] = token
-        body = await retrying(fetch_settings, metrics, f"list {bucket}", origin.list_objects_v2, bucket, params)
+        body = await fetcher.call_origin("list", f"list {bucket}", origin.list_objects_v2, bucket, params)
         try:
             page = parse_list_page(body, what=f"the origin's listing of {bucket}")
         except S3XMLError as exc:
@@ -169,6 +188,10 @@ async def cached_handler(request: web.Request) -> web.Response:
                 continue
             objects += 1
             size += obj.size
+            if not may_read(bucket, obj.key):
+                unproven += 1
+                unproven_size += obj.size
+                continue
             entry = store.lookup(bucket, obj.key) if store is not None else None
             if entry is not None and (not obj.etag or entry.etag == obj.etag):
                 cached += 1
@@ -181,6 +204,7 @@ async def cached_handler(request: web.Request) -> web.Response:
     return web.json_response({
         "url": url, "objects": objects, "cached": cached, "bytes": size, "cached_bytes": cached_size,
         "fraction": round(cached_size / size, 6) if size else 1.0, "missing": missing,
+        "unproven": unproven, "unproven_bytes": unproven_size,
     })
 
 

@@ -54,7 +54,7 @@ from wire.handles import MAX_REQUEST, NOT_CACHED, HandleProtocolError, exchange,
 from wire.names import DAEMON_PORT, parse_connect, parse_listen, validate_bucket, validate_key, validate_xxh3_128
 
 __all__ = ["MAX_CONNECTIONS", "REQUEST_TIMEOUT_S", "HandleRequest", "HandleServer", "HandleService", "NotCached",
-           "error_reply", "parse_request", "start_handles"]
+           "error_reply", "parse_request", "set_socket_access", "start_handles"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,28 @@ _KNOWN_ERRORS = (SidecarError, WireError, CacheError)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 T = TypeVar("T")
 Reply = tuple[dict[str, Any], int | None]
+
+
+def set_socket_access(path: str, group: int | None) -> None:
+    """Who may connect to the unix socket at ``path`` (connecting needs write permission on it):
+    the daemon's user and ``group`` (mode 0660, ``--socket-group``), or anyone who sees the file
+    (0666) without one. Every socket the daemon listens on gets it, here.
+
+    0666 stays the default because a socket's users are of other pods, running as any user: the
+    node daemon's are the injected sidecars (which the chart gives ``--socket-group``'s group),
+    a sidecar's own are its pod's containers, behind the pod's ``emptyDir``. A mode cannot stop a
+    process with ``CAP_DAC_OVERRIDE`` (a root container keeps it unless it drops it) nor one of the
+    daemon's own user: what keeps other pods off is that only the sidecar mounts the directory."""
+    if group is None:
+        os.chmod(path, 0o666)
+        return
+    try:
+        os.chown(path, -1, group)
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot give {path} to group {group} (--socket-group): run the daemon as root, or as a user in that group"
+        ) from exc
+    os.chmod(path, 0o660)
 
 
 @dataclass(frozen=True)
@@ -154,8 +176,9 @@ class HandleServer:
     one connection's requests. ``active``/``refused`` count connections (tests, logs)."""
 
     def __init__(self, path: str, connect: Callable[[socket.socket], Connection], *, idle_timeout_s: float,
-                 max_connections: int = MAX_CONNECTIONS, name: str = "handles") -> None:
+                 max_connections: int = MAX_CONNECTIONS, name: str = "handles", socket_group: int | None = None) -> None:
         self.path = path
+        self._socket_group = socket_group
         self._connect = connect
         self._idle_timeout_s = idle_timeout_s
         self._max_connections = max_connections
@@ -181,8 +204,7 @@ class HandleServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self.path)
-            # As daemon.sock: pods run as other users; the directory's mount is what guards access.
-            os.chmod(self.path, 0o666)
+            set_socket_access(self.path, self._socket_group)
             # Deep: a unix socket's connect() with a timeout fails at once (EAGAIN) when it is full.
             listener.listen(socket.SOMAXCONN)
             # Woken to look at _stopping this often: close() needs no trick to interrupt accept().
@@ -558,7 +580,7 @@ async def start_handles(app: web.Application, settings: ServeSettings) -> Handle
     if settings.mode == "sidecar":
         limit = min(limit, MAX_CONNECTIONS)  # one pod holds a bounded share of the node's
     server = HandleServer(path, connect, idle_timeout_s=settings.connections.idle_timeout_s, max_connections=limit,
-                          name=f"handles-{settings.mode}")
+                          name=f"handles-{settings.mode}", socket_group=settings.socket_group)
     try:
         await asyncio.to_thread(server.start)
     except BaseException:

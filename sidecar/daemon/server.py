@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from aiohttp import web
 
 from sidecar.daemon.app import build_app
 from sidecar.daemon.forward import UPSTREAM, Upstream, forward_middleware
-from sidecar.daemon.handles import HandleService, start_handles
+from sidecar.daemon.handles import HandleService, set_socket_access, start_handles
 from sidecar.daemon.settings import ServeSettings
 from wire.names import parse_listen
 from wire.web import ConnectionGuard, GuardedSite
@@ -39,6 +38,16 @@ def _remove_socket(path: Path) -> None:
         path.unlink()
 
 
+def _warn_open_sockets(settings: ServeSettings) -> None:
+    """The node daemon's sockets without ``--socket-group`` are any local user's to connect to."""
+    unix = [a for a in (*settings.listen, settings.handles or "") if a.startswith("unix://")]
+    if settings.mode == "node" and settings.socket_group is None and unix:
+        log.warning(
+            "%s: mode 0666, any process that sees the socket directory may connect; pass --socket-group GID "
+            "(the chart does) for 0660 and give the sidecars that group (the injector's runAsGroup)", ", ".join(unix),
+        )
+
+
 def make_app(settings: ServeSettings) -> web.Application:
     app = build_app(settings)
     if settings.mode == "sidecar":
@@ -58,8 +67,10 @@ def make_app(settings: ServeSettings) -> web.Application:
     return app
 
 
-async def start_sites(runner: web.AppRunner, listen: tuple[str, ...], guard: ConnectionGuard) -> list[str]:
-    """Listen on every address; ``guard`` bounds the connections of all of them together."""
+async def start_sites(runner: web.AppRunner, listen: tuple[str, ...], guard: ConnectionGuard,
+                      socket_group: int | None = None) -> list[str]:
+    """Listen on every address; ``guard`` bounds the connections of all of them together; unix
+    sockets as :func:`set_socket_access` says for ``socket_group``."""
     bound: list[str] = []
     for address in listen:
         where = parse_listen(address)
@@ -68,8 +79,7 @@ async def start_sites(runner: web.AppRunner, listen: tuple[str, ...], guard: Con
             await asyncio.to_thread(_prepare_socket_path, path)
             site = GuardedSite(runner, guard, path=str(path))
             await site.start()
-            # Pods run as other users; the socket directory's mount is what guards access.
-            await asyncio.to_thread(os.chmod, path, 0o666)
+            await asyncio.to_thread(set_socket_access, str(path), socket_group)
         else:
             site = GuardedSite(runner, guard, host=where.host or "0.0.0.0", port=where.port, reuse_address=True)
             await site.start()
@@ -96,7 +106,8 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
         # After setup (the store, fetcher and authorizer it answers with are open), and before
         # the listeners: once /readyz answers, so does the handle socket.
         handles = await start_handles(app, settings)
-        await start_sites(runner, settings.listen, ConnectionGuard(settings.connections, log))
+        _warn_open_sockets(settings)
+        await start_sites(runner, settings.listen, ConnectionGuard(settings.connections, log), settings.socket_group)
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,6 +19,7 @@ from wire.web import ConnectionLimits
 __all__ = ["ServeSettings", "MODES"]
 
 MODES = ("node", "sidecar")
+MAX_GID = 2**32 - 2  # (gid_t)-1 means "unchanged" to chown(2)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,13 @@ class ServeSettings:
     """``--node``/``SHARDCACHE_NODE``: the node's name (the chart sets ``spec.nodeName``), in
     ``/stats``, ``/readyz`` and ``/_shardcache/peers``."""
 
+    socket_group: int | None = None
+    """``--socket-group GID``: the unix sockets (``--listen unix://``, ``--handles``) are mode 0660
+    and owned by this group, so only processes in it (the injected sidecars, given it as
+    ``runAsGroup``) and the daemon's own user connect. ``None``: mode 0666, anyone who sees the
+    socket directory connects (a warning in node mode, whose directory is the node's; a sidecar's
+    sockets sit in its pod's own ``emptyDir``, for the pod's containers, whichever user they run as)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
@@ -99,6 +107,8 @@ class ServeSettings:
                 "--auth sigv4 with peers needs --peer-secret-file: open peer links would let any pod read "
                 "through the peer path past the tenant checks"
             )
+        if self.socket_group is not None and not 0 <= self.socket_group <= MAX_GID:
+            raise ValueError(f"--socket-group must be a numeric group id from 0 to {MAX_GID}, not {self.socket_group}")
         if self.handles is not None and _unix_path(self.handles, "--handles", listen=True) is None:
             raise ValueError(f"--handles must be unix:///path.sock (descriptors pass over unix sockets only), not {self.handles!r}")
         if self.handles is not None and self.mode == "sidecar":

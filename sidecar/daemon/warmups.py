@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from cache import Entry, IntegrityError, NoSpace
+from sidecar.daemon.auth.authorizer import Session
 from sidecar.daemon.auth.http import AUTH, caller
 from sidecar.daemon.auth.proofs import InvalidProof, ProofBatch
 from sidecar.daemon.keys import READS, SETTINGS, file_root
@@ -42,7 +43,7 @@ from sidecar.errors import BadRequest, Busy, ChecksumMismatch, NoSuchWarmup, Obj
 from wire.names import ID_RULE, is_id, parse_object_url, validate_bucket, validate_key, validate_xxh3_128, warmup_id
 from wire.web import decode_json_object, read_body
 
-__all__ = ["WARMUPS", "WarmupItem", "WarmupJob", "WarmupManager", "job_id_for", "setup"]
+__all__ = ["WARMUPS", "WarmupItem", "WarmupJob", "WarmupManager", "job_id_for", "owner_of", "setup"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,9 @@ class WarmupJob:
     task: asyncio.Task[None] | None = None
     error: str | None = None
     owner: str = ""
-    """The tenant that asked for it (``--auth sigv4``): the only one who sees or cancels it."""
+    """Who asked for it (``--auth sigv4``, :func:`owner_of`): the only one who sees or cancels it."""
+    tenant: str = ""
+    """The owner's tenant: shares :data:`MAX_RUNNING_PER_TENANT` and is charged for the fills."""
     access: Callable[[], Awaitable[list[BaseException | None]]] | None = None
     """Checks, before any fill, which objects the owner may read (each one's refusal or None)."""
     _samples: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=256))
@@ -201,7 +204,7 @@ class WarmupManager:
     def __init__(self, reads: ReadService, default_concurrency: int) -> None:
         self.reads = reads
         self.default_concurrency = default_concurrency
-        self.jobs: dict[tuple[str, str], WarmupJob] = {}  # by (owner, id): tenants never share ids
+        self.jobs: dict[tuple[str, str], WarmupJob] = {}  # by (owner, id): owners never share ids
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -215,8 +218,8 @@ class WarmupManager:
         running = sum(1 for j in self.jobs.values() if j.state == "running")
         if running >= MAX_RUNNING:
             raise Busy(f"{running} warm-ups are running (max {MAX_RUNNING}); wait for one to finish", retry_after=5)
-        mine = sum(1 for j in self.jobs.values() if j.state == "running" and j.owner == job.owner)
-        if job.owner and mine >= MAX_RUNNING_PER_TENANT:
+        mine = sum(1 for j in self.jobs.values() if j.state == "running" and j.tenant == job.tenant)
+        if job.tenant and mine >= MAX_RUNNING_PER_TENANT:
             # One tenant cannot take every slot of a node the others share.
             raise Busy(f"{mine} of your warm-ups are running (max {MAX_RUNNING_PER_TENANT}); wait for one to finish",
                        retry_after=5)
@@ -333,7 +336,7 @@ class WarmupManager:
             return
         # The manifest's checksum is a claim (sidecar/daemon/claims.py): it refetches only an
         # unverified (or damaged) copy, once; a copy the origin vouched for stays, and the item fails.
-        ctx = ReadContext(item.bucket, item.key, caller=f"warm-up {job.id}", tenant=job.owner,
+        ctx = ReadContext(item.bucket, item.key, caller=f"warm-up {job.id}", tenant=job.tenant,
                           claim=item.xxh3_128.lower() if item.xxh3_128 else None, priority=job.priority,
                           counted=False)
         if not ctx.cacheable:
@@ -388,6 +391,22 @@ class WarmupManager:
 # -- HTTP -----------------------------------------------------------------------------------------
 
 WARMUPS = web.AppKey("warmups", WarmupManager)
+
+
+def owner_of(session: Session | None) -> str:
+    """Who owns the warm-ups a caller creates, and sees and cancels only those: the exact
+    principal STS reports (an assumed role's session name included), ``""`` without ``--auth``.
+
+    Not the tenant (the role): namespaces often share one role (one IRSA role per team or
+    platform), and they would then see and cancel each other's warm-ups. The session name is what
+    tells their pods apart, and it is stable for a job's life: botocore picks it once per
+    credential provider (``AWS_ROLE_SESSION_NAME``, else ``botocore-session-<start time>``) and
+    keeps it across IRSA's hourly refresh, so a sidecar keeps its principal until it restarts.
+    A restarted sidecar is a new owner: the CLI, finding its job gone (404), submits it again,
+    and what the first run cached counts at once. Not the access key either: that one changes at
+    every refresh. Pods that set one ``AWS_ROLE_SESSION_NAME`` for one role share warm-ups.
+    """
+    return session.principal if session is not None else ""
 
 
 def _count(value: Any, what: str, minimum: int, maximum: int | None = None) -> int:
@@ -492,7 +511,7 @@ async def create_handler(request: web.Request) -> web.Response:
         id=parsed.ident or parsed.content_id, items=parsed.items, content_id=parsed.content_id,
         priority=parsed.priority, bandwidth_bytes_per_s=parsed.bandwidth,
         concurrency=parsed.concurrency or manager.default_concurrency,
-        owner=session.tenant if session is not None else "", access=access,
+        owner=owner_of(session), tenant=session.tenant if session is not None else "", access=access,
     )
     job, created = manager.submit(job)
     return web.json_response(job.status(), status=201 if created else 200)
@@ -503,7 +522,7 @@ def _job(request: web.Request) -> WarmupJob:
     if not is_id(ident):
         raise BadRequest(f"warm-up ids are {ID_RULE}")
     session = caller(request)
-    job = request.app[WARMUPS].jobs.get((session.tenant if session is not None else "", ident))
+    job = request.app[WARMUPS].jobs.get((owner_of(session), ident))
     if job is None:
         raise NoSuchWarmup(
             f"no warm-up {ident!r} on this daemon (finished long ago, or the daemon restarted: run the warm-up again)"
@@ -516,8 +535,7 @@ async def get_handler(request: web.Request) -> web.Response:
 
 
 async def list_handler(request: web.Request) -> web.Response:
-    session = caller(request)
-    owner = session.tenant if session is not None else ""
+    owner = owner_of(caller(request))
     jobs = sorted((j for j in request.app[WARMUPS].jobs.values() if j.owner == owner), key=lambda j: j.created)
     return web.json_response({"warmups": [job.status(full=False) for job in jobs]})
 

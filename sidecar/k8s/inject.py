@@ -168,6 +168,13 @@ POD_SOCKET_SIZE = "1Mi"
 # Security `restricted` asks for runAsNonRoot; a numeric user lets the kubelet check it without
 # reading the image.
 RESTRICTED_UID = 65532
+# The group of the node daemon's unix sockets (`shardcache serve --socket-group`, which makes them
+# 0660): the chart's DaemonSet passes it (_helpers.tpl, shardcache.node.socketGroup, the same
+# number), and hostpath-mode sidecars run with it as their group, so that they connect and a
+# container of another user outside it does not, whatever it mounts. Not a group of any usual
+# image (system groups are below 1000, distroless "nonroot" is 65532, "nobody" 65534).
+SOCKET_GID = 8600
+_MAX_GID = 2**32 - 2  # (gid_t)-1 is no group to the kernel
 # The node-local Service of `helm install shardcache charts/shardcache -n shardcache` (the
 # chart passes its own to the webhook).
 DEFAULT_RESTRICTED_UPSTREAM = "tcp://shardcache-local.shardcache.svc:8600"
@@ -322,6 +329,11 @@ class InjectConfig:
     ``docker.io/library/shardcache:1`` are different entries), or a prefix ending in ``/*`` (any
     image under that path), ``:*`` (any tag of that repository) or ``@*`` (any digest of it).
     Empty: only ``image``."""
+    socket_group: int | None = SOCKET_GID
+    """The node daemon's ``--socket-group``: a hostpath-mode sidecar runs with it as its group
+    (``securityContext.runAsGroup``: the sidecar's only, not the pod's ``supplementalGroups``,
+    which would put every container of the pod in it), so that it may connect to the daemon's
+    0660 sockets. None: the sidecar keeps its image's group (a daemon whose sockets are 0666)."""
     master_token_secret: str | None = CHART_MASTER_TOKEN_SECRET
     """Name of a Secret in the pod's own namespace whose key ``token`` the app containers get as
     ``SHARDCACHE_MASTER_TOKEN`` (an optional reference: without that Secret the variable is not
@@ -369,6 +381,14 @@ class InjectConfig:
                 raise InjectionError(f"invalid sidecar environment variable name {shown(name)}")
         for entry in self.allowed_sidecar_images:
             _check_allowed_image(entry)
+        if self.socket_group is not None and (
+            isinstance(self.socket_group, bool) or not isinstance(self.socket_group, int)
+            or not 0 <= self.socket_group <= _MAX_GID
+        ):
+            raise InjectionError(
+                f"invalid socket group {shown(self.socket_group)}: expected the node daemon's --socket-group, a "
+                f"numeric group id from 0 to {_MAX_GID} (the chart's is {SOCKET_GID})"
+            )
         if self.master_token_secret is not None and (
             not isinstance(self.master_token_secret, str) or not _SECRET_NAME_RE.fullmatch(self.master_token_secret)
         ):
@@ -717,6 +737,7 @@ def _inject_template(template: dict[str, Any], config: InjectConfig, where: str,
     sidecar_env = _named_list(sidecar_container, "env", f"{where}container {SIDECAR_NAME}")
     _add_node_env(sidecar_env)
     sidecar_container["env"] = sidecar_env
+    _join_socket_group(sidecar_container, effective, where)
 
     # Our volumes, each only where the sidecar mounts it (and the pod socket for the handles the
     # app containers connect to): a restricted sidecar has no socket mount, so its pod never gets
@@ -799,6 +820,20 @@ def _inject_app_container(container: dict[str, Any], config: InjectConfig, where
             env.append({"name": HANDLES_ENV, "value": _handles_url()})
     _add_node_env(env)
     container["env"] = env
+
+
+def _join_socket_group(sidecar: dict[str, Any], config: InjectConfig, where: str) -> None:
+    """A sidecar that mounts the node's socket directory runs in the sockets' group. Converging:
+    a sidecar injected before the daemon had ``--socket-group`` gets it on the next pass; a group
+    already set (by hand, or a second pass) is left as it is."""
+    mounts = _named_list(sidecar, "volumeMounts", f"{where}container {SIDECAR_NAME}")
+    if config.socket_group is None or not any(m.get("name") == VOLUME_SOCKET for m in mounts):
+        return
+    security = sidecar.get("securityContext")
+    if security is None:
+        security = sidecar["securityContext"] = {}
+    security = _mapping(security, f"{where}container {SIDECAR_NAME} securityContext")
+    security.setdefault("runAsGroup", config.socket_group)
 
 
 def _add_node_env(env: list[dict[str, Any]]) -> None:

@@ -145,7 +145,7 @@ def test_daemonset_contract_mounts_and_probes(rendered: dict[str, list[dict[str,
     assert c["command"] == ["shardcache"]
     assert c["args"] == [
         "--log-level", "INFO", "serve", "--mode", "node",
-        "--listen", "unix:///run/shardcache/daemon.sock", "--listen", "tcp://0.0.0.0:8600",
+        "--listen", "unix:///run/shardcache/daemon.sock", "--socket-group", "8600", "--listen", "tcp://0.0.0.0:8600",
         # node.cluster.enabled (tests/k8s/test_k8s_cluster.py)
         "--peers-dns", "sc-shardcache-node.shardcache.svc.cluster.local", "--advertise-url", "http://$(POD_IP):8600",
         "--peer-secret-file", "/etc/shardcache/peer-secret/secret",

@@ -255,3 +255,14 @@ matchExpressions:
 {{- fail "webhook.tls.secret.caBundle (base64 PEM of the CA that signed the Secret's certificate) is required when webhook.tls.mode is secret" }}
 {{- end }}
 {{- end }}
+
+{{/* The group of the node daemon's unix sockets (shardcache serve --socket-group): node.socketGroup,
+else 8600, the injector's default (sidecar.k8s.inject.SOCKET_GID), which the webhook's sidecars run in. */}}
+{{- define "shardcache.node.socketGroup" -}}
+{{- $group := .Values.node.socketGroup | default 8600 -}}
+{{- if kindIs "float64" $group -}}{{- $group = int64 $group -}}{{- end -}}{{/* YAML numbers: 1e+06 otherwise */}}
+{{- if not (regexMatch "^[0-9]{1,10}$" (toString $group)) -}}
+{{- fail (printf "node.socketGroup must be a numeric group id such as 8600, not %v" $group) -}}
+{{- end -}}
+{{- toString $group -}}
+{{- end }}

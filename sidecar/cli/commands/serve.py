@@ -77,6 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--upstream-handles", default=None, metavar="unix:///PATH.sock",
              help="the node daemon's --handles socket, for --mode sidecar --handles (default: handles.sock next to "
                   "the --upstream unix socket)")
+    add_flag(parser, "--socket-group", default=None, metavar="GID",
+             help="the unix sockets (--listen unix://, --handles) are mode 0660 and owned by this numeric group: "
+                  "only the daemon's user and that group connect (the chart passes it, the injector runs the "
+                  "sidecars in it); default: mode 0666, with a warning in node mode")
     add_flag(parser, "--part-size", default="8MiB", help="bytes per ranged GET to the origin")
     add_flag(parser, "--parts-per-object", default="8", help="ranged GETs in flight per object")
     add_flag(parser, "--origin-concurrency", default="32", help="origin requests in flight in total")
@@ -136,6 +140,18 @@ def _tenant_quota(value: str | None) -> int | None:
     if quota <= 0:
         raise UserError(f"--tenant-quota must be a positive size such as 50GiB, not {value!r}; leave it out for no quota")
     return quota
+
+
+def _socket_group(value: str | None) -> int | None:
+    from sidecar.daemon.settings import MAX_GID
+
+    if value is None or not str(value).strip():
+        return None  # SHARDCACHE_SOCKET_GROUP= (empty) means none too
+    raw = str(value).strip()
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_GID:
+        # Numeric only: a name means nothing across containers, whose /etc/group files differ.
+        raise UserError(f"--socket-group must be a numeric group id (0 to {MAX_GID}) such as 8600, not {value!r}")
+    return int(raw)
 
 
 def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -216,6 +232,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         upstream_handles=upstream_handles,
         cluster=cluster,
         node=args.node or None,
+        socket_group=_socket_group(args.socket_group),
     )
 
 

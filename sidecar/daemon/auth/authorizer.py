@@ -15,8 +15,10 @@ alike (one role, one session name) may differ in what they may read: a session p
 tags, a source identity. Each such session has its own temporary credentials (a new session
 policy means a new AssumeRole, so a new access key id), so neither ever uses the other's
 decisions. ``tenant``, the principal with an assumed role's session name dropped
-(``arn:aws:iam::123456789012:role/trainer``), stable across IRSA's hourly key rotation, owns
-warm-ups, counts for ``--tenant-quota`` and bounds what this daemon keeps for a caller.
+(``arn:aws:iam::123456789012:role/trainer``), stable across IRSA's hourly key rotation, counts for
+``--tenant-quota``, shares the warm-up slots and bounds what this daemon keeps for a caller.
+Warm-ups belong to the exact ``principal`` (:func:`sidecar.daemon.warmups.owner_of`): namespaces
+that share a role have different session names, and must not see each other's.
 
 Bounds: sessions and decisions are kept per tenant (at most ``max_sessions_per_tenant`` and
 ``max_decisions_per_tenant``, the tenant's oldest dropped first) and in all (``max_sessions``,

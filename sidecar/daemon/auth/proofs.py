@@ -16,10 +16,11 @@ URL the pod sends, so a proof cannot point the daemon elsewhere), with the same 
   GET was allowed, there is no byte to return;
 * listing: ``GET /{bucket}?list-type=2&max-keys=0&prefix={prefix}`` (``s3:ListBucket``, with the
   prefix a policy's ``s3:prefix`` condition sees);
-* who the caller is: STS ``GetCallerIdentity`` (a form POST), with the daemon's ``audience`` as a
-  signed header, so the proof is good for that daemon only; or, with ``--auth-identity
+* who the caller is: STS ``GetCallerIdentity`` (a form POST); or, with ``--auth-identity
   access-key``, S3 ``ListBuckets`` (``GET /``), whose answer says the signature is good even when
-  it is ``AccessDenied``.
+  it is ``AccessDenied``. Either with the daemon's ``audience`` as a signed header, so the proof is
+  good for that daemon only: one captured at another daemon (a log, a hostile pod on that node)
+  opens no session here, because this daemon rebuilds the request with its own audience.
 
 Signed headers are fixed: ``host;x-amz-content-sha256;x-amz-date`` (``host;range;...`` for an
 object, plus ``x-amz-security-token`` for temporary credentials), so an object proof travels as one short
@@ -271,7 +272,14 @@ def identity_request(target: Target, date: str, token: str | None) -> tuple[str,
         if token:
             headers["x-amz-security-token"] = token
         return "POST", url, headers, STS_BODY
-    return "GET", url, _signed_headers(url, date, token), b""
+    signed = _signed_headers(url, date, token)
+    # S3 checks a signed header's value and acts on none it does not know: the audience binds the
+    # proof to one daemon as for STS. A daemon before issue 29 (it publishes no object_proof, read
+    # as HEAD) rebuilt ListBuckets without it, and a newer sidecar signs what that one replays;
+    # every daemon of this version builds its own Target, so it always asks for the audience.
+    if target.object_proof == "GET":
+        signed[AUDIENCE_HEADER] = target.audience
+    return "GET", url, signed, b""
 
 
 def prove_identity(creds: Credentials, target: Target, date: str) -> dict[str, Any]:
