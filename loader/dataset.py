@@ -13,7 +13,8 @@ from wire.dataset import MANIFEST_NAME, MAX_MANIFEST_BYTES, DatasetURL
 from wire.errors import EmptyManifest, InvalidName
 from wire.errors import ManifestError as WireManifestError
 
-__all__ = ["DatasetURL", "Shard", "parse_dataset_url", "check_key", "parse_manifest", "MANIFEST_NAME", "MAX_MANIFEST_BYTES"]
+__all__ = ["DatasetURL", "Shard", "parse_dataset_url", "check_key", "parse_manifest", "parse_index", "MANIFEST_NAME",
+           "MAX_MANIFEST_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,17 @@ def parse_manifest(data: bytes, where: str) -> list[Shard]:
     one that lists no shards a DatasetNotFound: there is nothing to train on)."""
     try:
         entries = wire_dataset.parse_manifest(data, where)
+    except EmptyManifest as exc:
+        raise DatasetNotFound(str(exc)) from None
+    except WireManifestError as exc:
+        raise ManifestError(str(exc)) from None
+    return [Shard(i, e.key, e.size, e.xxh3_128, e.samples) for i, e in enumerate(entries)]
+
+
+def parse_index(data: bytes, where: str, location: DatasetURL) -> list[Shard]:
+    """A manifest or a wids shard index (``wids-shard-index-v1``) of the dataset at ``location``."""
+    try:
+        entries = wire_dataset.parse_index(data, where, location.url)
     except EmptyManifest as exc:
         raise DatasetNotFound(str(exc)) from None
     except WireManifestError as exc:

@@ -1,5 +1,9 @@
 """Samples by index: sample ``i`` of a dataset of tar shards, read through the node cache.
 
+The dataset is a prefix (its ``manifest.json``, else a listing) or an index at a prefix named by
+its URL (``s3://bucket/train/shardindex.json``): a manifest, or webdataset's ``wids`` shard index
+(``wids-shard-index-v1``), so a dataset indexed by either tool works with both.
+
 :class:`ShardIndex` is the framework-neutral half of map-style datasets (``loader.torch``'s
 ``ShardMapDataset``, a ``tf.data`` pipeline of indices): ``len()`` is the dataset's sample count,
 from the per-shard counts its manifest keeps (``shardcache index`` writes them), and
@@ -39,8 +43,8 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
-from loader.dataset import DatasetURL, Shard, parse_dataset_url
-from loader.errors import ConfigError, CorruptShard, ManifestError
+from loader.dataset import DatasetURL, Shard, parse_dataset_url, parse_index
+from loader.errors import ConfigError, CorruptShard, DatasetNotFound, ManifestError
 from loader.settings import LoaderSettings
 from loader.sources import Reader, Source, make_source, resolve_shards
 from loader.tar import MemberLog, iter_samples
@@ -81,7 +85,10 @@ class ShardIndex:
     ) -> None:
         base = settings if settings is not None else LoaderSettings.from_env()
         self.settings = replace(base, endpoint=endpoint) if endpoint is not None else base
-        self.location: DatasetURL = parse_dataset_url(url)
+        # A URL naming a .json is an index at the dataset's prefix: a manifest, or a wids index.
+        prefix, _, name = url.rpartition("/")
+        self.index_name = name if name.endswith(".json") else None
+        self.location: DatasetURL = parse_dataset_url(prefix + "/" if self.index_name else url)
         if max_open_shards < 1:
             raise ConfigError(f"max_open_shards must be at least 1, not {max_open_shards}")
         self.max_open_shards = max_open_shards
@@ -89,7 +96,7 @@ class ShardIndex:
         self._source: Source | None = None
         self._open: OrderedDict[int, _Open] = OrderedDict()
         self._lock = threading.Lock()
-        self.shards: list[Shard] = resolve_shards(self._get_source())
+        self.shards: list[Shard] = self._resolve()
         missing = [s.key for s in self.shards if s.samples is None]
         if missing:
             raise ManifestError(
@@ -97,6 +104,16 @@ class ShardIndex:
                 "index need the count of every shard; write the manifest with `shardcache index` (it counts them)"
             )
         self._ends = list(accumulate(s.samples or 0 for s in self.shards))
+
+    def _resolve(self) -> list[Shard]:
+        source = self._get_source()
+        if self.index_name is None:
+            return resolve_shards(source)
+        where = self.location.object_url(self.index_name)
+        data = source.read_manifest(self.index_name)
+        if data is None:
+            raise DatasetNotFound(f"{where}: no such index (write one with `shardcache index --wids NAME`)")
+        return parse_index(data, where, self.location)
 
     # -- pickling: a copy in another process opens its own --
 

@@ -60,7 +60,9 @@ class Source(Protocol):
         ``on_sent``: a source may call it once its request is on its way, before the answer."""
         ...
 
-    def read_manifest(self) -> bytes | None: ...
+    def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
+        """The dataset's manifest (or another index at the prefix: ``name``); None when absent."""
+        ...
 
     def list_objects(self) -> Iterator[ListedObject]: ...
 
@@ -177,15 +179,15 @@ class FileSource:
         except OSError as exc:
             raise SourceError(f"{self.location.url}{shard.key}: {exc.strerror or exc}") from exc
 
-    def read_manifest(self) -> bytes | None:
-        path = os.path.join(self._base, MANIFEST_NAME)
+    def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
+        path = self._path(name)
         try:
             with open(path, "rb") as handle:
                 return handle.read(MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise SourceError(f"{self.location.url}{MANIFEST_NAME}: {exc.strerror or exc}") from exc
+            raise SourceError(f"{self.location.url}{name}: {exc.strerror or exc}") from exc
 
     def list_objects(self) -> Iterator[ListedObject]:
         if not os.path.isdir(self._base):
@@ -281,12 +283,12 @@ class S3Source:
 
         return _Resuming(open_at, self.location.url + shard.key, self._settings, self._retryable)
 
-    def read_manifest(self) -> bytes | None:
+    def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
         try:
-            reader, _ = self._get(MANIFEST_NAME)
+            reader, _ = self._get(name)
         except ShardNotFound:
             return None
-        with self._errors(self.location.url + MANIFEST_NAME):
+        with self._errors(self.location.url + name):
             try:
                 return reader.read(MAX_MANIFEST_BYTES + 1)
             finally:
@@ -481,9 +483,9 @@ class DaemonSource:
 
         return _Resuming(open_at, what, self._settings, RETRYABLE_HTTP)
 
-    def read_manifest(self) -> bytes | None:
+    def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
         try:
-            return self._client.get_small(self._bucket, self._prefix + MANIFEST_NAME)
+            return self._client.get_small(self._bucket, self._prefix + name)
         except ShardNotFound as exc:
             raise DatasetNotFound(f"{self.location.url}: {exc}") from exc
 

@@ -55,9 +55,10 @@ from typing import Any
 import tensorflow as tf
 
 from loader.errors import ConfigError
+from loader.shardindex import ShardIndex
 from loader.shardloader import ShardLoader
 
-__all__ = ["dataset", "loader_of", "checkpoint_state", "LoaderState"]
+__all__ = ["dataset", "indexed_dataset", "loader_of", "checkpoint_state", "LoaderState"]
 
 _STATE_KIND = "shardcache-tf"
 _ATTRIBUTE = "_shardcache_loader"  # on the dataset dataset() returns: its ShardLoader
@@ -154,6 +155,47 @@ def dataset(
         ds = ds.with_options(options)
     setattr(ds, _ATTRIBUTE, loader)
     return ds
+
+
+def indexed_dataset(
+    url: str,
+    *,
+    fields: Sequence[str],
+    indices: Sequence[int] | None = None,
+    **index_args: Any,
+) -> tf.data.Dataset:
+    """Samples by index as a ``tf.data`` pipeline: ``from_tensor_slices(indices).map(lookup)``,
+    each element ``{"__key__": tf.string, field: tf.string, ...}`` of sample ``i`` of the dataset
+    (:class:`~loader.ShardIndex`, with ``index_args``: ``endpoint``, ``settings``...).
+
+    ``indices``: which samples, in which order (default: all, in the dataset's order); shuffle or
+    shard them before (``np.random.default_rng(seed).permutation(n)``, every ``world_size``-th
+    for a rank) rather than ``shuffle`` the samples after: the samples are then never buffered.
+    The map may run in parallel (``num_parallel_calls``); each lookup holds the GIL while it
+    copies its sample out of the shard's mapping."""
+    if not fields:
+        raise ConfigError("give fields=('jpg', 'cls', ...): the members each element carries")
+    index = ShardIndex(url, **index_args)
+    names = ["__key__", *[f for f in fields if f != "__key__"]]
+
+    def lookup(i: Any) -> list[bytes]:
+        sample = index.sample(int(i.numpy()))
+        try:
+            return [sample[name] if name != "__key__" else sample[name].encode() for name in names]
+        except KeyError as exc:
+            raise ConfigError(
+                f"sample {sample.get('__key__')!r} of {sample.get('__url__')} has no field {exc.args[0]!r} (it has "
+                f"{sorted(k for k in sample if not k.startswith('__'))}); choose fields= that every sample has"
+            ) from None
+
+    def fetch(i: Any) -> dict[str, Any]:
+        values = tf.py_function(lookup, [i], Tout=[tf.string] * len(names))
+        return {name: tf.ensure_shape(value, ()) for name, value in zip(names, values, strict=True)}
+
+    chosen = list(range(len(index))) if indices is None else [int(i) for i in indices]
+    for i in chosen:
+        index.locate(i)  # an index out of range fails here, with the dataset's size, not in a tf.data thread
+    return tf.data.Dataset.from_tensor_slices(tf.constant(chosen, dtype=tf.int64)).map(fetch)
 
 
 def loader_of(ds: tf.data.Dataset) -> ShardLoader:

@@ -10,6 +10,15 @@ format, written by ``shardcache index``, read by the CLI and by trainers)::
 Keys are relative to the dataset prefix; ``size``, ``xxh3_128`` and ``samples`` may be null or
 absent. The writer emits lower-case digests; the reader accepts either case and normalises.
 
+The webdataset project's indexed reader (``wids``) has a shard index of its own, the same facts
+in another shape, read and written here too (:func:`parse_wids_index`, :func:`wids_index_bytes`)::
+
+    {"__kind__": "wids-shard-index-v1", "wids_version": 1,
+     "shardlist": [{"url": "train-000000.tar", "nsamples": 100, "filesize": 123}, ...]}
+
+Its ``url`` is relative to the index's own location (here, the dataset prefix: an absolute URL
+must lie under it); sub-datasets (``datasets``, ``source_url``) are not read.
+
 Problems are :class:`~wire.errors.InvalidName` (the URL) and :class:`~wire.errors.ManifestError`
 (the manifest, :class:`~wire.errors.EmptyManifest` when it lists no shards); each side wraps them
 into its own errors at its boundary.
@@ -17,6 +26,7 @@ into its own errors at its boundary.
 
 from __future__ import annotations
 
+import json
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +39,10 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
+    "WIDS_KIND",
+    "parse_index",
+    "parse_wids_index",
+    "wids_index_bytes",
     "MAX_MANIFEST_BYTES",
     "DatasetURL",
     "ManifestShard",
@@ -182,3 +196,92 @@ def _opt_count(value: Any, where: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ManifestError(f"{where} must be a non-negative integer or null, not {value!r}")
     return value
+
+
+WIDS_KIND = "wids-shard-index-v1"
+"""The ``__kind__`` of a wids shard index (webdataset's ``wids``)."""
+
+
+def parse_index(data: bytes, where: str, dataset_url: str) -> list[ManifestShard]:
+    """A manifest or a wids shard index (told apart by its fields), as manifest entries."""
+    head = data[:4096]
+    if b'"__kind__"' in head or b'"wids_version"' in head or b'"shardlist"' in head:
+        return parse_wids_index(data, where, dataset_url)
+    return parse_manifest(data, where)
+
+
+def parse_wids_index(data: bytes, where: str, dataset_url: str) -> list[ManifestShard]:
+    """A wids shard index of the dataset at ``dataset_url`` (where the index lies) as manifest
+    entries: key from ``url``, ``samples`` from ``nsamples``, ``size`` from ``filesize``; no
+    checksum (wids' ``md5sum`` is not the loader's xxh3-128). Every problem is one ManifestError."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = jsontext.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: a wids shard index is a JSON object with a shardlist")
+    kind = doc.get("__kind__", WIDS_KIND)
+    if kind != WIDS_KIND or doc.get("wids_version", 1) != 1:
+        raise ManifestError(f"{where}: unsupported wids index (__kind__ {str(kind)[:60]!r}, wids_version "
+                            f"{str(doc.get('wids_version'))[:20]!r}); this shardcache reads {WIDS_KIND}, wids_version 1")
+    if doc.get("datasets"):
+        raise ManifestError(f"{where}: a wids index with sub-datasets ('datasets') is not read here: index each "
+                            "dataset prefix on its own (`shardcache index --wids`) and read them separately")
+    entries = doc.get("shardlist")
+    if not isinstance(entries, list):
+        raise ManifestError(f"{where}: 'shardlist' must be a list of {{url, nsamples}} objects")
+    if not entries:
+        raise EmptyManifest(f"{where}: the wids index lists no shards; run `shardcache index --wids` on the dataset")
+    base = doc.get("base")
+    if base is not None and (not isinstance(base, str) or base.rstrip("/") + "/" != dataset_url):
+        raise ManifestError(f"{where}: its 'base' {str(base)[:200]!r} is not the dataset prefix {dataset_url}: keep "
+                            "the index next to its shards")
+    shards: list[ManifestShard] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        at = f"{where}: shardlist[{i}]"
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{at} must be an object")
+        url = entry.get("url")
+        if not isinstance(url, str) or not url:
+            raise ManifestError(f"{at}.url must be the shard's URL, relative to the index")
+        if url.startswith(("/", "file:")):  # a local path (wids writes them as given) or file URL
+            base = urllib.parse.unquote(urllib.parse.urlsplit(dataset_url).path) if dataset_url.startswith("file:") else None
+            path = urllib.parse.unquote(urllib.parse.urlsplit(url).path) if url.startswith("file:") else url
+            if base is None or not path.startswith(base):
+                raise ManifestError(f"{at}.url {url[:200]!r} is not under the dataset prefix {dataset_url}")
+            url = path[len(base):]
+        elif "://" in url:
+            if not url.startswith(dataset_url):
+                raise ManifestError(f"{at}.url {url[:200]!r} is not under the dataset prefix {dataset_url}")
+            url = url[len(dataset_url):]
+        key = check_key(url, at)
+        if key in seen:
+            raise ManifestError(f"{at}: shard {key!r} is listed twice")
+        seen.add(key)
+        samples = _opt_count(entry.get("nsamples"), f"{at}.nsamples")
+        if samples is None:
+            raise ManifestError(f"{at}.nsamples is required (the shard's sample count)")
+        shards.append(ManifestShard(key, _opt_count(entry.get("filesize"), f"{at}.filesize"), None, samples))
+    return shards
+
+
+def wids_index_bytes(shards: list[ManifestShard], name: str | None = None) -> bytes:
+    """A wids shard index of ``shards`` (each with its sample count), URLs relative to the prefix."""
+    listed = []
+    for shard in shards:
+        if shard.samples is None:
+            raise ManifestError(f"{shard.key}: a wids index needs every shard's sample count")
+        item: dict[str, Any] = {"url": shard.key, "nsamples": shard.samples}
+        if shard.size is not None:
+            item["filesize"] = shard.size
+        listed.append(item)
+    doc: dict[str, Any] = {"__kind__": WIDS_KIND, "wids_version": 1, "shardlist": listed}
+    if name:
+        doc["name"] = name
+    # One shard per line, as the manifest: diffable, greppable, and still plain JSON.
+    head = {k: v for k, v in doc.items() if k != "shardlist"}
+    lines = ",\n  ".join(json.dumps(item) for item in listed)
+    return (json.dumps(head)[:-1] + ', "shardlist": [\n  ' + lines + "\n]}\n").encode()

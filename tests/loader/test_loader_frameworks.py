@@ -116,3 +116,25 @@ def test_tf_dataset(dataset: tuple[str, Written]) -> None:
 
 def _shard_of(written: Written, key: str) -> str:
     return next(shard for shard, k in written.samples if k == key)
+
+
+def test_tf_samples_by_index(dataset: tuple[str, Written]) -> None:
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+
+    import loader.tf
+
+    url, written = dataset
+    order = [(shard, key) for shard in written.keys for key in written.order[shard]]
+    picked = np.random.default_rng(3).permutation(len(order))[:20]
+    ds = loader.tf.indexed_dataset(url, fields=("jpg", "cls"), indices=picked, endpoint="")
+    got = list(ds.map(lambda e: e, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).as_numpy_iterator())
+    assert [e["__key__"].decode() for e in got] == [order[i][1] for i in picked]
+    for element, i in zip(got, picked, strict=True):
+        assert element["jpg"] == written.samples[order[i]]["jpg"] and element["cls"] == written.samples[order[i]]["cls"]
+    everything = loader.tf.indexed_dataset(url, fields=("cls",), endpoint="")
+    assert sum(1 for _ in everything) == written.total()
+    with pytest.raises(IndexError):
+        loader.tf.indexed_dataset(url, fields=("cls",), indices=[len(order)], endpoint="")
+    with pytest.raises(ConfigError, match="fields="):
+        loader.tf.indexed_dataset(url, fields=())

@@ -167,3 +167,85 @@ def test_distributed_sampler_and_dataloader_workers_see_every_index_once(dataset
         assert sorted(set(per_epoch)) == sorted(in_order(written)) and len(per_epoch) == len(ds) + padding
         seen.extend(per_epoch)
     assert len(seen) == 2 * (len(ds) + (-len(ds)) % world)
+
+
+# -- wids interop: a dataset indexed by either tool works with both ----------------------------------
+
+
+def _index_cli(url: str, *extra: str) -> dict[str, Any]:
+    import subprocess
+
+    from tests.support.processes import PYTHON, REPO
+
+    out = subprocess.run([PYTHON, "-m", "sidecar.cli", "index", url, "--json", "--quiet", *extra], capture_output=True,
+                         text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_shardcache_index_writes_a_wids_index_that_wids_reads(tmp_path: Path) -> None:
+    wids = pytest.importorskip("wids", reason="wids is a test dependency (pip install wids)")
+    written = write_shards(tmp_path / "root" / "b" / "ds", shards=3, per_shard=6)
+    url = f"file://{tmp_path}/root/b/ds/"
+    result = _index_cli(url, "--wids", "shardindex.json")
+    assert result["wids"].endswith("shardindex.json")
+    doc = json.loads((written.root / "shardindex.json").read_text())
+    assert doc["__kind__"] == "wids-shard-index-v1" and [s["url"] for s in doc["shardlist"]] == written.keys
+    theirs = wids.ShardListDataset(str(written.root / "shardindex.json"), cache_dir=str(tmp_path / "wids-cache"),
+                                   transformations=[])
+    ours = ShardIndex(url + "shardindex.json", endpoint="")
+    assert len(theirs) == len(ours) == written.total()
+    for i in (0, 7, len(ours) - 1):
+        mine, wid = ours.sample(i), theirs[i]
+        assert mine["__key__"] == wid["__key__"]
+        # wids hands each member over as a BytesIO.
+        assert {"." + k: v for k, v in mine.items() if not k.startswith("__")} == {
+            k: v.getvalue() for k, v in wid.items() if k.startswith(".")}
+
+
+def test_a_wids_index_written_by_wids_is_read(tmp_path: Path) -> None:
+    pytest.importorskip("wids", reason="wids is a test dependency (pip install wids)")
+    import subprocess
+    import sys
+
+    written = write_shards(tmp_path / "root" / "b" / "ds", shards=2, per_shard=4)
+    index = written.root / "wids.json"
+    # wids' own tool, with absolute paths as its users give them.
+    made = subprocess.run([sys.executable, "-c", "import sys; from wids.wids_index import main; sys.exit(main())",
+                           "create", "-o", str(index), *[str(written.root / k) for k in written.keys]],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    ours = ShardIndex(f"file://{tmp_path}/root/b/ds/wids.json", endpoint="")
+    assert [s.key for s in ours.shards] == written.keys and len(ours) == written.total()
+    assert ident(ours.sample(len(ours) - 1)) == in_order(written)[-1]
+
+
+@pytest.mark.parametrize("doc, said", [
+    ({"__kind__": "wids-shard-index-v2", "wids_version": 1, "shardlist": [{"url": "a.tar", "nsamples": 1}]}, "unsupported"),
+    ({"wids_version": 1, "shardlist": [{"url": "../escape.tar", "nsamples": 1}]}, "shardlist[0]"),
+    ({"wids_version": 1, "shardlist": [{"url": "s3://other/x.tar", "nsamples": 1}]}, "not under the dataset"),
+    ({"wids_version": 1, "shardlist": [{"url": "/etc/passwd", "nsamples": 1}]}, "not under the dataset"),
+    ({"wids_version": 1, "shardlist": [{"url": "a.tar"}]}, "nsamples is required"),
+    ({"wids_version": 1, "shardlist": [{"url": "a.tar", "nsamples": -1}]}, "nsamples"),
+    ({"wids_version": 1, "shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "a.tar", "nsamples": 1}]}, "twice"),
+    ({"wids_version": 1, "shardlist": [], "datasets": [{"source_url": "http://x/y.json"}]}, "sub-datasets"),
+    ({"wids_version": 1, "shardlist": "a.tar"}, "must be a list"),
+])
+def test_hostile_wids_indexes_are_refused_with_the_reason(tmp_path: Path, doc: dict[str, Any], said: str) -> None:
+    root = tmp_path / "root" / "b" / "ds"
+    root.mkdir(parents=True)
+    (root / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match=said.replace("[", r"\[").replace("]", r"\]")):
+        ShardIndex(f"file://{tmp_path}/root/b/ds/bad.json", endpoint="")
+
+
+def test_index_refuses_a_wids_name_that_is_not_a_file_beside_the_shards(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.support.processes import PYTHON, REPO
+
+    write_shards(tmp_path / "root" / "b" / "ds", shards=1, per_shard=2)
+    for name in ("sub/x.json", "x.txt", "manifest.json"):
+        out = subprocess.run([PYTHON, "-m", "sidecar.cli", "index", f"file://{tmp_path}/root/b/ds/", "--wids", name],
+                             capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode != 0 and "--wids takes a file name" in out.stderr, (name, out.stderr)

@@ -27,7 +27,7 @@ from sidecar.cli.datasets import (
 )
 from sidecar.cli.progress import Display, Progress, ProgressLine, RateMeter, format_bytes
 from sidecar.cli.util import EXIT_FAILED, EXIT_OK, RawDefaultsFormatter, UserError, add_flag
-from wire.dataset import MANIFEST_NAME, parse_dataset_url, parse_manifest
+from wire.dataset import MANIFEST_NAME, ManifestShard, parse_dataset_url, parse_manifest, wids_index_bytes
 
 __all__ = ["register", "run", "scan_all"]
 
@@ -41,6 +41,9 @@ examples:
 
   # write the manifest somewhere else (S3, file:// or a local path; - for stdout)
   shardcache index s3://bucket/train/ --output /tmp/manifest.json
+
+  # also a wids shard index (webdataset's indexed reader, wids.ShardListDataset) next to it
+  shardcache index s3://bucket/train/ --wids shardindex.json
 
   # re-check the objects against the existing manifest; exits 1 and lists every mismatch
   shardcache index s3://bucket/train/ --verify
@@ -66,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--output", default=None, metavar="WHERE",
              help="where to write the manifest (s3://..., file://..., a path, or - for stdout); "
              "default URL/manifest.json. With --verify: the manifest to check")
+    add_flag(parser, "--wids", default=None, metavar="NAME",
+             help="also write a wids shard index (wids-shard-index-v1: url, nsamples, filesize) as URL/NAME, for "
+             "wids.ShardListDataset and loader.ShardIndex(URL/NAME)")
     add_flag(parser, "--verify", action="store_true", default=False,
              help="re-check the objects against the existing manifest and report every mismatch; write nothing")
     add_flag(parser, "--jobs", default="8", metavar="N", help="shards read in parallel")
@@ -94,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     jobs = _jobs(args.jobs)
     target = args.output or dataset.object_url(MANIFEST_NAME)
+    wids_target = _wids_target(args.wids, dataset.object_url) if args.wids else None  # checked before any read
     with dataset_errors():
         store = open_store(dataset, args.s3_endpoint)
         listing = store.list()
@@ -125,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         doc = build_manifest(found)
         data = manifest_bytes(doc)
+        wids_where: str | None = None
         if target == "-":
             sys.stdout.write(data.decode())
             sys.stdout.flush()
@@ -134,13 +142,31 @@ def run(args: argparse.Namespace) -> int:
                 where = write_object(target, data, args.s3_endpoint)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
+        if wids_target is not None:
+            listed = [ManifestShard(s["key"], s["size"], None, s["samples"]) for s in doc["shards"]]
+            try:
+                wids_where = write_object(wids_target, wids_index_bytes(listed), args.s3_endpoint)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            if not args.json:
+                print(f"wids shard index -> {wids_where}", file=sys.stderr if target == "-" else sys.stdout)
     samples = sum(info.samples or 0 for info in found)
     size = sum(info.size for info in found)
     if args.json and target != "-":
-        print(json.dumps({"ok": True, "manifest": where, "shards": len(found), "samples": samples, "bytes": size}))
+        print(json.dumps({"ok": True, "manifest": where, "shards": len(found), "samples": samples, "bytes": size,
+                          **({"wids": wids_where} if wids_where else {})}))
     elif target != "-":
         print(f"indexed {len(found)} shards, {samples} samples, {format_bytes(size)} -> {where}")
     return EXIT_OK
+
+
+def _wids_target(name: str, object_url: Any) -> str:
+    """Where ``--wids NAME`` goes: a file name at the dataset prefix (wids reads shard URLs
+    relative to its index, so the index lies beside them)."""
+    if "/" in name or not name.endswith(".json") or name == MANIFEST_NAME:
+        raise UserError(f"--wids takes a file name ending in .json other than {MANIFEST_NAME}, written at the dataset "
+                        f"prefix beside the shards (wids reads their URLs relative to it), not {name!r}")
+    return str(object_url(name))
 
 
 def _report_verify(args: argparse.Namespace, url: str, target: str, expected: list[Any], problems: list[Any]) -> int:
