@@ -54,7 +54,7 @@ __all__ = ["ShardIndex"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPEN_SHARDS = 8
+DEFAULT_OPEN_SHARDS = 64
 """Shards a process keeps open (mapped, or in memory when the source gives no file)."""
 
 
@@ -165,6 +165,13 @@ class ShardIndex:
         for n, (shard, _) in enumerate(located):
             by_shard.setdefault(shard.index, []).append(n)
         out: list[dict[str, Any]] = [{} for _ in located]
+        with self._lock:
+            cold = [located[positions[0]][0] for index, positions in by_shard.items() if index not in self._open]
+        if len(cold) > 1:
+            # The batch's other shards fill while the first is read (the daemon's prefetch hints;
+            # nothing for a local file). Only this batch's: a random reader never asks the cache
+            # for more than it is about to read.
+            self._get_source().prefetch(cold[1:])
         for positions in by_shard.values():
             opened = self._shard(located[positions[0]][0])
             for n in positions:

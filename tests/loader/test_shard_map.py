@@ -143,6 +143,32 @@ def test_through_the_node_cache_over_http_and_by_descriptor(node: tuple[str, Wri
     assert int(served["hit"]) + int(served["miss"]) == over_http_bytes
 
 
+def test_a_batch_hints_its_cold_shards_and_nothing_more(node: tuple[str, Written, str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampler's batch over three cold shards asks the daemon for those three (the first by its
+    read, the other two as prefetch hints, filled while the first is read), and no other; a batch
+    of shards already open hints nothing."""
+    url, written, endpoint, _ = node
+    index = ShardIndex(url, endpoint=endpoint, settings=LoaderSettings(short_circuit=False))
+    source = index._get_source()
+    hinted: list[list[str]] = []
+    real = source.prefetch
+
+    def spy(shards: Any) -> None:
+        hinted.append([s.key for s in shards])
+        real(shards)
+
+    monkeypatch.setattr(source, "prefetch", spy)
+    per = len(written.order[written.keys[0]])
+    batch = [0, per, 2 * per, 1, per + 1]
+    assert [ident(s) for s in index.samples(batch)] == [in_order(written)[i] for i in batch]
+    assert hinted == [[written.keys[1], written.keys[2]]]
+    index.samples([2, per + 2, 2 * per + 2])
+    assert len(hinted) == 1
+    wait_until(lambda: int(_stats(endpoint)["fills_in_flight"]) == 0, timeout=30, what="fills published")
+    assert _stats(endpoint)["cache"]["items"] == 3  # the batch's three shards, not the dataset's six
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_distributed_sampler_and_dataloader_workers_see_every_index_once(dataset: tuple[str, Written], workers: int) -> None:
     import torch.utils.data

@@ -1,0 +1,322 @@
+"""``python -m bench.random_bench``: samples by index (issue 31) against the indexed readers users
+would pick instead, in one run.
+
+One dataset of WebDataset shards on a moto S3 server behind the latency proxy (20 ms per request,
+as the suite), read in one seeded random order of sample indices (a shuffled sampler's), twice:
+cold (nothing cached anywhere) and warm (the same order again). Readers, each in a process of its
+own, with its own empty cache:
+
+- ``shardcache``: ``loader.ShardIndex`` (what ``ShardMapDataset`` reads by) through a node daemon
+  with short-circuit by handle, the dataset's manifest with sample counts, one sample at a time;
+  ``shardcache_batched``: the same in batches of 64 (``ShardIndex.samples``, what a DataLoader's
+  ``__getitems__`` calls), the batch's cold shards hinted to the daemon together;
+- ``wids``: webdataset's ``wids.ShardListDataset`` with its local cache, on the wids shard index
+  ``shardcache index --wids`` wrote (its shards fetched with curl over HTTP through the proxy);
+- ``streaming``: mosaicml-streaming ``StreamingDataset.__getitem__`` on the same samples
+  converted to MDS with its ``MDSWriter``, its local cache.
+
+Figures per pass: samples/s, time to the first sample (cold: against one ranged GET of a sample's
+size through the proxy, measured in the same run), CPU seconds per GB of samples (the reader's
+process, plus the daemon's for shardcache), and bytes fetched from the origin per sample (the
+daemon's origin reads; the peers' downloaded files). LitData is not in the run: it does not
+install here next to the pinned packages.
+
+Writes ``bench/results/random.json`` (``random-quick.json`` with ``--quick``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    RESULTS_DIR,
+    fmt_size,
+    log_line,
+    machine_facts,
+    make_samples,
+    pack_shards,
+    parse_size,
+    spawn,
+    write_results,
+)
+from bench.latency_proxy import LatencyProxy
+from bench.peers_common import convert_to_mds, env_for_streaming, import_streaming, upload_dir
+from bench.servers import MotoServer, ServeProcess
+
+BUCKET = "bench"
+PREFIX = "random/"
+MDS_PREFIX = "random-mds/"
+READERS = ("shardcache", "shardcache_batched", "wids", "streaming")
+BATCH = 64
+"""Samples per batch of the ``shardcache_batched`` reader: ``ShardIndex.samples`` (what
+``ShardMapDataset.__getitems__`` calls with a DataLoader's batch)."""
+WIDS_INDEX = "shardindex.json"
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _proc_cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _dir_bytes(root: str) -> int:
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file() and not p.name.endswith((".lock", ".db")))
+
+
+# -- the reader processes ---------------------------------------------------------------------------
+
+
+def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
+    """(lookup of sample i -> its payload bytes, origin bytes so far)."""
+    kind = spec["reader"]
+    if kind.startswith("shardcache"):
+        from loader import LoaderSettings, ShardIndex
+
+        index = ShardIndex(f"s3://{BUCKET}/{PREFIX}", endpoint=spec["daemon"],
+                           settings=LoaderSettings(handles=spec["handles"]))
+
+        def origin_bytes() -> int:
+            import urllib.request
+
+            with urllib.request.urlopen(spec["daemon"] + "/_shardcache/stats", timeout=10) as resp:
+                return int(json.load(resp)["origin_read_bytes"])
+
+        if kind == "shardcache_batched":
+            return (lambda batch: sum(len(v) for sample in index.samples(batch) for k, v in sample.items()
+                                      if not k.startswith("__"))), origin_bytes
+        return (lambda i: sum(len(v) for k, v in index.sample(i).items() if not k.startswith("__"))), origin_bytes
+    if kind == "wids":
+        import wids
+
+        ds = wids.ShardListDataset(spec["wids_index"], cache_dir=spec["cache"], transformations=[], lru_size=64)
+        return (lambda i: sum(len(v.getvalue()) for k, v in ds[i].items() if k.startswith("."))), (
+            lambda: _dir_bytes(spec["cache"]))
+    if kind == "streaming":
+        os.environ.update(env_for_streaming(spec["endpoint"]))
+        streaming = import_streaming()
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        ds = streaming.StreamingDataset(remote=f"s3://{BUCKET}/{MDS_PREFIX}", local=spec["cache"], shuffle=False,
+                                        batch_size=1)
+        return (lambda i: _mds_bytes(ds[i])), (lambda: _dir_bytes(spec["cache"]))
+    raise ValueError(f"unknown reader {kind!r}")
+
+
+def _mds_bytes(sample: dict[str, Any]) -> int:
+    return len(sample["jpg"]) + len(sample["cls"])
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    order = spec["order"]
+    lookup, origin_bytes = _open_reader(spec)
+    passes = {}
+    for name in ("cold", "warm"):
+        before_origin = origin_bytes()
+        cpu0, daemon0 = _cpu_s(), _proc_cpu_s(spec.get("daemon_pid"))
+        started = time.perf_counter()
+        first = None
+        payload = 0
+        steps = [order[i : i + BATCH] for i in range(0, len(order), BATCH)] if spec["reader"].endswith("_batched") else order
+        for i in steps:
+            payload += lookup(i)
+            if first is None:
+                first = time.perf_counter() - started
+        wall = time.perf_counter() - started
+        cpu = _cpu_s() - cpu0 + _proc_cpu_s(spec.get("daemon_pid")) - daemon0
+        fetched = origin_bytes() - before_origin
+        passes[name] = {
+            "samples": len(order), "seconds": round(wall, 3), "samples_per_s": round(len(order) / wall, 1),
+            "first_sample_s": round(first or 0.0, 4), "payload_bytes": payload,
+            "cpu_s_per_gb": round(cpu / (payload / 1e9), 2) if payload else None,
+            "origin_bytes_per_sample": round(fetched / len(order)),
+        }
+    return passes
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def _build(workdir: Path, store: MotoServer, size: int, shard_bytes: int, seed: int) -> dict[str, Any]:
+    client = store.client()
+    client.create_bucket(Bucket=BUCKET)
+    # wids fetches its shards with curl, unsigned: the shards are public to read (a public dataset).
+    client.put_bucket_policy(Bucket=BUCKET, Policy=json.dumps({"Version": "2012-10-17", "Statement": [{
+        "Effect": "Allow", "Principal": "*", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{BUCKET}/{PREFIX}*"}]}))
+    keys, counts, total = [], [], 0
+    for name, data, count in pack_shards(make_samples(size, seed), shard_bytes):
+        client.put_object(Bucket=BUCKET, Key=PREFIX + name, Body=data)
+        keys.append(name)
+        counts.append(count)
+        total += len(data)
+    mds_dir = workdir / "mds-out"
+    mds = convert_to_mds(make_samples(size, seed), mds_dir)
+    upload_dir(client, BUCKET, MDS_PREFIX, mds_dir)
+    shutil.rmtree(mds_dir, ignore_errors=True)
+    log = workdir / "index.log"
+    proc = spawn([sys.executable, "-m", "sidecar.cli", "index", f"s3://{BUCKET}/{PREFIX}", "--s3-endpoint",
+                  store.endpoint, "--wids", WIDS_INDEX, "--quiet", "--json"], log)
+    if proc.wait(timeout=600) != 0:
+        raise RuntimeError(f"shardcache index failed: {log.read_text()[-2000:]}")
+    return {"keys": keys, "samples": sum(counts), "bytes": total, "mds": mds}
+
+
+def _ranged_get_s(endpoint: str, key: str, length: int) -> float:
+    """The median of 5 ranged GETs of ``length`` bytes through the proxy: one sample's worth."""
+    from bench.common import s3_client
+
+    client = s3_client(endpoint)
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        client.get_object(Bucket=BUCKET, Key=PREFIX + key, Range=f"bytes=0-{length - 1}")["Body"].read()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[2]
+
+
+def _run_child(spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "bench.random_bench", "--child", json.dumps(spec)],
+                         capture_output=True, text=True, timeout=3600)
+    log.write_text(out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"{spec['reader']} failed: {out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    size = parse_size(args.size or ("64MiB" if args.quick else "512MiB"))
+    shard_bytes = parse_size(args.shard_size or ("8MiB" if args.quick else "64MiB"))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="shardcache-random-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    readers = [r for r in (args.readers.split(",") if args.readers else READERS)]
+    result: dict[str, Any] = {"benchmark": "random", "machine": machine_facts(), "readers": {}}
+    try:
+        with contextlib.ExitStack() as stack:
+            store = stack.enter_context(MotoServer(workdir))
+            dataset = _build(workdir, store, size, shard_bytes, args.seed)
+            log_line(f"dataset: {len(dataset['keys'])} shards, {fmt_size(dataset['bytes'])}, {dataset['samples']} samples")
+            proxy = stack.enter_context(LatencyProxy(store.endpoint, args.delay_ms, None, workdir / "proxy.log"))
+            # wids reads its index as a local file, and its shards by URL through the proxy (curl).
+            wids_doc = json.loads(store.client().get_object(Bucket=BUCKET, Key=PREFIX + WIDS_INDEX)["Body"].read())
+            for shard in wids_doc["shardlist"]:
+                shard["url"] = f"{proxy.endpoint}/{BUCKET}/{PREFIX}{shard['url']}"
+            (workdir / WIDS_INDEX).write_text(json.dumps(wids_doc))
+            rng = random.Random(args.seed)
+            order = list(range(dataset["samples"]))
+            rng.shuffle(order)
+            order = order[: args.samples] if args.samples else order
+            mean_sample = dataset["bytes"] // dataset["samples"]
+            result["ranged_get_s"] = round(_ranged_get_s(proxy.endpoint, dataset["keys"][0], mean_sample), 4)
+            for reader in readers:
+                log_line(f"reader: {reader}")
+                cache = workdir / f"cache-{reader}"
+                spec: dict[str, Any] = {"reader": reader, "order": order, "endpoint": proxy.endpoint, "cache": str(cache),
+                                        "wids_index": str(workdir / WIDS_INDEX)}
+                daemon = None
+                if reader.startswith("shardcache"):
+                    sockets = workdir / "sockets"
+                    sockets.mkdir(exist_ok=True)
+                    daemon = ServeProcess(workdir / "daemon.log", [
+                        "--cache-dir", str(cache), "--cache-size", "4GiB", "--min-free", "0%", "--origin", "s3",
+                        "--s3-endpoint", proxy.endpoint, "--handles", f"unix://{sockets}/handles.sock",
+                    ], env={"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+                    daemon.start()
+                    spec.update(daemon=daemon.url, handles=f"unix://{sockets}/handles.sock", daemon_pid=daemon.pid)
+                try:
+                    result["readers"][reader] = _run_child(spec, workdir / f"{reader}.log")
+                finally:
+                    if daemon is not None:
+                        daemon.stop()
+                for name, figures in result["readers"][reader].items():
+                    log_line(f"  {name}: {figures['samples_per_s']} samples/s, first {figures['first_sample_s']} s, "
+                             f"{figures['cpu_s_per_gb']} CPU s/GB, {figures['origin_bytes_per_sample']} origin B/sample")
+        result["dataset"] = {"shards": len(dataset["keys"]), "bytes": dataset["bytes"], "samples": dataset["samples"],
+                             "mean_sample_bytes": mean_sample, "order_samples": len(order), "delay_ms": args.delay_ms}
+        result["targets"] = _targets(result)
+        return result
+    finally:
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _targets(result: dict[str, Any]) -> dict[str, Any]:
+    readers = result["readers"]
+    ours = readers.get("shardcache")
+    peers = {k: v for k, v in readers.items() if not k.startswith("shardcache")}
+    if not ours or not peers:
+        return {}
+    best_name = max(peers, key=lambda k: peers[k]["warm"]["samples_per_s"])
+    best = peers[best_name]["warm"]["samples_per_s"]
+    dataset = result["dataset"]
+    return {
+        "warm_vs_fastest_peer": {"peer": best_name, "ratio": round(ours["warm"]["samples_per_s"] / best, 2), "target": 2.0},
+        "cold_first_sample_vs_ranged_get": {"ratio": round(ours["cold"]["first_sample_s"] / result["ranged_get_s"], 2),
+                                             "target": 2.0},
+        "origin_bytes_per_epoch_over_dataset": {
+            "ratio": round(ours["cold"]["origin_bytes_per_sample"] * dataset["order_samples"] / dataset["bytes"], 3),
+            "target": 1.1,
+        },
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\nrandom access: {result['dataset']['order_samples']} samples of {result['dataset']['samples']} "
+          f"({fmt_size(result['dataset']['bytes'])}), one seeded order, {result['dataset']['delay_ms']:g} ms per "
+          f"origin request; one ranged GET of a sample: {result['ranged_get_s'] * 1000:.0f} ms\n")
+    print(f"{'reader':<12} {'pass':<5} {'samples/s':>10} {'first s':>8} {'CPU s/GB':>9} {'origin B/sample':>16}")
+    for reader, passes in result["readers"].items():
+        for name, f in passes.items():
+            print(f"{reader:<12} {name:<5} {f['samples_per_s']:>10.1f} {f['first_sample_s']:>8.3f} "
+                  f"{f['cpu_s_per_gb'] or 0:>9.2f} {f['origin_bytes_per_sample']:>16}")
+    for name, target in result.get("targets", {}).items():
+        print(f"{name}: {target}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.random_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI-sized run (64 MiB in 8 MiB shards)")
+    parser.add_argument("--size", default=None, help="dataset payload (default 512MiB)")
+    parser.add_argument("--shard-size", default=None, help="shard size (default 64MiB)")
+    parser.add_argument("--samples", type=int, default=0, help="samples per pass (default: all, one epoch)")
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="per-request delay of the origin")
+    parser.add_argument("--readers", default=None, help=f"comma-separated subset of {','.join(READERS)}")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    result = run(args)
+    path = write_results(Path(args.results_dir) / ("random-quick.json" if args.quick else "random.json"), result)
+    print_table(result)
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
