@@ -36,11 +36,19 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
     )
 
 
+def _default_sigint() -> None:
+    # A suite started as a background job (`cmd &` in a script) inherits SIGINT ignored, and a
+    # Python started so keeps ignoring it (no KeyboardInterrupt): the tests that press Ctrl-C would
+    # then see a CLI that never heard it. The CLI is given the terminal's default, as a user's is.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """The CLI with pipes, in its own session (signals reach only it)."""
+    """The CLI with pipes, in its own session (signals reach only it), with SIGINT's default
+    disposition whatever the suite's own is."""
     return subprocess.Popen(
         [PYTHON, "-m", "sidecar.cli", *args], env=_env(env), cwd=str(REPO), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_default_sigint,
     )
 
 
