@@ -10,6 +10,7 @@ own, with its own empty cache:
   with short-circuit by handle, the dataset's manifest with sample counts, one sample at a time;
   ``shardcache_batched``: the same in batches of 64 (``ShardIndex.samples``, what a DataLoader's
   ``__getitems__`` calls), the batch's cold shards hinted to the daemon together;
+  ``shardcache_zero_copy``: one at a time, fields as views of the mapping (``zero_copy=True``);
 - ``wids``: webdataset's ``wids.ShardListDataset`` with its local cache, on the wids shard index
   ``shardcache index --wids`` wrote (its shards fetched with curl over HTTP through the proxy);
 - ``streaming``: mosaicml-streaming ``StreamingDataset.__getitem__`` on the same samples
@@ -58,7 +59,7 @@ from bench.servers import MotoServer, ServeProcess
 BUCKET = "bench"
 PREFIX = "random/"
 MDS_PREFIX = "random-mds/"
-READERS = ("shardcache", "shardcache_batched", "wids", "streaming")
+READERS = ("shardcache", "shardcache_batched", "shardcache_zero_copy", "wids", "streaming")
 BATCH = 64
 """Samples per batch of the ``shardcache_batched`` reader: ``ShardIndex.samples`` (what
 ``ShardMapDataset.__getitems__`` calls with a DataLoader's batch)."""
@@ -94,7 +95,7 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
         from loader import LoaderSettings, ShardIndex
 
         index = ShardIndex(f"s3://{BUCKET}/{PREFIX}", endpoint=spec["daemon"],
-                           settings=LoaderSettings(handles=spec["handles"]))
+                           settings=LoaderSettings(handles=spec["handles"], zero_copy=kind.endswith("zero_copy")))
 
         def origin_bytes() -> int:
             import urllib.request

@@ -270,9 +270,12 @@ class ShardIndex:
         sample: dict[str, Any] = {"__key__": keys[key_ends[j - 1] if j else 0 : key_ends[j]],
                                   "__url__": self.location.object_url(opened.shard.key)}
         m = table.first[j]
+        # zero_copy (LoaderSettings): views of the mapping, as the streaming loader yields them;
+        # else bytes, which a caller may keep after the shard is closed.
+        view = memoryview(buf) if self.settings.zero_copy and isinstance(buf, mmap.mmap) else None
         for field in table.layouts[table.layout_of[j]]:
             at = table.offsets[m]
-            sample[field] = bytes(buf[at : at + table.sizes[m]])
+            sample[field] = view[at : at + table.sizes[m]] if view is not None else bytes(buf[at : at + table.sizes[m]])
             m += 1
         return sample
 

@@ -56,6 +56,18 @@ def test_every_index_is_that_sample_in_any_order(dataset: tuple[str, Written]) -
     index.close()
 
 
+def test_zero_copy_gives_views_of_the_mapping(dataset: tuple[str, Written]) -> None:
+    url, written = dataset
+    index = ShardIndex(url, endpoint="", settings=LoaderSettings(zero_copy=True))
+    for i in (3, 30, 0):
+        sample = index.sample(i)
+        assert all(isinstance(v, memoryview) for k, v in sample.items() if not k.startswith("__"))
+        assert {k: bytes(v) for k, v in sample.items() if not k.startswith("__")} == written.samples[ident(sample)]
+    held = index.sample(5)["jpg"]
+    index.close()  # a view still held keeps its mapping alive: it stays readable
+    assert bytes(held) == written.samples[in_order(written)[5]]["jpg"]
+
+
 def test_the_same_samples_as_the_streaming_loader(dataset: tuple[str, Written]) -> None:
     from loader import ShardLoader
 
