@@ -255,7 +255,10 @@ class ShardIndex:
             raise CorruptShard(f"holds {count} samples, the manifest says {shard.samples}", url=url)
         table = TarIndex.from_log(members, len(buf))
         if table is None:
-            raise CorruptShard("its members could not be indexed", url=url)
+            why = ("it holds a sparse member (tar --sparse), whose bytes are not a slice of the shard: write it "
+                   "without --sparse (webdataset's writers never make one)") if not members.sliced else (
+                  "its members could not be indexed")
+            raise CorruptShard(f"cannot be read by sample index: {why}", url=url)
         table = replace(table, checked_xxh3_128=expected_xxh3_128)
         if identity is not None:
             INDEXES.put(identity, table)

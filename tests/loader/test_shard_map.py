@@ -94,6 +94,44 @@ def test_a_manifest_without_counts_and_a_damaged_shard_are_refused(tmp_path: Pat
         index.sample(5)
 
 
+def _single_shard_dataset(root: Path, data: bytes, samples: int) -> str:
+    root.mkdir(parents=True)
+    (root / "train-000000.tar").write_bytes(data)
+    (root / "manifest.json").write_text(json.dumps({"version": 1, "format": "webdataset", "shards": [
+        {"key": "train-000000.tar", "size": len(data), "samples": samples}]}))
+    return f"file://{root.parent.parent}/{root.parent.name}/{root.name}/"
+
+
+def test_shards_that_cannot_be_indexed_are_refused_with_the_reason(tmp_path: Path) -> None:
+    import gzip
+    import os
+    import random
+
+    from tests.loader.test_tar_formats import TAR, make_sparse
+
+    written = write_shards(tmp_path / "src" / "b" / "ds", shards=1, per_shard=3)
+    plain = (written.root / written.keys[0]).read_bytes()
+    cases = {
+        "gzip": (gzip.compress(plain), "gzip"),
+        "noise": (random.Random(1).randbytes(20_000), "not a tar|tar header|checksum"),
+    }
+    src = tmp_path / "sparse-src"
+    make_sparse(src / "0001.bin", 1 << 20, [(4096, b"hello")])
+    (src / "0001.cls").write_bytes(b"1")
+    info = os.stat(src / "0001.bin")
+    if os.path.exists(TAR) and info.st_blocks * 512 < info.st_size:  # GNU tar, and a file system that keeps holes
+        out = tmp_path / "sparse.tar"
+        import subprocess
+
+        subprocess.run([TAR, "-C", str(src), "-cf", str(out), "--sparse", "0001.bin", "0001.cls"], check=True, timeout=60)
+        cases["sparse"] = (out.read_bytes(), "sparse member")
+    for name, (data, said) in cases.items():
+        url = _single_shard_dataset(tmp_path / "root" / name / "ds", data, 1)
+        with pytest.raises(CorruptShard, match=said):
+            ShardIndex(url, endpoint="").sample(0)
+        assert os.path.exists(url[len("file://"):] + "train-000000.tar")  # nothing removed or changed
+
+
 def test_batches_open_each_shard_once(dataset: tuple[str, Written], monkeypatch: pytest.MonkeyPatch) -> None:
     url, written = dataset
     index = ShardIndex(url, endpoint="", max_open_shards=1)
