@@ -132,6 +132,30 @@ def test_shards_that_cannot_be_indexed_are_refused_with_the_reason(tmp_path: Pat
         assert os.path.exists(url[len("file://"):] + "train-000000.tar")  # nothing removed or changed
 
 
+def test_a_replaced_shard_is_read_anew_never_by_its_old_table(tmp_path: Path) -> None:
+    """The member table of a shard is tied to its file (device, inode, size, times) and to the
+    checksum it was verified against: a shard replaced by other samples of the very same size
+    (atomically, as a publisher does) is parsed and checked again, never sliced by the old table."""
+    import os
+
+    first = write_shards(tmp_path / "a" / "b" / "ds", shards=1, per_shard=4, seed=1, sizes=(2000, 2000))
+    second = write_shards(tmp_path / "c" / "b" / "ds", shards=1, per_shard=4, seed=2, sizes=(2000, 2000))
+    key = first.keys[0]
+    assert (first.root / key).stat().st_size == (second.root / key).stat().st_size
+    write_manifest(first)
+    url = f"file://{tmp_path}/a/b/ds/"
+    old = ShardIndex(url, endpoint="")
+    assert [ident(old.sample(i)) for i in range(4)] == in_order(first)
+    old.close()
+    os.replace(second.root / key, first.root / key)
+    write_manifest(Written(first.root, second.keys, second.samples, second.order))
+    new = ShardIndex(url, endpoint="")
+    samples = [new.sample(i) for i in range(4)]
+    assert [s["__key__"] for s in samples] == second.order[key]
+    for sample in samples:
+        assert {k: v for k, v in sample.items() if not k.startswith("__")} == second.samples[(key, sample["__key__"])]
+
+
 def test_batches_open_each_shard_once(dataset: tuple[str, Written], monkeypatch: pytest.MonkeyPatch) -> None:
     url, written = dataset
     index = ShardIndex(url, endpoint="", max_open_shards=1)
