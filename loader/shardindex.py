@@ -130,8 +130,10 @@ class ShardIndex:
 
     def _get_source(self) -> Source:
         if self._source is None or self._pid != os.getpid():
-            # A forked child must not share its parent's sockets or mappings' bookkeeping.
+            # A forked child (a DataLoader worker) must not share its parent's sockets or mappings'
+            # bookkeeping, nor a lock a parent's thread may have held at the fork.
             self._pid = os.getpid()
+            self._lock = threading.Lock()
             self._open = OrderedDict()
             self._source = make_source(self.location, self.settings)
         return self._source
