@@ -19,8 +19,9 @@ own, with its own empty cache:
 Figures per pass: samples/s, time to the first sample (cold: against one ranged GET of a sample's
 size through the proxy, measured in the same run), CPU seconds per GB of samples (the reader's
 process, plus the daemon's for shardcache), and bytes fetched from the origin per sample (the
-daemon's origin reads; the peers' downloaded files). LitData is not in the run: it does not
-install here next to the pinned packages.
+daemon's origin reads; the peers' downloaded files). LitData is not in the run
+yet: it installs here, but its readers need the dataset converted with its ``optimize`` first,
+which this benchmark does not do yet.
 
 Writes ``bench/results/random.json`` (``random-quick.json`` with ``--quick``) and prints a table.
 """
