@@ -20,8 +20,8 @@ Figures per pass: samples/s, time to the first sample (cold: against one ranged 
 size through the proxy, measured in the same run), CPU seconds per GB of samples (the reader's
 process, plus the daemon's for shardcache), and bytes fetched from the origin per sample (the
 daemon's origin reads; the peers' downloaded files). LitData is not in the run
-yet: it installs here, but its readers need the dataset converted with its ``optimize`` first,
-which this benchmark does not do yet.
+yet: it installs here, and its ``optimize`` converts the samples, but in a first try its
+``StreamingDataset`` read empty items back from this S3 endpoint (moto, with ``endpoint_url``).
 
 Writes ``bench/results/random.json`` (``random-quick.json`` with ``--quick``) and prints a table.
 """
