@@ -151,14 +151,7 @@ def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
     A manifest that lists no shards is an error (:class:`EmptyManifest`): ``shardcache index``
     never writes one, and training on nothing is never what was meant.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        doc = jsontext.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{where}: must be a JSON object with version, format and shards")
+    doc = _json_object(data, where, "version, format and shards")
     if doc.get("version") != MANIFEST_VERSION:
         raise ManifestError(
             f"{where}: unsupported version {doc.get('version')!r} (this shardcache reads version {MANIFEST_VERSION}; "
@@ -190,6 +183,19 @@ def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
     return shards
 
 
+def _json_object(data: bytes, where: str, holding: str) -> dict[str, Any]:
+    """An index's document: bounded, JSON, an object; else one ManifestError saying which."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = jsontext.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: must be a JSON object with {holding}")
+    return doc
+
+
 def _opt_count(value: Any, where: str) -> int | None:
     if value is None:
         return None
@@ -214,14 +220,7 @@ def parse_wids_index(data: bytes, where: str, dataset_url: str) -> list[Manifest
     """A wids shard index of the dataset at ``dataset_url`` (where the index lies) as manifest
     entries: key from ``url``, ``samples`` from ``nsamples``, ``size`` from ``filesize``; no
     checksum (wids' ``md5sum`` is not the loader's xxh3-128). Every problem is one ManifestError."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        doc = jsontext.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{where}: a wids shard index is a JSON object with a shardlist")
+    doc = _json_object(data, where, "a shardlist (a wids shard index)")
     kind = doc.get("__kind__", WIDS_KIND)
     if kind != WIDS_KIND or doc.get("wids_version", 1) != 1:
         raise ManifestError(f"{where}: unsupported wids index (__kind__ {str(kind)[:60]!r}, wids_version "

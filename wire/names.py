@@ -20,6 +20,7 @@ from wire.errors import InvalidName
 
 __all__ = [
     "DAEMON_PORT",
+    "MAX_GID",
     "ID_PATTERN",
     "ID_RULE",
     "Address",
@@ -198,6 +199,9 @@ class Address:
 
 
 DAEMON_PORT = 8600
+MAX_GID = 2**32 - 2
+"""The largest group id a socket may be given (``--socket-group``): (gid_t)-1 means "unchanged"
+to chown(2)."""
 """The node daemon's TCP port when an address names none."""
 
 _UNIX_HINT = "unix:///path.sock"

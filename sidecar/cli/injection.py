@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sidecar.cli.util import UserError, add_flag, env_name
+from sidecar.cli.util import UserError, add_flag, env_name, parse_gid
 from sidecar.k8s.inject import DEFAULT_IMAGE, MODES, InjectConfig, InjectionError
 
 __all__ = ["add_injection_flags", "injection_config"]
@@ -83,15 +83,6 @@ def add_injection_flags(parser: argparse.ArgumentParser) -> None:
              "release named shardcache")
 
 
-def _socket_group(value: str) -> int | None:
-    raw = str(value).strip()
-    if not raw:
-        return None
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 10:
-        raise UserError(f"invalid --socket-group {value!r}: the node daemon's numeric group id, e.g. 8600, or '' for none")
-    return int(raw)  # its range: InjectConfig's check
-
-
 def injection_config(args: argparse.Namespace) -> InjectConfig:
     """Build the :class:`~sidecar.k8s.inject.InjectConfig` from parsed flags (UserError if invalid)."""
     env = []
@@ -108,7 +99,7 @@ def injection_config(args: argparse.Namespace) -> InjectConfig:
             native_sidecar=bool(args.native_sidecar),
             port=int(args.sidecar_port),
             socket_host_dir=args.socket_host_dir,
-            socket_group=_socket_group(args.socket_group),
+            socket_group=parse_gid(args.socket_group, "--socket-group"),
             restricted_upstream=args.restricted_upstream,
             short_circuit=bool(args.short_circuit),
             pod_cache_size=args.pod_cache_size,

@@ -87,6 +87,19 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
+def parse_gid(value: str | None, flag: str) -> int | None:
+    """A numeric group id (``--socket-group``), None for none or empty (an env var set to ``""``).
+    Numeric only: a name means nothing across containers, whose /etc/group files differ."""
+    from wire.names import MAX_GID
+
+    raw = "" if value is None else str(value).strip()
+    if not raw:
+        return None
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_GID:
+        raise UserError(f"{flag} must be a numeric group id (0 to {MAX_GID}) such as 8600, or '' for none, not {value!r}")
+    return int(raw)
+
+
 def parse_ratio(text: str | float) -> float:
     """``"10%"`` or ``"0.1"`` → 0.1."""
     raw = str(text).strip()

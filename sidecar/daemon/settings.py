@@ -13,13 +13,12 @@ from sidecar.daemon.origins.s3 import S3Settings
 from sidecar.daemon.peers.config import ClusterSettings
 from sidecar.daemon.scrub import ScrubSettings
 from wire.errors import InvalidName
-from wire.names import parse_connect, parse_listen
+from wire.names import MAX_GID, parse_connect, parse_listen
 from wire.web import ConnectionLimits
 
 __all__ = ["ServeSettings", "MODES"]
 
 MODES = ("node", "sidecar")
-MAX_GID = 2**32 - 2  # (gid_t)-1 means "unchanged" to chown(2)
 
 
 @dataclass(frozen=True)

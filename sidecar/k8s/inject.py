@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 from sidecar.errors import SidecarError
 from sidecar.k8s.patch import json_equal
+from wire.names import MAX_GID
 
 __all__ = [
     "INJECT_LABEL",
@@ -174,7 +175,6 @@ RESTRICTED_UID = 65532
 # container of another user outside it does not, whatever it mounts. Not a group of any usual
 # image (system groups are below 1000, distroless "nonroot" is 65532, "nobody" 65534).
 SOCKET_GID = 8600
-_MAX_GID = 2**32 - 2  # (gid_t)-1 is no group to the kernel
 # The node-local Service of `helm install shardcache charts/shardcache -n shardcache` (the
 # chart passes its own to the webhook).
 DEFAULT_RESTRICTED_UPSTREAM = "tcp://shardcache-local.shardcache.svc:8600"
@@ -383,11 +383,11 @@ class InjectConfig:
             _check_allowed_image(entry)
         if self.socket_group is not None and (
             isinstance(self.socket_group, bool) or not isinstance(self.socket_group, int)
-            or not 0 <= self.socket_group <= _MAX_GID
+            or not 0 <= self.socket_group <= MAX_GID
         ):
             raise InjectionError(
                 f"invalid socket group {shown(self.socket_group)}: expected the node daemon's --socket-group, a "
-                f"numeric group id from 0 to {_MAX_GID} (the chart's is {SOCKET_GID})"
+                f"numeric group id from 0 to {MAX_GID} (the chart's is {SOCKET_GID})"
             )
         if self.master_token_secret is not None and (
             not isinstance(self.master_token_secret, str) or not _SECRET_NAME_RE.fullmatch(self.master_token_secret)

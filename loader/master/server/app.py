@@ -473,7 +473,9 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Open, so that Prometheus scrapes the master's own series from pod annotations; a caller's
     token adds the series of the jobs it may see (the operator's: every job)."""
-    data = await asyncio.to_thread(_service(request).metrics_text, caller_of(request))
+    # On the loop, as the state it reads is only ever changed there (a thread could see a job's
+    # dicts change size under it).
+    data = _service(request).metrics_text(caller_of(request))
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -160,13 +161,13 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _wids_target(name: str, object_url: Any) -> str:
+def _wids_target(name: str, object_url: Callable[[str], str]) -> str:
     """Where ``--wids NAME`` goes: a file name at the dataset prefix (wids reads shard URLs
     relative to its index, so the index lies beside them)."""
     if "/" in name or not name.endswith(".json") or name == MANIFEST_NAME:
         raise UserError(f"--wids takes a file name ending in .json other than {MANIFEST_NAME}, written at the dataset "
                         f"prefix beside the shards (wids reads their URLs relative to it), not {name!r}")
-    return str(object_url(name))
+    return object_url(name)
 
 
 def _report_verify(args: argparse.Namespace, url: str, target: str, expected: list[Any], problems: list[Any]) -> int:

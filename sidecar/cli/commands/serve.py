@@ -12,6 +12,7 @@ from sidecar.cli.util import (
     add_connection_flags,
     add_flag,
     connection_limits,
+    parse_gid,
     parse_ratio,
     parse_size,
 )
@@ -142,18 +143,6 @@ def _tenant_quota(value: str | None) -> int | None:
     return quota
 
 
-def _socket_group(value: str | None) -> int | None:
-    from sidecar.daemon.settings import MAX_GID
-
-    if value is None or not str(value).strip():
-        return None  # SHARDCACHE_SOCKET_GROUP= (empty) means none too
-    raw = str(value).strip()
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_GID:
-        # Numeric only: a name means nothing across containers, whose /etc/group files differ.
-        raise UserError(f"--socket-group must be a numeric group id (0 to {MAX_GID}) such as 8600, not {value!r}")
-    return int(raw)
-
-
 def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from cache import StoreSettings
     from sidecar.daemon.checksums import VerifySettings
@@ -232,7 +221,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         upstream_handles=upstream_handles,
         cluster=cluster,
         node=args.node or None,
-        socket_group=_socket_group(args.socket_group),
+        socket_group=parse_gid(args.socket_group, "--socket-group"),
     )
 
 
