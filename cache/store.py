@@ -708,11 +708,28 @@ class Store:
             and self._disk_free_after(size - freed_bytes)
         )
 
+    def has_room(self, size: int, tenant: str = "") -> bool:
+        """Whether an entry of ``size`` bytes fits now without evicting anything: free capacity
+        (entries plus the room fills in progress have reserved), items, the file system's free
+        share, and ``tenant``'s quota. Reserves nothing: :meth:`begin` with ``evict=False`` checks
+        again (a fill that started meanwhile may have taken the room)."""
+        with self._lock:
+            return self._free_for(size, tenant)
+
+    def _free_for(self, size: int, tenant: str) -> bool:
+        """:meth:`has_room`; the caller holds the lock."""
+        return (
+            size <= self.settings.capacity_bytes
+            and time.monotonic() >= self._no_space_until
+            and self._tenants.victims(tenant, size) == []
+            and self._fits(size)
+        )
+
     def begin(
         self, bucket: str, key: str, etag: str, size: int, expected_xxh3: str | None = None,
         last_modified: str | None = None, headers: Sequence[tuple[str, str]] = (),
         verifier: Verifier | None = None, checksums: Sequence[tuple[str, str]] = (), tenant: str = "",
-        borrowed: bool = False,
+        borrowed: bool = False, evict: bool = True,
     ) -> Writer | None:
         """Reserve room for a new entry and start filling it, or ``None`` if the policy does not
         admit it now (no room under ``hold``, everything evictable is in use, or ``tenant``'s
@@ -721,12 +738,17 @@ class Store:
         ``checksums`` (the origin's checksum headers); ``verifier`` checks the bytes at
         :meth:`Writer.seal`. ``tenant`` is whose request causes the fill ("" for nobody): past
         its quota, its own least recently used entries go first, under either eviction policy.
-        ``borrowed``: a copy of an object another daemon of the cluster owns (evicted first)."""
+        ``borrowed``: a copy of an object another daemon of the cluster owns (evicted first).
+        ``evict=False``: admitted only into free room (:meth:`has_room`), never by evicting an
+        entry, the tenant's own included (a fill nobody waits for: a ranged read's, behind it)."""
         headers = _checked_headers([list(pair) for pair in headers])
         checksums = _checked_headers([list(pair) for pair in checksums])
         _checked_text(last_modified)
         tenant = _checked_tenant(tenant)
         with self._lock:
+            if not evict and not self._free_for(size, tenant):
+                self._counters["rejected_full"] += 1
+                return None
             if size > self.settings.capacity_bytes or time.monotonic() < self._no_space_until:
                 self._counters["rejected_full"] += 1
                 return None

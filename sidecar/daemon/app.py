@@ -171,7 +171,10 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
         fetcher = Fetcher(store, origin, settings.fetch, app[METRICS])
         app[FETCHER] = fetcher
         app[CLAIMS] = Claims(settings.claims)
-        reads = ReadService(store, fetcher, app[CLAIMS], app[METRICS])
+        reads = ReadService(
+            store, fetcher, app[CLAIMS], app[METRICS],
+            direct_range_bytes=settings.direct_range_bytes, fills_behind=settings.prefetch_workers,
+        )
         app[READS] = reads
         prefetcher = Prefetcher(reads, app[METRICS], settings.prefetch_workers, settings.prefetch_queue_max)
         prefetcher.start()

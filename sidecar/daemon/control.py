@@ -15,8 +15,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.daemon.auth.http import AUTH, batch_access, caller, listing_access, optional_caller
-from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, SCRUBBER, SETTINGS, STARTED, STORE, file_root
-from sidecar.daemon.metrics import LOOKUP_RESULTS, SERVED_SOURCES, counter_by, counter_value, node_reads
+from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, READS, SCRUBBER, SETTINGS, STARTED, STORE, file_root
+from sidecar.daemon.metrics import (
+    LOOKUP_RESULTS,
+    RANGE_FILL_OUTCOMES,
+    SERVED_SOURCES,
+    counter_by,
+    counter_value,
+    node_reads,
+)
 from sidecar.daemon.peers.http import cluster_stats
 from sidecar.daemon.prefetch import PrefetchItem, QueueFull
 from sidecar.daemon.priority import priority_value
@@ -111,6 +118,12 @@ def stats(app: web.Application) -> dict[str, Any]:
         "node": settings.node,
         "cluster": cluster_stats(app),
         "fills_in_flight": len(app[FETCHER].inflight),
+        # Small ranges of objects not cached, read straight from the origin (--direct-range-bytes),
+        # and what became of filling their objects behind them.
+        "direct_ranges": {
+            "max_bytes": app[READS].direct_range_bytes,
+            "fills": {outcome: counter_value(metrics.range_fills, outcome=outcome) for outcome in RANGE_FILL_OUTCOMES},
+        },
         "prefetch": {"queued": app[PREFETCHER].queued(), "done": app[PREFETCHER].done,
                      "failed": app[PREFETCHER].failed},
         # How far the cached bytes are vouched for (sidecar/daemon/checksums.py, claims.py).

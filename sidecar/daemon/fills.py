@@ -44,7 +44,7 @@ from sidecar.daemon.splits import SplitJudge
 from sidecar.errors import InvalidRange, OriginBadResponse, OriginError, OriginUnavailable
 from wire.retry import Backoff, retry_async
 
-__all__ = ["FetchSettings", "Fetcher", "Fill", "retrying"]
+__all__ = ["FetchSettings", "Fetcher", "Fill", "RangeRead", "retrying"]
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,17 @@ class FillTimeline:
 class Fill:
     """One fetch of one object, shared by every reader that wants it."""
 
-    def __init__(self, bucket: str, key: str, priority: int, tenant: str = "", origin_only: bool = False) -> None:
+    def __init__(
+        self, bucket: str, key: str, priority: int, tenant: str = "", origin_only: bool = False, evict: bool = True
+    ) -> None:
         self.bucket = bucket
         self.key = key
         self.priority = priority
+        # Whether the fill may evict entries to make room for its own (cache.Store.begin): not the
+        # fill behind a ranged read answered from the origin, until a reader who wants the whole
+        # object (a demand read, a prefetch) joins it before it has its room.
+        self.evict = evict
+        self.asked = False  # its first request is on its way to the origin (past the limiter)
         # Started for a peer (or for an object never cached): reads the real origin only. Readers
         # who join later change nothing, as with the tenant.
         self.origin_only = origin_only
@@ -524,19 +531,22 @@ class Fetcher:
         )
 
     def start(
-        self, bucket: str, key: str, priority: int, tenant: str = "", origin_only: bool = False
+        self, bucket: str, key: str, priority: int, tenant: str = "", origin_only: bool = False, evict: bool = True
     ) -> tuple[Fill, bool]:
         """The fill of ``bucket/key``: the running one (``False``) or a new one (``True``).
 
         ``tenant`` is whose request this is ("" without auth); a new fill's entry counts for it,
         while joining a running fill keeps the tenant that started it (whose quota holds its bytes).
-        ``origin_only``: a new fill reads no other daemon's copy (see :class:`Fill`)."""
+        ``origin_only``: a new fill reads no other daemon's copy (see :class:`Fill`).
+        ``evict=False``: admitted into free room only (:meth:`cache.Store.begin`); a caller that
+        may evict, joining such a fill, lets it."""
         name = (bucket, key)
         fill = self.inflight.get(name)
         if fill is not None:
             fill.priority = min(fill.priority, priority)  # a demand read promotes a prefetch
+            fill.evict = fill.evict or evict
             return fill, False
-        fill = Fill(bucket, key, priority, tenant, origin_only)
+        fill = Fill(bucket, key, priority, tenant, origin_only, evict)
         self.inflight[name] = fill
         fill.task = asyncio.create_task(self._run(fill), name=f"fill:{bucket}/{key}")
         return fill, True
@@ -587,6 +597,7 @@ class Fetcher:
 
     async def _open_first(self, fill: Fill) -> tuple[ObjectInfo, Body]:
         async with self.limiter.slot(fill.priority):
+            fill.asked = True
             with self.metrics.origin_request("get"):
                 return await self.origin.call(
                     functools.partial(self.origin.open_first, origin_only=fill.origin_only), fill.bucket, fill.key
@@ -613,7 +624,7 @@ class Fetcher:
                 writer = await asyncio.to_thread(
                     self.store.begin, fill.bucket, fill.key, info.etag, info.size, info.xxh3_128,
                     info.last_modified, info.headers, fill.check.verifier() if fill.check else None, info.checksums,
-                    tenant=fill.tenant, borrowed=info.borrowed,
+                    tenant=fill.tenant, borrowed=info.borrowed, evict=fill.evict,
                 )
             except OSError as exc:
                 log.warning("cannot cache %s/%s: %s", fill.bucket, fill.key, exc)
@@ -684,3 +695,85 @@ class Fetcher:
                 await asyncio.sleep(delay)  # then resume at the byte reached
             except InvalidRange:
                 raise
+
+    # -- one range straight from the origin (a ranged read of an object not cached) -------------
+
+    async def open_range(self, bucket: str, key: str, start: int, end: int, etag: str | None) -> RangeRead | None:
+        """The origin's answer to a GET of ``[start, end)``, its headers in (retried like any
+        request), holding a demand slot of the limiter until :meth:`RangeRead.close`; ``None``
+        where the origin answered no range. With ``etag``: that version or ``ObjectNotFound``."""
+        origin = self.origin
+
+        async def attempt() -> tuple[ObjectInfo, Body] | None:
+            with self.metrics.origin_request("get"):
+                return await origin.call(origin.open_range, bucket, key, start, end, etag)
+
+        await self.limiter.acquire(DEMAND)
+        try:
+            opened = await retrying(self.settings, self.metrics, f"{bucket}/{key} bytes {start}-{end - 1}", attempt)
+        except BaseException:
+            self.limiter.release()
+            raise
+        if opened is None:
+            self.limiter.release()
+            return None
+        info, body = opened
+        return RangeRead(self, bucket, key, start, min(end, info.size), info, body)
+
+
+class RangeRead:
+    """One range of an object read straight from the origin, caching nothing: ``info`` is what
+    the answer said of the object, and every byte :meth:`chunks` yields is of that version (a
+    body cut short is resumed with ``If-Match`` on its ETag: an object replaced meanwhile ends
+    the read with an error, never with bytes of the new version). :meth:`close` it, read or not."""
+
+    def __init__(self, fetcher: Fetcher, bucket: str, key: str, start: int, end: int, info: ObjectInfo, body: Body) -> None:
+        self.fetcher = fetcher
+        self.bucket = bucket
+        self.key = key
+        self.start = start
+        self.end = end
+        self.info = info
+        self.sent = start
+        self._body: Body | None = body
+        self._slot = True  # the limiter's demand slot, taken by Fetcher.open_range
+
+    async def chunks(self) -> AsyncIterator[bytes | bytearray]:
+        """The range's bytes, in chunks of up to 1 MiB as they arrive."""
+        fetcher = self.fetcher
+        origin, metrics = fetcher.origin, fetcher.metrics
+        delays = fetcher.settings.backoff.delays()
+        while self.sent < self.end:
+            try:
+                body = self._body
+                if body is None:
+                    with metrics.origin_request("get"):
+                        body = self._body = await origin.call(
+                            origin.open, self.bucket, self.key, self.sent, self.end, self.info.etag or None
+                        )
+                buf = bytearray(min(_WRITE_BUFFER, self.end - self.sent))
+                count = await origin.call(body.readinto, memoryview(buf))
+                if not count:
+                    raise OriginBadResponse(f"{self.bucket}/{self.key}: origin ended at {self.sent} of {self.end}")
+                self.sent += count
+                metrics.origin_bytes.inc(count)
+                yield buf if count == len(buf) else bytes(memoryview(buf)[:count])
+            except _TRANSIENT as exc:
+                metrics.origin_errors.labels(kind=type(exc).__name__).inc()
+                self._drop_body()
+                delay = next(delays, None)
+                if delay is None:
+                    raise
+                metrics.origin_retries.inc()
+                await asyncio.sleep(delay)  # then resume at the byte reached, of the same version
+
+    def _drop_body(self) -> None:
+        body, self._body = self._body, None
+        if body is not None:
+            self.fetcher.origin.release(body)
+
+    def close(self) -> None:
+        self._drop_body()
+        if self._slot:
+            self._slot = False
+            self.fetcher.limiter.release()

@@ -12,13 +12,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["LOOKUP_RESULTS", "NODE_SOURCES", "SERVED_SOURCES", "Metrics", "counter_value", "counter_by", "node_reads"]
+__all__ = ["LOOKUP_RESULTS", "NODE_SOURCES", "RANGE_FILL_OUTCOMES", "SERVED_SOURCES", "Metrics", "counter_value", "counter_by", "node_reads"]
 
 LOOKUP_RESULTS = ("hit", "miss", "coalesced")
 """The ``result`` labels of ``shardcache_cache_lookups``."""
-SERVED_SOURCES = ("hit", "miss", "coalesced", "passthrough", "short_circuit", "peer")
-"""The ``source`` labels of ``shardcache_served_bytes`` (``peer``: bytes served to other daemons
-of the cluster, counted there and not under hit or miss)."""
+SERVED_SOURCES = ("hit", "miss", "coalesced", "passthrough", "short_circuit", "range_origin", "peer")
+"""The ``source`` labels of ``shardcache_served_bytes`` (``range_origin``: small ranges of objects
+not cached, each read by one ranged GET of the origin; ``peer``: bytes served to other daemons of
+the cluster, counted there and not under hit or miss)."""
+RANGE_FILL_OUTCOMES = ("started", "no_room", "busy")
+"""The ``outcome`` labels of ``shardcache_range_fills``: what became of filling an object behind a
+range read straight from the origin (started; no free room, since it never evicts; enough of them
+running already)."""
 NODE_SOURCES = ("local", "peer", "origin")
 """The ``source`` labels of ``shardcache_client_bytes`` and ``shardcache_client_reads``: where the
 bytes this daemon's own clients (never its peers) read came from. ``local``: this node's cache (a
@@ -208,6 +213,14 @@ class Metrics:
             "refetched (an unverified or corrupt copy), mismatch (answered 409 ChecksumMismatch)",
             ["outcome"], registry=r,
         )
+        self.range_fills = Counter(
+            "shardcache_range_fills",
+            "Fills of whole objects considered behind ranges read straight from the origin, by outcome: "
+            "started, no_room (such a fill never evicts), busy (enough of them running)",
+            ["outcome"], registry=r,
+        )
+        for outcome in RANGE_FILL_OUTCOMES:
+            self.range_fills.labels(outcome=outcome)
         self.prefetch_queued = Gauge(
             "shardcache_prefetch_queue_items", "Prefetches waiting, by priority", ["priority"], registry=r
         )

@@ -7,7 +7,8 @@ A front end describes the read in a :class:`ReadContext` (who asks, for which te
 claim, whether a peer asked, whether it wants this daemon's copy only) and gets back what to
 answer: a :class:`Hit` (a verified, open copy), a :class:`Filling` (the fill it started or
 joined), :class:`Uncached` (stream it from the origin, caching nothing), or :class:`Decided` (the
-front end's own conditions answered first), or an exception to translate (a
+front end's own conditions answered first), :class:`Direct` (a small range of an object not
+cached, from one ranged GET of the origin), or an exception to translate (a
 :class:`~sidecar.errors.ChecksumMismatch`, :class:`NotCached`, the origin's errors). The front ends
 only translate: the rules below are written once.
 
@@ -23,6 +24,18 @@ only translate: the rules below are written once.
   immutable shards), read the real origin only (``origin_only``, given to the fetcher and from
   there to the origin: :class:`~sidecar.daemon.peers.origin.ClusterOrigin` routes, no other does).
   A peer's hand-off asks for this daemon's copy only (``if_cached``).
+- **Small ranges of objects not cached** (``direct_range_bytes``, ``--direct-range-bytes``): a
+  ranged read of at most that many bytes, of an object neither cached nor filled as far as the
+  range's start, is answered by one ranged GET of the origin (:class:`Direct`), not from the
+  whole object's fill. Every byte of the answer is of the version its headers name: the bytes and
+  the headers come from one origin answer (a resumed body asks ``If-Match`` its ETag), and where a
+  fill of the object runs, its version is asked for (``If-Match``) or, if not known yet, compared
+  before the first byte (another version: the read is the fill's, as before). Not for peers (their
+  reads stay as they are), names never cached, or a caller's claim (a whole-object checksum cannot
+  be checked on a range: that read waits for the fill's seal, as before). Behind the answer the
+  whole object is filled at prefetch priority only into free room, never evicting anything
+  (:meth:`cache.Store.has_room`; ``begin(evict=False)``), a few such fills at a time: a random
+  reader of a dataset larger than the cache fills what fits and reads the rest by ranges.
 - **Counting.** Every lookup is counted once (hit, miss, coalesced), every claim dispute by its
   outcome; where bytes come from and how they are sent is counted by :class:`Tally`.
 """
@@ -30,6 +43,7 @@ only translate: the rules below are written once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -40,14 +54,15 @@ from typing import Generic, TypeVar, overload
 from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError, ReadOnlyViewError, Store
 from sidecar.daemon.accounting import Tally, miss_source
 from sidecar.daemon.claims import Claims
-from sidecar.daemon.fills import Fetcher, Fill
+from sidecar.daemon.fills import Fetcher, Fill, RangeRead
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import ObjectInfo
-from sidecar.daemon.priority import DEMAND
-from sidecar.errors import ChecksumMismatch, SidecarError
+from sidecar.daemon.priority import DEMAND, LEASE
+from sidecar.errors import ChecksumMismatch, InvalidRange, ObjectNotFound, SidecarError
 
 __all__ = [
-    "UNCACHED_NAMES", "Decided", "Filling", "Hit", "NotCached", "ReadContext", "ReadService", "Uncached", "mismatch",
+    "DIRECT_RANGE", "UNCACHED_NAMES", "Decided", "Direct", "Filling", "Hit", "NotCached", "ReadContext", "ReadService",
+    "Uncached", "mismatch",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,6 +72,11 @@ T = TypeVar("T")
 UNCACHED_NAMES = frozenset({"manifest.json"})
 """Object names (the last part of a key) never cached: a dataset's manifest is the mutable index
 of its immutable shards, always the origin's current copy."""
+
+
+DIRECT_RANGE = "range_origin"
+"""The state of a :class:`Direct` read: its answer's ``x-shardcache-cache`` and the
+``shardcache_served_bytes`` source of its bytes."""
 
 
 class NotCached(SidecarError):
@@ -131,6 +151,16 @@ class Uncached:
 
 
 @dataclass
+class Direct:
+    """A range of an object not cached, from one ranged GET of the origin (``read``: open, to
+    stream and close); the object may be filling behind it, for later reads."""
+
+    read: RangeRead
+    state: str = DIRECT_RANGE
+    came_from: str = "origin"
+
+
+@dataclass
 class Decided(Generic[T]):
     """The front end's own conditions (HTTP's ``If-None-Match`` and friends) answered the read."""
 
@@ -154,11 +184,21 @@ class ReadService:
     """Reads through the node's cache (``store`` ``None``: a daemon without one, everything
     streams from the origin). Loop-only, as the fetcher and the claims it uses."""
 
-    def __init__(self, store: Store | None, fetcher: Fetcher, claims: Claims, metrics: Metrics) -> None:
+    def __init__(
+        self, store: Store | None, fetcher: Fetcher, claims: Claims, metrics: Metrics, *,
+        direct_range_bytes: int = 0, fills_behind: int = 4,
+    ) -> None:
         self.store = store
         self.fetcher = fetcher
         self.claims = claims
         self.metrics = metrics
+        self.direct_range_bytes = direct_range_bytes
+        """Ranges up to this many bytes of objects not cached come straight from the origin (0: never)."""
+        self.fills_behind = fills_behind
+        """Fills started behind direct ranges that may run at once (more: the range only)."""
+        self._behind: dict[Fill, int] = {}  # fills started behind direct ranges, and their objects' sizes
+        self._admitting = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def tally(self, ctx: ReadContext) -> Tally:
         """The byte counters of an answer to ``ctx``."""
@@ -187,24 +227,32 @@ class ReadService:
     @overload
     async def read(
         self, ctx: ReadContext, *, decide: None = None, for_others: bool = False,
-        before_fill: Callable[[], Awaitable[None]] | None = None,
+        before_fill: Callable[[], Awaitable[None]] | None = None, direct: None = None,
     ) -> Hit | Filling | Uncached: ...
 
     @overload
     async def read(
         self, ctx: ReadContext, *, decide: Decide[T], for_others: bool = False,
-        before_fill: Callable[[], Awaitable[None]] | None = None,
+        before_fill: Callable[[], Awaitable[None]] | None = None, direct: None = None,
     ) -> Hit | Filling | Uncached | Decided[T]: ...
+
+    @overload
+    async def read(
+        self, ctx: ReadContext, *, decide: Decide[T], for_others: bool = False,
+        before_fill: Callable[[], Awaitable[None]] | None = None, direct: tuple[int, int] | None,
+    ) -> Hit | Filling | Uncached | Direct | Decided[T]: ...
 
     async def read(
         self, ctx: ReadContext, *, decide: Decide[T] | None = None, for_others: bool = False,
-        before_fill: Callable[[], Awaitable[None]] | None = None,
-    ) -> Hit | Filling | Uncached | Decided[T]:
+        before_fill: Callable[[], Awaitable[None]] | None = None, direct: tuple[int, int] | None = None,
+    ) -> Hit | Filling | Uncached | Direct | Decided[T]:
         """Read ``ctx``'s object: from the cache, else from a fill, else uncached (module docstring).
 
         ``decide``: the front end's conditions, asked once the object is known (see :data:`Decide`).
         ``for_others``: a hit's descriptor goes to another process (:meth:`cache.Store.open_verified`).
-        ``before_fill``: awaited before a fill is started or joined (a warm-up's rate limit)."""
+        ``before_fill``: awaited before a fill is started or joined (a warm-up's rate limit).
+        ``direct``: the ``[start, end)`` the caller asks for, when it asks for one range of known
+        bounds: a small one of an object not cached may be a :class:`Direct` read."""
         store = self.store
         if store is None or not ctx.cacheable:
             reason = "no cache on this daemon" if store is None else "never cached (the mutable index of its shards)"
@@ -224,6 +272,10 @@ class ReadService:
 
         if ctx.peer is not None and ctx.if_cached:
             raise NotCached(f"{ctx.bucket}/{ctx.key} is not cached on this member")
+        if direct is not None and before_fill is None and self._may_go_direct(ctx, direct):
+            ranged = await self._direct(ctx, direct, decide)
+            if ranged is not None:
+                return ranged
         if ctx.peer is not None and self.fetcher.origin.fetching_from_peer(ctx.bucket, ctx.key):
             # This daemon reads the object from a peer that (with another view of the ring) asks it
             # back: joining that fill would wait on itself. The origin's bytes, uncached, instead.
@@ -249,6 +301,102 @@ class ReadService:
                 vouched = f"just fetched, verified against its {fill.check.algorithm}" if fill.check else "just fetched, unverified"
                 raise mismatch(f"{ctx.bucket}/{ctx.key}: the origin's bytes", info.etag, vouched, digest, ctx.claim)
         return Filling(fill, info, state, miss_source(state, info.source))
+
+    # -- a small range of an object not cached, straight from the origin ----------------------
+
+    def _may_go_direct(self, ctx: ReadContext, rng: tuple[int, int]) -> bool:
+        start, end = rng
+        return (
+            0 < end - start <= self.direct_range_bytes
+            and ctx.peer is None
+            and not ctx.claim
+            and ctx.cacheable
+            and self.fetcher.origin.direct_ranges
+        )
+
+    async def _direct(self, ctx: ReadContext, rng: tuple[int, int], decide: Decide[T] | None) -> Direct | Decided[T] | None:
+        """``ctx``'s range from one ranged GET of the origin, or ``None``: read it as before (from
+        the fill, which has the range's start already, is another version, or knows the size of an
+        object the range starts past)."""
+        start, end = rng
+        fill = self.fetcher.inflight.get((ctx.bucket, ctx.key))
+        if fill is not None and (fill.contiguous > start or fill.error is not None):
+            return None
+        # The fill's version, when it is known: the origin answers it or 412 (ObjectNotFound).
+        etag = fill.info.etag if fill is not None and fill.info is not None else None
+        opening = asyncio.ensure_future(self.fetcher.open_range(ctx.bucket, ctx.key, start, end, etag))
+        try:
+            if fill is not None and etag is None and fill.asked:
+                # The fill's first answer is on its way, sent before this request: it is in by
+                # the time this one is, and the two versions are compared before any byte is sent.
+                with contextlib.suppress(Exception):
+                    await fill.wait_info()
+            read = await opening
+        except InvalidRange:
+            return None  # past the end: answered as before, 416 with the object's size
+        except ObjectNotFound:
+            if etag is None:
+                raise
+            return None  # no longer the fill's version: the fill's bytes, or its error
+        except BaseException:
+            _discard(opening)
+            raise
+        if read is None:
+            return None
+        info = read.info
+        if fill is not None and fill.info is not None and fill.info.etag != info.etag:
+            read.close()
+            log.debug("%s/%s changed between its fill (%s) and a range (%s): read from the fill",
+                      ctx.bucket, ctx.key, fill.info.etag, info.etag)
+            return None
+        self._count(ctx, "miss")
+        try:
+            if decide is not None and (answer := decide(info, DIRECT_RANGE)) is not None:
+                read.close()
+                return Decided(answer)
+        except BaseException:
+            read.close()
+            raise
+        log.debug("%s/%s bytes %d-%d straight from the origin (ETag %s)", ctx.bucket, ctx.key, read.start,
+                  read.end - 1, info.etag)
+        self._fill_behind(ctx, info.size)
+        return Direct(read)
+
+    def _fill_behind(self, ctx: ReadContext, size: int) -> None:
+        """Fill the whole object behind a direct range, if it fits into free room (checked off the
+        loop) and few such fills run: at prefetch priority, evicting nothing."""
+        if self.store is None or (ctx.bucket, ctx.key) in self.fetcher.inflight:
+            return
+        self._behind = {fill: size for fill, size in self._behind.items() if not fill.finished}
+        if len(self._behind) + self._admitting >= self.fills_behind:
+            self.metrics.range_fills.labels(outcome="busy").inc()
+            return
+        self._admitting += 1
+        task = asyncio.create_task(self._admit_behind(ctx, size), name=f"fill-behind:{ctx.bucket}/{ctx.key}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _admit_behind(self, ctx: ReadContext, size: int) -> None:
+        store = self.store
+        assert store is not None
+        try:
+            # Fills started behind ranges whose room the store has not reserved yet (their first
+            # answer is not in) count too: two of them must not both take the same free room.
+            pending = sum(other for fill, other in self._behind.items() if fill.info is None and not fill.finished)
+            if not await asyncio.to_thread(store.has_room, size + pending, ctx.tenant):
+                self.metrics.range_fills.labels(outcome="no_room").inc()
+                log.debug("not filling %s/%s behind a range: no free room for %d bytes", ctx.bucket, ctx.key, size)
+                return
+            if (ctx.bucket, ctx.key) in self.fetcher.inflight or store.lookup(ctx.bucket, ctx.key) is not None:
+                return  # filled or filling meanwhile
+            fill, created = self.fetcher.start(ctx.bucket, ctx.key, LEASE, tenant=ctx.tenant, evict=False)
+            if created:
+                self._behind[fill] = size
+                self.metrics.range_fills.labels(outcome="started").inc()
+        except Exception:  # a background nicety: the read was answered
+            log.exception("filling %s/%s behind a range failed to start", ctx.bucket, ctx.key)
+        finally:
+            self._admitting -= 1
 
     def _count(self, ctx: ReadContext, result: str) -> None:
         if ctx.counted:
@@ -330,3 +478,14 @@ class ReadService:
             return None
         fill, _ = self.fetcher.start(ctx.bucket, ctx.key, ctx.priority, tenant=ctx.tenant, origin_only=ctx.origin_only)
         return fill
+
+
+def _discard(opening: asyncio.Future[RangeRead | None]) -> None:
+    """A range being opened that nobody will read: stopped, or closed once it is open."""
+    opening.cancel()
+
+    def closed(done: asyncio.Future[RangeRead | None]) -> None:
+        if not done.cancelled() and done.exception() is None and (read := done.result()) is not None:
+            read.close()
+
+    opening.add_done_callback(closed)

@@ -5,7 +5,8 @@ for writes.
 A read is described as a :class:`~sidecar.daemon.reads.ReadContext` and answered by the daemon's
 one read path (:mod:`sidecar.daemon.reads`); this module translates: requests into contexts, and
 what the read service returns into HTTP answers (sendfile of a hit, a fill streamed as it lands,
-a short-circuit path, an uncached stream, an S3 error).
+a short-circuit path, an uncached stream, a small range from one ranged GET of the origin, an S3
+error).
 
 A read may carry the caller's xxh3-128 of the object (``x-shardcache-xxh3-128``, the loader's
 manifest): the answer then holds nothing but bytes that hash to it, or ``409 ChecksumMismatch``.
@@ -36,8 +37,8 @@ from sidecar.daemon.keys import ORIGIN, READS
 from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.peers.http import peer_request
 from sidecar.daemon.peers.signing import IF_CACHED_HEADER
-from sidecar.daemon.reads import Decided, Filling, Hit, NotCached, ReadContext, ReadService, Uncached
-from sidecar.daemon.s3xml import error_response, parse_range
+from sidecar.daemon.reads import Decided, Direct, Filling, Hit, NotCached, ReadContext, ReadService, Uncached
+from sidecar.daemon.s3xml import error_response, parse_range, requested_range
 from sidecar.errors import BadRequest, OriginError, PreconditionFailed
 from wire.names import validate_bucket, validate_key, validate_prefix, validate_xxh3_128
 from wire.s3headers import ObjectHeaders, failed_condition, not_modified_headers, precondition
@@ -240,8 +241,11 @@ async def _get(request: web.Request, reads: ReadService, ctx: ReadContext) -> we
     # Not under --auth: a path is for whoever shares the cache directory, and with tenants nobody
     # may (a pod holding the directory could open any tenant's file by path); bytes instead.
     short_circuit = request.headers.get("x-shardcache-short-circuit") == "1" and AUTH not in request.app
+    # One explicit span (a sample of a shard): a small one of an object not cached may come
+    # straight from the origin (reads.py). A short-circuit reader wants the whole file.
+    direct = None if short_circuit else requested_range(request.headers.get("Range"))
     try:
-        result = await reads.read(ctx, decide=functools.partial(_conditional, request, ctx))
+        result = await reads.read(ctx, decide=functools.partial(_conditional, request, ctx), direct=direct)
     except NotCached as exc:
         # A hand-off asks for this daemon's copy only (peers/origin.py): without one here, the
         # asking owner reads the origin itself rather than have this daemon fill it too.
@@ -253,6 +257,8 @@ async def _get(request: web.Request, reads: ReadService, ctx: ReadContext) -> we
         response = await _serve_hit(request, reads, ctx, result, short_circuit)
     elif isinstance(result, Uncached):
         response = await _serve_uncached(request, reads, ctx, result)
+    elif isinstance(result, Direct):
+        response = await _serve_direct(request, reads, ctx, result)
     else:
         response = await _serve_fill(request, reads, ctx, result, short_circuit)
     metrics.request_duration.labels(cache=result.state).observe(time.perf_counter() - began)
@@ -347,6 +353,27 @@ async def _serve_uncached(
     response = web.StreamResponse(status=status, headers=headers)
     response.content_length = end - start
     await _stream_origin(request, response, reads, ctx, reads.tally(ctx), info.etag, start, end)
+    await response.write_eof()
+    return response
+
+
+async def _serve_direct(request: web.Request, reads: ReadService, ctx: ReadContext, direct: Direct) -> web.StreamResponse:
+    """A small range of an object not cached, from the origin's answer to one ranged GET: its
+    headers (the version the bytes are of) and its bytes, caching nothing (reads.py)."""
+    read = direct.read
+    try:
+        headers = _object_headers(read.info, direct.state, request=request, peer=ctx.peer is not None)
+        status, start, end = _range_headers(headers, (read.start, read.end), read.info.size)
+        response = web.StreamResponse(status=status, headers=headers)
+        response.content_length = end - start
+        tally = reads.tally(ctx)
+        await response.prepare(request)  # the origin has answered: its error would have come first
+        tally.read(direct.came_from)
+        async for chunk in read.chunks():
+            await response.write(chunk)
+            tally.served(direct.state, len(chunk), direct.came_from)
+    finally:
+        read.close()
     await response.write_eof()
     return response
 

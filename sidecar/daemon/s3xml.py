@@ -13,7 +13,7 @@ from aiohttp import web
 from sidecar.errors import InvalidRange
 from wire.s3xml import error_xml
 
-__all__ = ["error_response", "parse_range"]
+__all__ = ["error_response", "parse_range", "requested_range"]
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$", re.ASCII)  # ASCII: "\d" is not every Unicode digit
 _MAX_DIGITS = 19
@@ -75,3 +75,19 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         shown = first if len(first) <= 40 else f"{first[:20]}...({len(first)} digits)"
         raise InvalidRange(f"range start {shown} is beyond the object's {size} bytes", size)
     return start, end
+
+
+def requested_range(header: str | None) -> tuple[int, int] | None:
+    """The ``[start, end)`` of a ``Range`` of one explicit span (``bytes=FIRST-LAST``, ``FIRST <=
+    LAST``), before the object's size is known; ``None`` for anything else (no range, a suffix, an
+    open end, several ranges, malformed, numbers past any object): those need the size first.
+    The end may lie past the object's (clamped once the size is known, as :func:`parse_range` does)."""
+    if not header:
+        return None
+    match = _RANGE_RE.match(header.strip())
+    if not match or not match.group(1) or not match.group(2):
+        return None
+    first, last = _position(match.group(1)), _position(match.group(2))
+    if last < first or last >= _BEYOND:
+        return None
+    return first, last + 1

@@ -54,6 +54,12 @@ class ServeSettings:
     prefetch_workers: int = 4
     """Background fills running at once for prefetch and warm-up requests."""
 
+    direct_range_bytes: int = 8 * 1024 * 1024
+    """``--direct-range-bytes``: a ranged GET of at most this many bytes of an object not cached
+    (nor filled as far as the range's start) is answered by one ranged GET of the origin, and the
+    object filled behind it only into free room (:mod:`sidecar.daemon.reads`). 0: every ranged
+    read of an object not cached waits for the whole object's fill, as before."""
+
     prefetch_queue_max: int = 100_000
     """Queued prefetches beyond which ``POST /_shardcache/prefetch`` answers 503 SlowDown."""
 
@@ -93,6 +99,8 @@ class ServeSettings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
+        if self.direct_range_bytes < 0:
+            raise ValueError(f"--direct-range-bytes must be 0 (off) or more, not {self.direct_range_bytes}")
         if self.mode == "sidecar" and not self.upstream:
             raise ValueError("sidecar mode needs an upstream (the node daemon's address)")
         if self.auth.mode != "none" and self.origin != "s3":

@@ -87,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--origin-concurrency", default="32", help="origin requests in flight in total")
     add_flag(parser, "--retries", default="4", help="retries per origin request after the first attempt")
     add_flag(parser, "--prefetch-workers", default="4", help="background fills at once for prefetch/warm-up")
+    add_flag(parser, "--direct-range-bytes", default="8MiB",
+             help="a ranged GET of at most this many bytes of an object not cached is answered by one ranged GET "
+                  "of the origin, the object filled behind it only into free room (0: wait for the whole fill)")
     add_flag(parser, "--verify-etag-md5", default="on", choices=["on", "off"],
              help="verify objects without an S3 additional checksum against their ETag where it is an MD5 "
                   "(single-part, not SSE-KMS/SSE-C); costs ~1.2 CPU-s/GB")
@@ -215,6 +218,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         mode=args.mode,
         upstream=args.upstream,
         prefetch_workers=_int(args.prefetch_workers, "--prefetch-workers", 1),
+        direct_range_bytes=parse_size(args.direct_range_bytes),
         connections=connection_limits(args),
         auth=auth,
         handles=handles,

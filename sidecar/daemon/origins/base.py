@@ -161,6 +161,18 @@ class Origin(abc.ABC):
         object is no longer the version ``etag``. Does not retry. ``Body.source`` says where
         its bytes come from."""
 
+    direct_ranges: bool = False
+    """Whether :meth:`open_range` answers a range with what the object is in one request. Not an
+    origin that routes reads to other daemons (a cluster's): its ranges go through fills."""
+
+    def open_range(self, bucket: str, key: str, start: int, end: int, etag: str | None = None) -> tuple[ObjectInfo, Body] | None:
+        """Blocking: one request for bytes ``[start, end)`` (``end`` past the object: to its end)
+        that also says what the object is (its size, ETag and headers, from the same answer as
+        the bytes); ``None`` where the origin answered no range (the caller reads otherwise).
+        ``InvalidRange`` when ``start`` is past the end; with ``etag``, ``ObjectNotFound`` if the
+        object is no longer that version. Does not retry. Only where :attr:`direct_ranges`."""
+        raise NotImplementedError(f"{type(self).__name__} answers no direct ranges")
+
     @abc.abstractmethod
     def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         """Blocking: one request that returns the object's info and a body of all its bytes, so
@@ -457,6 +469,15 @@ class FileOrigin(Origin):
     def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         fd, st = self._open(bucket, key, None)
         return self._info(st), _FileBody(fd, 0, st.st_size)
+
+    direct_ranges = True
+
+    def open_range(self, bucket: str, key: str, start: int, end: int, etag: str | None = None) -> tuple[ObjectInfo, Body] | None:
+        fd, st = self._open(bucket, key, etag)
+        if start >= st.st_size:
+            os.close(fd)
+            raise InvalidRange(f"range start {start} beyond object size {st.st_size}", st.st_size)
+        return self._info(st), _FileBody(fd, start, min(end, st.st_size))
 
     async def list_objects_v2(self, bucket: str, params: Mapping[str, str]) -> bytes:
         return await self.call(self._list, bucket, dict(params), False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +223,17 @@ class S3Origin(Origin):
                 raise OriginBadResponse(f"{bucket}/{key}: origin sent {expected} bytes for a range of {end - start}")
         return _HTTPBody(resp, expected, f"{bucket}/{key}")
 
+    direct_ranges = True
+
+    def open_range(self, bucket: str, key: str, start: int, end: int, etag: str | None = None) -> tuple[ObjectInfo, Body] | None:
+        params = {"Bucket": validate_bucket(bucket), "Key": validate_key(key)}
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if etag:
+            headers["If-Match"] = etag
+        resp = self._request("GET", "get_object", params, headers)
+        return _ranged(resp.status, resp.headers.items(), _content_length(resp), start,
+                       lambda expected: _HTTPBody(resp, expected, f"{bucket}/{key}"), resp.close, f"{bucket}/{key}")
+
     def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         # Not ranged: S3 answers the full-object checksum only to a GET of the whole object, with
         # x-amz-checksum-mode (signed: botocore lists it in the presigned URL's signed headers).
@@ -298,6 +309,30 @@ class S3Origin(Origin):
         if len(data) > MAX_LISTING_BYTES:
             raise OriginBadResponse(f"{op} {bucket}: answer larger than {MAX_LISTING_BYTES} bytes")
         return data
+
+
+def _ranged(
+    status: int, headers: Iterable[tuple[str, str]], length: int, start: int, body: Callable[[int], Body],
+    close: Callable[[], None], what: str,
+) -> tuple[ObjectInfo, Body] | None:
+    """A ranged GET's answer as (what the object is, the range's body): the size from its
+    ``Content-Range``, the rest from its headers; ``None`` (closed) when the origin answered
+    something else than the range asked for, from ``start`` (a whole object, an unknown size)."""
+    pairs = list(headers)
+    content_range = next((value for name, value in pairs if name.lower() == "content-range"), "")
+    match = _RANGE_RE.match(content_range)
+    if status != 206 or not match or match.group(3) == "*" or int(match.group(1)) != start:
+        close()
+        return None
+    if length != int(match.group(2)) + 1 - start:
+        close()
+        raise OriginBadResponse(f"{what}: origin sent {length} bytes for the range {content_range}")
+    try:
+        info = _info(pairs, int(match.group(3)), what)
+    except BaseException:
+        close()
+        raise
+    return info, body(length)
 
 
 def _info(headers: Iterable[tuple[str, str]], size: int, what: str) -> ObjectInfo:
@@ -467,6 +502,21 @@ class Boto3S3Origin(S3Origin):
             params["IfMatch"] = etag
         resp = self._call("get_object", **params)
         return _Boto3Body(resp["Body"], int(resp["ContentLength"]), f"{bucket}/{key}")
+
+    def open_range(self, bucket: str, key: str, start: int, end: int, etag: str | None = None) -> tuple[ObjectInfo, Body] | None:
+        params: dict[str, Any] = {"Bucket": validate_bucket(bucket), "Key": validate_key(key),
+                                  "Range": f"bytes={start}-{end - 1}"}
+        if etag:
+            params["IfMatch"] = etag
+        resp = self._call("get_object", **params)
+        meta = resp["ResponseMetadata"]
+
+        def close() -> None:
+            with contextlib.suppress(Exception):
+                resp["Body"].close()
+
+        return _ranged(meta["HTTPStatusCode"], meta["HTTPHeaders"].items(), int(resp["ContentLength"]), start,
+                       lambda expected: _Boto3Body(resp["Body"], expected, f"{bucket}/{key}"), close, f"{bucket}/{key}")
 
     def open_first(self, bucket: str, key: str, *, origin_only: bool = False) -> tuple[ObjectInfo, Body]:
         # Not ranged, with the checksum mode, as S3Origin.open_first (botocore validates the
