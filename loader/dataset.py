@@ -27,6 +27,9 @@ class Shard:
     xxh3_128: str | None = None
     samples: int | None = None
     etag: str | None = None
+    members: str | None = None
+    """The xxh3-128 of the shard's member index (``<key>.members.json``, :mod:`wire.members`) as
+    the manifest pins it; None when the dataset has none."""
 
     def spec(self) -> dict[str, Any]:
         """The shard as the master's job spec lists it."""
@@ -58,7 +61,7 @@ def parse_manifest(data: bytes, where: str) -> list[Shard]:
         raise DatasetNotFound(str(exc)) from None
     except WireManifestError as exc:
         raise ManifestError(str(exc)) from None
-    return [Shard(i, e.key, e.size, e.xxh3_128, e.samples) for i, e in enumerate(entries)]
+    return [Shard(i, e.key, e.size, e.xxh3_128, e.samples, members=e.members) for i, e in enumerate(entries)]
 
 
 def parse_index(data: bytes, where: str, location: DatasetURL) -> list[Shard]:
@@ -69,4 +72,4 @@ def parse_index(data: bytes, where: str, location: DatasetURL) -> list[Shard]:
         raise DatasetNotFound(str(exc)) from None
     except WireManifestError as exc:
         raise ManifestError(str(exc)) from None
-    return [Shard(i, e.key, e.size, e.xxh3_128, e.samples) for i, e in enumerate(entries)]
+    return [Shard(i, e.key, e.size, e.xxh3_128, e.samples, members=e.members) for i, e in enumerate(entries)]

@@ -82,6 +82,13 @@ class TarIndex:
     checked_xxh3_128: str | None = None
     """The checksum the read that made this table verified the whole file against (None: no
     checksum checked); see ``LoaderSettings.rehash_warm``."""
+    digests: array | None = None
+    """Each sample's xxh3-64, of its bytes ``[ends[i-1] (0 for the first), ends[i])``, when the
+    table came from a member index (:mod:`loader.members`): a sample can then be checked alone."""
+
+    def start(self, i: int) -> int:
+        """Where sample ``i``'s bytes begin (the end of the one before)."""
+        return self.ends[i - 1] if i else 0
 
     @property
     def samples(self) -> int:
@@ -90,7 +97,8 @@ class TarIndex:
     @property
     def nbytes(self) -> int:
         arrays = (self.key_ends, self.layout_of, self.first, self.offsets, self.sizes, self.ends)
-        return len(self.keys) + sum(a.itemsize * len(a) for a in arrays) + 64 * len(self.layouts) + 200
+        extra = 8 * len(self.digests) if self.digests is not None else 0
+        return extra + len(self.keys) + sum(a.itemsize * len(a) for a in arrays) + 64 * len(self.layouts) + 200
 
     @classmethod
     def from_log(cls, log: MemberLog, size: int) -> TarIndex | None:

@@ -143,6 +143,8 @@ class ManifestShard:
     size: int | None
     xxh3_128: str | None
     samples: int | None
+    members: str | None = None
+    """The xxh3-128 of the shard's member index (:mod:`wire.members`), when one was written."""
 
 
 def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
@@ -179,7 +181,11 @@ def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
         digest = entry.get("xxh3_128")
         if digest is not None and not is_xxh3_128(digest):
             raise ManifestError(f"{at}.xxh3_128 must be 32 hex digits")
-        shards.append(ManifestShard(key, size, digest.lower() if digest else None, samples))
+        members = entry.get("members_xxh3_128")
+        if members is not None and not is_xxh3_128(members):
+            raise ManifestError(f"{at}.members_xxh3_128 must be 32 hex digits")
+        shards.append(ManifestShard(key, size, digest.lower() if digest else None, samples,
+                                    members.lower() if members else None))
     return shards
 
 

@@ -14,21 +14,25 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import re
+import stat
 import tempfile
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import xxhash
 
 from sidecar.cli.util import EXIT_FAILED, EXIT_UNAVAILABLE, UserError
 from sidecar.errors import SidecarError
 from wire.dataset import MANIFEST_FORMAT, MANIFEST_VERSION, MAX_MANIFEST_BYTES, DatasetURL, ManifestShard, check_key
+from wire.errors import ManifestError
+from wire.members import members_bytes, members_key, parse_members
 from wire.s3errors import S3ErrorKind, from_client_error
 from wire.s3xml import ListedObject
 
@@ -49,8 +53,10 @@ __all__ = [
     "compare",
     "list_shards",
     "manifest_bytes",
+    "members_problem",
     "open_store",
     "read_object",
+    "scan_and_index",
     "scan_shard",
     "write_object",
 ]
@@ -116,6 +122,8 @@ class ObjectStore(Protocol):
 
     def read_small(self, key: str, limit: int) -> bytes | None: ...
 
+    def write(self, key: str, data: bytes) -> None: ...
+
 
 class FileObjects:
     def __init__(self, dataset: DatasetURL) -> None:
@@ -154,6 +162,15 @@ class FileObjects:
             return None
         except PermissionError as exc:
             raise DatasetAccessDenied(f"{self.dataset.url}{key}: permission denied") from exc
+
+    def write(self, key: str, data: bytes) -> None:
+        """Publish ``data`` as ``key`` atomically (:func:`atomic_write`)."""
+        try:
+            atomic_write(self._path(key), data)
+        except PermissionError as exc:
+            raise DatasetAccessDenied(f"cannot write {self.dataset.url}{key}: permission denied") from exc
+        except FileNotFoundError as exc:
+            raise DatasetMissing(f"cannot write {self.dataset.url}{key}: its directory is gone") from exc
 
 
 # What S3's error answers become for the CLI, with a hint for the operator; every other kind is
@@ -226,6 +243,12 @@ class S3Objects:
         finally:
             body.close()
 
+    def write(self, key: str, data: bytes) -> None:
+        """One PUT: S3 publishes an object whole or not at all."""
+        with self.errors(f"writing {self.dataset.url}{key}"):
+            self.client.put_object(Bucket=self.dataset.bucket, Key=self.dataset.prefix + key, Body=data,
+                                   ContentType="application/json")
+
 
 class _S3Body:
     def __init__(self, body: Any, store: S3Objects, what: str) -> None:
@@ -264,38 +287,49 @@ class ShardInfo:
     xxh3_128: str
     samples: int | None
     error: str | None = None  # not a readable WebDataset tar (the size and checksum still hold)
+    members: str | None = None  # the xxh3-128 of the member index written next to it (--members)
+    members_error: str | None = None  # why it has none though one was asked for
 
     def entry(self) -> dict[str, Any]:
-        return {"key": self.key, "size": self.size, "xxh3_128": self.xxh3_128, "samples": self.samples}
+        entry: dict[str, Any] = {"key": self.key, "size": self.size, "xxh3_128": self.xxh3_128, "samples": self.samples}
+        if self.members is not None:
+            entry["members_xxh3_128"] = self.members
+        return entry
 
 
 class _Hashing:
-    """Passes reads through while hashing and counting them (``on_bytes`` feeds a progress bar)."""
+    """Passes reads through while hashing and counting them (``on_bytes`` feeds a progress bar),
+    and copying them to ``spool`` when given."""
 
-    def __init__(self, raw: Reader, on_bytes: Callable[[int], None] | None) -> None:
+    def __init__(self, raw: Reader, on_bytes: Callable[[int], None] | None, spool: BinaryIO | None = None) -> None:
         self.raw = raw
         self.hasher = xxhash.xxh3_128()
         self.size = 0
         self.on_bytes = on_bytes
+        self.spool = spool
 
     def read(self, n: int = -1, /) -> bytes:
         data = self.raw.read(n)
         if data:
             self.hasher.update(data)
             self.size += len(data)
+            if self.spool is not None:
+                self.spool.write(data)
             if self.on_bytes is not None:
                 self.on_bytes(len(data))
         return data
 
 
-def scan_shard(raw: Reader, key: str, url: str = "", on_bytes: Callable[[int], None] | None = None) -> ShardInfo:
-    """Size, xxh3-128 and sample count of one shard, streaming (one member in memory at most)."""
+def scan_shard(raw: Reader, key: str, url: str = "", on_bytes: Callable[[int], None] | None = None,
+               spool: BinaryIO | None = None) -> ShardInfo:
+    """Size, xxh3-128 and sample count of one shard, streaming (one member in memory at most);
+    every byte read is also written to ``spool`` when given."""
     from loader.errors import (
         CorruptShard,  # the loader's strict reader: same counts as trainers
     )
     from loader.tar import iter_members, split_name
 
-    reader = _Hashing(raw, on_bytes)
+    reader = _Hashing(raw, on_bytes, spool)
     samples = 0
     current: str | None = None
     error = None
@@ -314,6 +348,112 @@ def scan_shard(raw: Reader, key: str, url: str = "", on_bytes: Callable[[int], N
     while reader.read(_READ):  # the bytes after the end-of-archive block are part of the object
         pass
     return ShardInfo(key, reader.size, reader.hasher.hexdigest(), None if error else samples, error)
+
+
+def _regular_file(raw: Reader) -> int | None:
+    """The descriptor of ``raw`` when it is a regular file read from its start (``file://``):
+    it is mapped after the scan instead of spooled."""
+    fileno = getattr(raw, "fileno", None)
+    tell = getattr(raw, "tell", None)
+    if fileno is None or tell is None:
+        return None
+    try:
+        fd = fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or tell() != 0:
+            return None
+    except (OSError, ValueError):
+        return None
+    return int(fd)
+
+
+def scan_and_index(raw: Reader, key: str, url: str, on_bytes: Callable[[int], None] | None,
+                   write: Callable[[str, bytes], None]) -> ShardInfo:
+    """:func:`scan_shard`, and the shard's member index (:mod:`wire.members`) built from the same
+    read and written with ``write(members_key(key), document)``; its checksum is the info's
+    ``members``, or ``members_error`` says why it has none (not a tar, a sparse member, a
+    field named twice in a sample).
+
+    The shard is read once: a stream is copied to an unlinked temporary file (``TMPDIR``) as it is
+    scanned, a regular file is used as it is; either is then mapped for
+    :func:`loader.members.index_shard`. Memory: one member at a time and the table; the mapping's
+    pages are the page cache's (disk: one shard's size per shard being read at once)."""
+    from loader.errors import CorruptShard
+    from loader.members import index_shard
+
+    fd = _regular_file(raw)
+    spool: BinaryIO | None = None
+    buf: bytes | mmap.mmap = b""
+    try:
+        if fd is None:
+            spool = tempfile.TemporaryFile(prefix="shardcache-index-")  # noqa: SIM115 (closed below)
+            fd = spool.fileno()
+        info = scan_shard(raw, key, url, on_bytes, spool)
+        if info.error is not None:
+            return info
+        if spool is not None:
+            spool.flush()
+        if info.size:
+            try:
+                buf = mmap.mmap(fd, info.size, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:  # the file shrank after the scan
+                info.members_error = f"the shard changed while it was read ({exc})"
+                return info
+        try:
+            table = index_shard(buf, key, url=url or key)
+        except CorruptShard as exc:
+            reason = str(exc)
+            info.members_error = reason[len(url or key):].lstrip(": ") if reason.startswith(url or key) else reason
+            return info
+    finally:
+        if isinstance(buf, mmap.mmap):
+            with contextlib.suppress(BufferError):  # a view still held: the GC unmaps it
+                buf.close()
+        if spool is not None:
+            spool.close()
+    if (table.size, table.xxh3_128) != (info.size, info.xxh3_128):
+        info.members_error = "the shard changed while it was read (its bytes hash differently the second time)"
+        return info
+    if table.samples != info.samples:
+        info.members_error = f"its member index lists {table.samples} samples, the scan counted {info.samples}"
+        return info
+    document = members_bytes(table)
+    del table
+    try:
+        parse_members(document, members_key(url or key))  # never write what a reader refuses
+    except ManifestError as exc:
+        info.members_error = f"its member index would not be readable: {exc}"
+        return info
+    write(members_key(key), document)
+    info.members = xxhash.xxh3_128_hexdigest(document)
+    return info
+
+
+def members_problem(data: bytes | None, shard: ManifestShard, found: ShardInfo, where: str) -> str | None:
+    """What is wrong with the member index ``data`` (None: absent) that the manifest pins for
+    ``shard``, the object being ``found``; None when it matches (pure: what was read is passed in)."""
+    if data is None:
+        return f"no member index at {where}; the manifest pins one (write it with `shardcache index --members`)"
+    digest = xxhash.xxh3_128_hexdigest(data)
+    if digest != shard.members:
+        return (f"{where} hashes to {digest}, the manifest pins {shard.members} (damaged or rewritten: "
+                "index again with --members)")
+    try:
+        table = parse_members(data, where)
+    except ManifestError as exc:
+        return str(exc)
+    if table.shard_key != shard.key:
+        return f"{where} indexes {table.shard_key!r}, not {shard.key!r}"
+    if (shard.size is not None and table.size != shard.size) or (
+        shard.xxh3_128 is not None and table.xxh3_128 != shard.xxh3_128
+    ):
+        return (f"{where} indexes {table.size} bytes of xxh3_128 {table.xxh3_128}, the manifest lists {shard.size} "
+                f"bytes of xxh3_128 {shard.xxh3_128}")
+    if (table.size, table.xxh3_128) != (found.size, found.xxh3_128):
+        return (f"{where} indexes {table.size} bytes of xxh3_128 {table.xxh3_128}, the object is {found.size} bytes "
+                f"of xxh3_128 {found.xxh3_128} (stale: the shard changed after it was indexed)")
+    if shard.samples is not None and table.samples != shard.samples:
+        return f"{where} lists {table.samples} samples, the manifest says {shard.samples}"
+    return None
 
 
 # -- the manifest ---------------------------------------------------------------------------------
@@ -337,15 +477,18 @@ def manifest_bytes(doc: dict[str, Any]) -> bytes:
 @dataclass(frozen=True)
 class Mismatch:
     key: str
-    problem: str  # missing | size | xxh3_128 | samples | unreadable | unlisted
+    problem: str  # missing | size | xxh3_128 | samples | unreadable | members | unlisted
     detail: str
 
     def as_dict(self) -> dict[str, str]:
         return {"key": self.key, "problem": self.problem, "detail": self.detail}
 
 
-def compare(expected: list[ManifestShard], found: dict[str, ShardInfo], listed: list[str]) -> list[Mismatch]:
-    """Every way the objects differ from the manifest (pure: what was read is passed in)."""
+def compare(expected: list[ManifestShard], found: dict[str, ShardInfo], listed: list[str],
+            members: dict[str, str] | None = None) -> list[Mismatch]:
+    """Every way the objects differ from the manifest (pure: what was read is passed in);
+    ``members``: what is wrong with the member indexes it pins, by shard key
+    (:func:`members_problem`)."""
     problems: list[Mismatch] = []
     for shard in expected:
         info = found.get(shard.key)
@@ -364,6 +507,8 @@ def compare(expected: list[ManifestShard], found: dict[str, ShardInfo], listed: 
             problems.append(Mismatch(
                 shard.key, "samples", f"object holds {info.samples} samples, the manifest says {shard.samples}"
             ))
+        if members and shard.key in members:
+            problems.append(Mismatch(shard.key, "members", members[shard.key]))
     known = {shard.key for shard in expected}
     for key in listed:
         if key not in known:

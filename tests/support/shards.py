@@ -58,7 +58,10 @@ def write_shards(
     return written
 
 
-def write_manifest(written: Written, *, hashes: bool = True, samples: bool = True, name: str = "manifest.json") -> dict[str, Any]:
+def write_manifest(written: Written, *, hashes: bool = True, samples: bool = True, name: str = "manifest.json",
+                   members: bool = False) -> dict[str, Any]:
+    """The dataset's manifest; with ``members``, each shard's member index next to it
+    (``<key>.members.json``, as ``shardcache index --members`` writes it), pinned in its entry."""
     entries = []
     for key in written.keys:
         data = (written.root / key).read_bytes()
@@ -66,6 +69,13 @@ def write_manifest(written: Written, *, hashes: bool = True, samples: bool = Tru
         if hashes:
             entry["xxh3_128"] = xxhash.xxh3_128_hexdigest(data)
         entry["samples"] = len(written.order[key]) if samples else None
+        if members:
+            from loader.members import index_shard, members_key
+            from wire.members import members_bytes
+
+            doc_bytes = members_bytes(index_shard(data, key))
+            (written.root / members_key(key)).write_bytes(doc_bytes)
+            entry["members_xxh3_128"] = xxhash.xxh3_128_hexdigest(doc_bytes)
         entries.append(entry)
     doc = {"version": 1, "format": "webdataset", "shards": entries}
     (written.root / name).write_text(json.dumps(doc))

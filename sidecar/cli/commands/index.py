@@ -1,4 +1,5 @@
-"""``shardcache index``: build (or ``--verify``) a dataset's ``manifest.json``."""
+"""``shardcache index``: build (or ``--verify``) a dataset's ``manifest.json``, and with
+``--members`` a member index next to each shard (:mod:`wire.members`)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ from sidecar.cli.datasets import (
     dataset_errors,
     list_shards,
     manifest_bytes,
+    members_problem,
     open_store,
     quiet_libraries,
     read_object,
+    scan_and_index,
     scan_shard,
     write_object,
 )
 from sidecar.cli.progress import Display, Progress, ProgressLine, RateMeter, format_bytes
 from sidecar.cli.util import EXIT_FAILED, EXIT_OK, RawDefaultsFormatter, UserError, add_flag
 from wire.dataset import MANIFEST_NAME, ManifestShard, parse_dataset_url, parse_manifest, wids_index_bytes
+from wire.members import MAX_MEMBERS_BYTES, MEMBERS_SUFFIX, members_key
 
 __all__ = ["register", "run", "scan_all"]
 
@@ -46,6 +50,10 @@ examples:
   # also a wids shard index (webdataset's indexed reader, wids.ShardListDataset) next to it
   shardcache index s3://bucket/train/ --wids shardindex.json
 
+  # also a member index per shard (train-000000.tar.members.json next to train-000000.tar),
+  # pinned in the manifest: any sample of a cold shard is then one ranged read
+  shardcache index s3://bucket/train/ --members
+
   # re-check the objects against the existing manifest; exits 1 and lists every mismatch
   shardcache index s3://bucket/train/ --verify
 
@@ -54,6 +62,12 @@ examples:
 
 Samples are counted the way the loader reads them: tar members sharing a basename up to the
 first dot (000123.jpg, 000123.cls) are one sample.
+
+--members reads each shard once, as without it: a shard read from S3 is copied to a temporary
+file (TMPDIR) while it is hashed, so up to --jobs shards' worth of disk is used at once. A shard
+that cannot be indexed by sample (a sparse member, a field twice in a sample) is listed in the
+manifest without a member index, reported, and the exit status is 1. --verify checks the member
+indexes the manifest pins (present, their xxh3-128, and naming the shard's size and xxh3-128).
 """
 
 
@@ -73,6 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--wids", default=None, metavar="NAME",
              help="also write a wids shard index (wids-shard-index-v1: url, nsamples, filesize) as URL/NAME, for "
              "wids.ShardListDataset and loader.ShardIndex(URL/NAME)")
+    add_flag(parser, "--members", action="store_true", default=False,
+             help=f"also write each shard's member index (where each sample lies, with its xxh3-64) as "
+             f"<shard>{MEMBERS_SUFFIX} next to the shard, in the dataset's store whatever --output says, and pin "
+             "it in the manifest (members_xxh3_128)")
     add_flag(parser, "--verify", action="store_true", default=False,
              help="re-check the objects against the existing manifest and report every mismatch; write nothing")
     add_flag(parser, "--jobs", default="8", metavar="N", help="shards read in parallel")
@@ -117,11 +135,15 @@ def run(args: argparse.Namespace) -> int:
             present = {obj.key: obj for obj in listing}
             to_scan = [present[shard.key] for shard in expected if shard.key in present]
             found = scan_all(store, to_scan, jobs, quiet=args.quiet or args.json, label="verify")
-            problems = compare(expected, {info.key: info for info in found}, [obj.key for obj in shards])
-            return _report_verify(args, dataset.url, target, expected, problems)
+            by_key = {info.key: info for info in found}
+            pinned = [shard for shard in expected if shard.members is not None and shard.key in by_key]
+            checked = check_members(store, pinned, by_key, jobs)
+            problems = compare(expected, by_key, [obj.key for obj in shards], checked)
+            return _report_verify(args, dataset.url, target, expected, problems, len(pinned))
         if not shards:
             raise UserError(f"no *.tar shards under {dataset.url}: check the URL (it is a prefix, ending in /)")
-        found = scan_all(store, shards, jobs, quiet=args.quiet or args.json, label="index")
+        found = scan_all(store, shards, jobs, quiet=args.quiet or args.json,
+                         label="index+members" if args.members else "index", members=args.members)
         broken = [info for info in found if info.error is not None]
         if broken:
             for info in broken:
@@ -153,11 +175,27 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wids shard index -> {wids_where}", file=sys.stderr if target == "-" else sys.stdout)
     samples = sum(info.samples or 0 for info in found)
     size = sum(info.size for info in found)
+    written = sum(1 for info in found if info.members is not None)
+    unindexed = sorted((info for info in found if info.members_error is not None), key=lambda info: info.key)
+    for info in unindexed:
+        print(f"no member index for {dataset.url}{info.key}: {info.members_error}", file=sys.stderr)
+    members_line = (f"{written} member indexes -> next to the shards at {dataset.url} (<shard>{MEMBERS_SUFFIX})"
+                    if args.members else "")
     if args.json and target != "-":
-        print(json.dumps({"ok": True, "manifest": where, "shards": len(found), "samples": samples, "bytes": size,
-                          **({"wids": wids_where} if wids_where else {})}))
+        print(json.dumps({"ok": not unindexed, "manifest": where, "shards": len(found), "samples": samples,
+                          "bytes": size, **({"wids": wids_where} if wids_where else {}),
+                          **({"members": written, "unindexed": [{"key": i.key, "error": i.members_error}
+                                                                for i in unindexed]} if args.members else {})}))
     elif target != "-":
         print(f"indexed {len(found)} shards, {samples} samples, {format_bytes(size)} -> {where}")
+        if members_line:
+            print(members_line)
+    elif members_line and not args.json:
+        print(members_line, file=sys.stderr)
+    if unindexed:
+        print(f"shardcache index: {len(unindexed)} of {len(found)} shards cannot be indexed by sample; the manifest "
+              "lists them without a member index (readers read them whole)", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -170,10 +208,28 @@ def _wids_target(name: str, object_url: Callable[[str], str]) -> str:
     return object_url(name)
 
 
-def _report_verify(args: argparse.Namespace, url: str, target: str, expected: list[Any], problems: list[Any]) -> int:
+def check_members(store: ObjectStore, pinned: list[ManifestShard], found: dict[str, ShardInfo],
+                  jobs: int) -> dict[str, str]:
+    """What is wrong with each member index the manifest pins for ``pinned`` (shards that were
+    found), by shard key; read on ``jobs`` threads, one index in memory per thread."""
+
+    def check(shard: ManifestShard) -> tuple[str, str | None]:
+        name = members_key(shard.key)
+        data = store.read_small(name, MAX_MEMBERS_BYTES)
+        return shard.key, members_problem(data, shard, found[shard.key], store.dataset.object_url(name))
+
+    if not pinned:
+        return {}
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="members") as pool:
+        return {key: problem for key, problem in pool.map(check, pinned) if problem is not None}
+
+
+def _report_verify(args: argparse.Namespace, url: str, target: str, expected: list[Any], problems: list[Any],
+                   pinned: int = 0) -> int:
     if args.json:
         print(json.dumps({
             "ok": not problems, "manifest": target, "shards": len(expected),
+            **({"member_indexes": pinned} if pinned else {}),
             "mismatches": [p.as_dict() for p in problems],
         }))
     else:
@@ -184,7 +240,8 @@ def _report_verify(args: argparse.Namespace, url: str, target: str, expected: li
             print(f"{target}: {len(problems)} mismatches in {keys} shards of {len(expected)}; "
                   f"re-run `shardcache index {url}` once the dataset is as intended")
         else:
-            print(f"{target}: all {len(expected)} shards match (size, xxh3-128, samples)")
+            checked = f"; {pinned} member indexes" if pinned else ""
+            print(f"{target}: all {len(expected)} shards match (size, xxh3-128, samples{checked})")
     return EXIT_FAILED if problems else EXIT_OK
 
 
@@ -195,9 +252,11 @@ class _Stopped(Exception):
     collects a stopped scan's result)."""
 
 
-def scan_all(store: ObjectStore, objects: list[ListedObject], jobs: int, quiet: bool, label: str) -> list[ShardInfo]:
+def scan_all(store: ObjectStore, objects: list[ListedObject], jobs: int, quiet: bool, label: str,
+             members: bool = False) -> list[ShardInfo]:
     """Scan shards on ``jobs`` threads with a progress display on stderr; Ctrl-C stops promptly
-    (each reader checks a stop flag between reads)."""
+    (each reader checks a stop flag between reads). ``members``: also write each shard's member
+    index next to it (:func:`~sidecar.cli.datasets.scan_and_index`)."""
     counter = Counter()
     stop = threading.Event()
     total_bytes = sum(obj.size for obj in objects)
@@ -210,7 +269,10 @@ def scan_all(store: ObjectStore, objects: list[ListedObject], jobs: int, quiet: 
     def scan(obj: ListedObject) -> ShardInfo:
         reader = store.open(obj.key)
         try:
-            return scan_shard(reader, obj.key, store.dataset.object_url(obj.key), on_bytes)
+            url = store.dataset.object_url(obj.key)
+            if members:
+                return scan_and_index(reader, obj.key, url, on_bytes, store.write)
+            return scan_shard(reader, obj.key, url, on_bytes)
         finally:
             reader.close()
             counter.add_file()
