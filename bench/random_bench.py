@@ -10,7 +10,11 @@ own, with its own empty cache:
   with short-circuit by handle, the dataset's manifest with sample counts, one sample at a time;
   ``shardcache_batched``: the same in batches of 64 (``ShardIndex.samples``, what a DataLoader's
   ``__getitems__`` calls), the batch's cold shards hinted to the daemon together;
-  ``shardcache_zero_copy``: one at a time, fields as views of the mapping (``zero_copy=True``);
+  ``shardcache_zero_copy``: one at a time, fields as views of the mapping (``zero_copy=True``).
+  The dataset is indexed with ``shardcache index --members``: a cold shard's samples are read by
+  ranges (answered from the origin by range while the daemon fills the shard behind them);
+  ``shardcache_whole`` reads as without member indexes (``by_range=False``: a cold shard is read
+  whole before its first sample), the figure before ranged reads;
 - ``wids``: webdataset's ``wids.ShardListDataset`` with its local cache, on the wids shard index
   ``shardcache index --wids`` wrote (its shards fetched with curl over HTTP through the proxy);
 - ``streaming``: mosaicml-streaming ``StreamingDataset.__getitem__`` on the same samples
@@ -60,7 +64,7 @@ from bench.servers import MotoServer, ServeProcess
 BUCKET = "bench"
 PREFIX = "random/"
 MDS_PREFIX = "random-mds/"
-READERS = ("shardcache", "shardcache_batched", "shardcache_zero_copy", "wids", "streaming")
+READERS = ("shardcache", "shardcache_whole", "shardcache_batched", "shardcache_zero_copy", "wids", "streaming")
 BATCH = 64
 """Samples per batch of the ``shardcache_batched`` reader: ``ShardIndex.samples`` (what
 ``ShardMapDataset.__getitems__`` calls with a DataLoader's batch)."""
@@ -96,13 +100,16 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
         from loader import LoaderSettings, ShardIndex
 
         index = ShardIndex(f"s3://{BUCKET}/{PREFIX}", endpoint=spec["daemon"],
-                           settings=LoaderSettings(handles=spec["handles"], zero_copy=kind.endswith("zero_copy")))
+                           settings=LoaderSettings(handles=spec["handles"], zero_copy=kind.endswith("zero_copy")),
+                           by_range=kind != "shardcache_whole")
 
-        def origin_bytes() -> int:
+        def origin_bytes() -> tuple[int, int]:
             import urllib.request
 
             with urllib.request.urlopen(spec["daemon"] + "/_shardcache/stats", timeout=10) as resp:
-                return int(json.load(resp)["origin_read_bytes"])
+                stats = json.load(resp)
+            # Everything read from the origin, and of it the ranges answered straight from it.
+            return int(stats["origin_read_bytes"]), int(stats["served_bytes"].get("range_origin", 0))
 
         if kind == "shardcache_batched":
             return (lambda batch: sum(len(v) for sample in index.samples(batch) for k, v in sample.items()
@@ -113,7 +120,7 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
 
         ds = wids.ShardListDataset(spec["wids_index"], cache_dir=spec["cache"], transformations=[], lru_size=64)
         return (lambda i: sum(len(v.getvalue()) for k, v in ds[i].items() if k.startswith("."))), (
-            lambda: _dir_bytes(spec["cache"]))
+            lambda: (_dir_bytes(spec["cache"]), 0))
     if kind == "streaming":
         os.environ.update(env_for_streaming(spec["endpoint"]))
         streaming = import_streaming()
@@ -122,7 +129,7 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
         clean_stale_shared_memory()
         ds = streaming.StreamingDataset(remote=f"s3://{BUCKET}/{MDS_PREFIX}", local=spec["cache"], shuffle=False,
                                         batch_size=1)
-        return (lambda i: _mds_bytes(ds[i])), (lambda: _dir_bytes(spec["cache"]))
+        return (lambda i: _mds_bytes(ds[i])), (lambda: (_dir_bytes(spec["cache"]), 0))
     raise ValueError(f"unknown reader {kind!r}")
 
 
@@ -135,7 +142,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     lookup, origin_bytes = _open_reader(spec)
     passes = {}
     for name in ("cold", "warm"):
-        before_origin = origin_bytes()
+        before_origin, before_ranges = origin_bytes()
         cpu0, daemon0 = _cpu_s(), _proc_cpu_s(spec.get("daemon_pid"))
         started = time.perf_counter()
         first = None
@@ -147,12 +154,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 first = time.perf_counter() - started
         wall = time.perf_counter() - started
         cpu = _cpu_s() - cpu0 + _proc_cpu_s(spec.get("daemon_pid")) - daemon0
-        fetched = origin_bytes() - before_origin
+        after_origin, after_ranges = origin_bytes()
+        fetched, ranged = after_origin - before_origin, after_ranges - before_ranges
         passes[name] = {
             "samples": len(order), "seconds": round(wall, 3), "samples_per_s": round(len(order) / wall, 1),
             "first_sample_s": round(first or 0.0, 4), "payload_bytes": payload,
             "cpu_s_per_gb": round(cpu / (payload / 1e9), 2) if payload else None,
             "origin_bytes_per_sample": round(fetched / len(order)),
+            "origin_range_bytes": ranged,
         }
     return passes
 
@@ -178,7 +187,7 @@ def _build(workdir: Path, store: MotoServer, size: int, shard_bytes: int, seed: 
     shutil.rmtree(mds_dir, ignore_errors=True)
     log = workdir / "index.log"
     proc = spawn([sys.executable, "-m", "sidecar.cli", "index", f"s3://{BUCKET}/{PREFIX}", "--s3-endpoint",
-                  store.endpoint, "--wids", WIDS_INDEX, "--quiet", "--json"], log)
+                  store.endpoint, "--wids", WIDS_INDEX, "--members", "--quiet", "--json"], log)
     if proc.wait(timeout=600) != 0:
         raise RuntimeError(f"shardcache index failed: {log.read_text()[-2000:]}")
     return {"keys": keys, "samples": sum(counts), "bytes": total, "mds": mds}

@@ -256,6 +256,28 @@ class DaemonClient:
             return False
         return True
 
+    def get_range(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, str | None]:
+        """Bytes ``[start, end)`` of ``bucket/key`` and how the daemon served them (its
+        ``x-shardcache-cache``: ``hit`` when the object is cached whole). No claim goes with it:
+        a whole object's checksum says nothing of a range, the caller checks the bytes itself."""
+        if not 0 <= start < end:
+            raise ValueError(f"an empty or inverted range: [{start}, {end})")
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+
+        def call() -> tuple[bytes, str | None]:
+            status, answer, data = self._exchange("GET", _object_path(bucket, key), headers=headers)
+            if status != 206:
+                if status == 200:
+                    raise SourceError(f"{self.endpoint}: asked bytes {start}-{end - 1} of {bucket}/{key}, got the whole object")
+                raise _s3_error(status, data)
+            if len(data) != end - start or not (answer.get("Content-Range") or "").startswith(f"bytes {start}-{end - 1}/"):
+                raise SourceError(f"{self.endpoint}: asked bytes {start}-{end - 1} of {bucket}/{key}, got "
+                                  f"{len(data)} bytes ({answer.get('Content-Range')})")
+            return data, answer.get("x-shardcache-cache")
+
+        what = f"GET {bucket}/{key} bytes {start}-{end - 1}"
+        return self._wrap_errors(what, key, lambda: self._with_retries(what, call))
+
     def open_object(
         self, bucket: str, key: str, *, offset: int = 0, short_circuit: bool = False,
         xxh3_128: str | None = None, recheck: bool = False, on_sent: Callable[[], None] | None = None,

@@ -24,14 +24,22 @@ costs no parse.
 :meth:`ShardIndex.samples` reads a batch of indices grouped by shard: a sampler's batch that falls
 in a few shards costs a few opens, not one per sample.
 
-Not yet: the daemon answering a single sample of a cold shard with a ranged read while the shard
-fills behind it (a cold shard is read whole first, as webdataset's ``wids`` does), and a member
-index kept with the cache entry; see issue 31.
+A cold sample by itself: when the manifest pins the shard's member index (``shardcache index
+--members``: each sample's byte range and xxh3-64, :mod:`loader.members`), a shard not yet open
+is read by ranges, the batch's samples of it in as few ranged reads as their places allow
+(:data:`SPAN_GAP_BYTES`, :data:`SPAN_MAX_BYTES`), each sample checked against its own checksum.
+Through the node cache such a read of a shard it does not hold is answered from the origin by
+range while the cache fills the shard behind it when it has room (``shardcache serve
+--direct-range-bytes``); once an answer says the shard is cached whole, the shard is opened and
+mapped as above. Without a member index a cold shard is read whole first, as webdataset's
+``wids`` does. A sample whose bytes fail their checksum is read again by opening its shard whole
+(with the cache's recheck), never returned.
 """
 
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import contextlib
 import logging
 import mmap
@@ -45,6 +53,7 @@ from typing import Any
 
 from loader.dataset import DatasetURL, Shard, parse_dataset_url, parse_index
 from loader.errors import ConfigError, CorruptShard, DatasetNotFound, ManifestError
+from loader.members import load_members, sample_bytes_ok
 from loader.settings import LoaderSettings
 from loader.sources import Reader, Source, make_source, resolve_shards
 from loader.tar import MemberLog, iter_samples
@@ -56,6 +65,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_OPEN_SHARDS = 64
 """Shards a process keeps open (mapped, or in memory when the source gives no file)."""
+
+SPAN_GAP_BYTES = 256 << 10
+"""Samples of one shard in a batch whose byte ranges lie closer than this are read by one range
+(the bytes between are read and dropped: cheaper than another request's latency)."""
+
+SPAN_MAX_BYTES = 8 << 20
+"""The longest range read for a batch (the node cache answers a cold range up to its
+``--direct-range-bytes``, 8 MiB by default, from the origin without waiting for its fill)."""
+
+RANGE_READERS = 16
+"""Ranged reads a process has in flight at once for one batch (each waits one origin round trip)."""
 
 
 @dataclass
@@ -71,7 +91,9 @@ class ShardIndex:
 
     ``endpoint``: the node cache's URL (default ``SHARDCACHE_ENDPOINT``; ``""`` reads the origin
     directly); ``settings``: a :class:`~loader.settings.LoaderSettings` (default: from the
-    environment); ``max_open_shards``: shards kept open by each process.
+    environment); ``max_open_shards``: shards kept open by each process; ``by_range``: read a
+    cold shard's samples by ranges when the manifest pins its member index (False: open every
+    shard whole first, as without one).
 
     Picklable (DataLoader workers, ``tf.data``): a copy opens its own source and shards."""
 
@@ -82,6 +104,7 @@ class ShardIndex:
         endpoint: str | None = None,
         settings: LoaderSettings | None = None,
         max_open_shards: int = DEFAULT_OPEN_SHARDS,
+        by_range: bool = True,
     ) -> None:
         base = settings if settings is not None else LoaderSettings.from_env()
         self.settings = replace(base, endpoint=endpoint) if endpoint is not None else base
@@ -92,10 +115,13 @@ class ShardIndex:
         if max_open_shards < 1:
             raise ConfigError(f"max_open_shards must be at least 1, not {max_open_shards}")
         self.max_open_shards = max_open_shards
+        self.by_range = by_range
         self._pid = os.getpid()
         self._source: Source | None = None
         self._open: OrderedDict[int, _Open] = OrderedDict()
         self._lock = threading.Lock()
+        self._in_place: set[int] = set()  # shards a ranged read found cached whole: open them next time
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.shards: list[Shard] = self._resolve()
         missing = [s.key for s in self.shards if s.samples is None]
         if missing:
@@ -122,6 +148,8 @@ class ShardIndex:
         state["_source"] = None
         state["_open"] = OrderedDict()
         state["_lock"] = None
+        state["_pool"] = None
+        state["_in_place"] = set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -135,6 +163,8 @@ class ShardIndex:
             self._pid = os.getpid()
             self._lock = threading.Lock()
             self._open = OrderedDict()
+            self._pool = None
+            self._in_place = set()
             self._source = make_source(self.location, self.settings)
         return self._source
 
@@ -158,10 +188,17 @@ class ShardIndex:
 
     def sample(self, i: int) -> dict[str, Any]:
         shard, j = self.locate(i)
+        with self._lock:
+            opened = self._open.get(shard.index)
+        if opened is None:
+            ranged = self._ranged(shard, [j])
+            if ranged is not None:
+                return ranged[j]
         return self._read(self._shard(shard), j)
 
     def samples(self, indices: Iterable[int]) -> list[dict[str, Any]]:
-        """Samples ``indices``, in that order, each shard opened once for the batch."""
+        """Samples ``indices``, in that order: each shard opened once for the batch, or the
+        batch's samples of a cold shard read by ranges (several shards' at once)."""
         located = [self.locate(i) for i in indices]
         by_shard: dict[int, list[int]] = {}
         for n, (shard, _) in enumerate(located):
@@ -169,22 +206,107 @@ class ShardIndex:
         out: list[dict[str, Any]] = [{} for _ in located]
         with self._lock:
             cold = [located[positions[0]][0] for index, positions in by_shard.items() if index not in self._open]
-        if len(cold) > 1:
-            # The batch's other shards fill while the first is read (the daemon's prefetch hints;
-            # nothing for a local file). Only this batch's: a random reader never asks the cache
-            # for more than it is about to read.
-            self._get_source().prefetch(cold[1:])
-        for positions in by_shard.values():
+        ranged: dict[int, dict[int, dict[str, Any]]] = {}
+        if cold:
+            tables = {shard.index: self._ranged_table(shard) for shard in cold}
+            by_range = [shard for shard in cold if tables[shard.index] is not None]
+            if by_range:
+                wanted = {shard.index: [located[n][1] for n in by_shard[shard.index]] for shard in by_range}
+                for shard, got in zip(by_range, self._map(lambda s: self._ranged(s, wanted[s.index]), by_range), strict=True):
+                    if got is not None:
+                        ranged[shard.index] = got
+            whole = [shard for shard in cold if shard.index not in ranged]
+            if len(whole) > 1:
+                # The batch's other shards fill while the first is read (the daemon's prefetch
+                # hints; nothing for a local file). Only this batch's: a random reader never asks
+                # the cache for more than it is about to read.
+                self._get_source().prefetch(whole[1:])
+        for index, positions in by_shard.items():
+            got = ranged.get(index)
+            if got is not None:
+                for n in positions:
+                    out[n] = got[located[n][1]]
+                continue
             opened = self._shard(located[positions[0]][0])
             for n in positions:
                 out[n] = self._read(opened, located[n][1])
         return out
+
+    # -- cold samples by range --
+
+    def _ranged_table(self, shard: Shard) -> TarIndex | None:
+        """The member index to read ``shard`` by ranges, or None: read it whole (a local file, a
+        shard a ranged read found cached, a dataset without member indexes)."""
+        source = self._get_source()
+        if not self.by_range or source.via == "file" or shard.members is None or shard.index in self._in_place:
+            return None
+        return load_members(source, shard, self.location.object_url(shard.key))
+
+    def _ranged(self, shard: Shard, js: list[int]) -> dict[int, dict[str, Any]] | None:
+        """Samples ``js`` of a shard not open, by ranged reads checked against its member index;
+        None when it has none (the caller opens the shard whole)."""
+        table = self._ranged_table(shard)
+        if table is None or table.digests is None:
+            return None
+        source = self._get_source()
+        url = self.location.object_url(shard.key)
+        wanted = sorted(set(js))
+        if wanted[-1] >= table.samples:
+            raise CorruptShard(f"has {table.samples} samples, sample {wanted[-1]} was asked for", url=url)
+        spans: list[list[int]] = [[wanted[0]]]
+        for j in wanted[1:]:
+            first = spans[-1][0]
+            if table.start(j) - table.ends[spans[-1][-1]] <= SPAN_GAP_BYTES and table.ends[j] - table.start(first) <= SPAN_MAX_BYTES:
+                spans[-1].append(j)
+            else:
+                spans.append([j])
+        out: dict[int, dict[str, Any]] = {}
+        bad: list[int] = []
+        for span in spans:
+            base = table.start(span[0])
+            data, in_place = source.read_range(shard, base, table.ends[span[-1]])
+            if in_place:
+                self._in_place.add(shard.index)
+            view = memoryview(data)
+            for j in span:
+                piece = view[table.start(j) - base : table.ends[j] - base]
+                if not sample_bytes_ok(table, j, piece):
+                    bad.append(j)
+                    continue
+                out[j] = self._slice(table, view if self.settings.zero_copy else data, base, j, url)
+        if bad:
+            log.warning("%s: sample %d read by range does not match its checksum; opening the shard whole", url, bad[0])
+            opened = self._shard(shard)
+            for j in bad:
+                out[j] = self._read(opened, j)
+        return out
+
+    @staticmethod
+    def _slice(table: TarIndex, data: Any, base: int, j: int, url: str) -> dict[str, Any]:
+        keys, key_ends = table.keys, table.key_ends
+        sample: dict[str, Any] = {"__key__": keys[key_ends[j - 1] if j else 0 : key_ends[j]], "__url__": url}
+        m = table.first[j]
+        for field in table.layouts[table.layout_of[j]]:
+            at = table.offsets[m] - base
+            sample[field] = data[at : at + table.sizes[m]]
+            m += 1
+        return sample
+
+    def _map(self, fn: Any, items: list[Shard]) -> list[Any]:
+        if len(items) == 1:
+            return [fn(items[0])]
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(RANGE_READERS, thread_name_prefix="shardcache-ranges")
+        return list(self._pool.map(fn, items))
 
     def close(self) -> None:
         with self._lock:
             opened, self._open = list(self._open.values()), OrderedDict()
         for item in opened:
             _close(item)
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._pool = None
         if self._source is not None and self._pid == os.getpid():
             self._source.close()
         self._source = None

@@ -20,25 +20,30 @@ trainer's renews, releases and completions (the job status shows them per traine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import mmap
 import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import xxhash
+
 from loader.ahead import OpenAhead, Opener
 from loader.checkpoint import Clock, DynamicState
 from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
 from loader.master.protocol import shards_sha256
+from loader.members import load_members
 from loader.settings import LoaderSettings, check_locality_window
 from loader.sources import Reader, Source, make_source, resolve_shards
 from loader.stall import WaitMeter, WaitReporter
 from loader.static import rank_shards, worker_shards
-from loader.tar import MemberLog, iter_samples
+from loader.tar import UNMAP_EVERY_BYTES, MemberLog, iter_samples, map_source
 from loader.tarindex import INDEXES, TarIndex, file_identity, iter_indexed
 
 __all__ = ["ShardLoader"]
@@ -571,19 +576,35 @@ class ShardLoader:
             rt.ahead.abandon()
             rt.ahead = None
 
-    def _open(self, shard: Shard, recheck: bool) -> Reader:
-        """The shard's reader: the one opened ahead for it, else a new one (the prefetch hints
-        queued go out once its request has)."""
+    def _open(self, shard: Shard, recheck: bool, offset: int = 0) -> Reader:
+        """The shard's reader (from byte ``offset``): the one opened ahead for it, else a new one
+        (the prefetch hints queued go out once its request has)."""
         rt = self._runtime()
         ahead = rt.ahead
         if ahead is not None and (ahead.shard == shard or not recheck):
             # Taken if it is this shard's; else stale (a shard skipped, a plan changed). A
-            # re-read (recheck) opens anew, and leaves the next shard's in place.
+            # re-read (recheck) opens anew, and leaves the next shard's in place; so does a read
+            # from an offset (one opened ahead is from the first byte).
             rt.ahead = None
-            if ahead.shard == shard and not recheck:
+            if ahead.shard == shard and not recheck and not offset:
                 return ahead.take()
             ahead.abandon()
+        if offset:
+            return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints, offset=offset)
         return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints)
+
+    def _member_index(self, shard: Shard, start: int, url: str) -> TarIndex | None:
+        """The member index to resume ``shard`` at sample ``start`` by (reading nothing before
+        it), or None: the shard is read from its first byte, as without one (a read from the
+        start, a dataset without member indexes, one that could not be used)."""
+        if start <= 0 or shard.members is None:
+            return None
+        try:
+            index = load_members(self._source(), shard, url)
+        except LoaderError as exc:  # the index could not be read (a ManifestError is load_members' own)
+            log.warning("%s: the member index could not be read (%s); reading the shard from its start", url, exc)
+            return None
+        return index if index is not None and index.digests is not None else None
 
     def _samples(self, shard: Shard, start: int, then: Shard | None = None) -> Iterator[dict[str, Any]]:
         """The shard's samples from sample ``start``, verified against what the manifest says.
@@ -593,15 +614,31 @@ class ShardLoader:
         it if it went bad, so a bad copy heals instead of failing every later run. A second
         mismatch is the shard's (or the manifest's) own: ``CorruptShard``.
 
+        Resumed at a ``start`` past the first sample of a shard whose member index the manifest
+        pins (:mod:`loader.members`), the read begins at that sample's first byte (a file mapped
+        from there, a stream opened there): nothing before it is read, and each sample is checked
+        against its own xxh3-64 before it is handed out, in place of the whole shard's checksum
+        (a mismatch as above). Without a usable index, the shard is read from its first byte.
+
         ``then``: the shard read next, opened (:mod:`loader.ahead`) once this one has opened."""
         settings = self.settings
         url = self.location.object_url(shard.key)
         position = start  # samples yielded so far, counting the skipped ones
+        # Resumed past the first sample with a member index (loader.members): read from the byte
+        # sample ``start`` begins at, nothing before it, each sample checked against its own
+        # checksum (the whole shard's cannot be, without the bytes skipped).
+        by_members = self._member_index(shard, start, url)
+        if by_members is not None and start >= by_members.samples:
+            self._flush_hints()  # as after an open: the next shards' hints go out now
+            if start > by_members.samples:
+                raise CorruptShard(f"asked to resume at sample {start} but the shard ends earlier", url=url)
+            return  # resumed at its end: nothing left to read
         for attempt in range(2):
             try:
                 # The hints of the next shards go out as soon as this read's request has: the daemon
                 # then fills them in this one's tail, not after its answer.
-                reader = self._open(shard, recheck=attempt > 0)
+                offset = by_members.start(position) if by_members is not None else 0
+                reader = self._open(shard, recheck=attempt > 0, offset=offset)
             except CorruptShard as exc:
                 if attempt:
                     raise
@@ -619,7 +656,7 @@ class ShardLoader:
                 rt.ahead = rt.opener.submit(then, functools.partial(self._source().open, then))
             # A mapped file read before in this process is read by its member table
             # (loader.tarindex): no header parsed, any sample first; a first read records one.
-            identity = file_identity(reader) if settings.map_files else None
+            identity = file_identity(reader) if settings.map_files and by_members is None else None
             index = INDEXES.get(identity) if identity is not None else None
             members = MemberLog() if identity is not None and index is None and not position else None
             expected_size = shard.size if settings.verify else None
@@ -628,7 +665,10 @@ class ShardLoader:
                 expected_xxh3_128 = None  # this very file was hashed and checked by an earlier read
             try:
                 count = position
-                if index is not None:
+                if by_members is not None:
+                    samples = _by_members(reader, by_members, position, url=url, verify=settings.verify,
+                                          map_files=settings.map_files, zero_copy=settings.zero_copy)
+                elif index is not None:
                     samples = iter_indexed(reader, index, url=url, start=position, expected_size=expected_size,
                                            expected_xxh3_128=expected_xxh3_128, zero_copy=settings.zero_copy)
                 else:
@@ -899,6 +939,89 @@ class ShardLoader:
             log.error("could not complete %s (epoch %d): %s", held.key, held.epoch, exc)
             return
         log.debug("completed shard %s epoch %d lease %s", held.key, held.epoch, held.lease)
+
+
+def _by_members(
+    reader: Reader, index: TarIndex, start: int, *, url: str, verify: bool, map_files: bool, zero_copy: bool
+) -> Iterator[dict[str, Any]]:
+    """Samples ``start...`` of a shard by its member index (``index.digests``), from ``reader``
+    opened at ``index.start(start)``: a regular file is mapped and sliced from there, a stream
+    read sample by sample. With ``verify``, each sample's bytes (headers, data, padding) are
+    checked against its xxh3-64 before it is yielded; a mismatch, or a shard that ends early, is
+    :class:`~loader.errors.CorruptShard`. The bytes before the offset are never read."""
+    digests = index.digests if verify else None
+    ends, first, offsets, sizes = index.ends, index.first, index.offsets, index.sizes
+    keys, key_ends, layouts, layout_of = index.keys, index.key_ends, index.layouts, index.layout_of
+    begin = index.start(start)
+
+    def check(i: int, data: Any) -> None:
+        if digests is not None and xxhash.xxh3_64_intdigest(data) != digests[i]:
+            key = keys[key_ends[i - 1] if i else 0 : key_ends[i]]
+            raise CorruptShard(f"checksum mismatch: sample {i} ({key!r}, bytes {index.start(i)}-{ends[i] - 1}) does "
+                               "not match the xxh3_64 its member index gives", url=url)
+
+    def sample_at(i: int, data: Any, base: int) -> dict[str, Any]:
+        sample: dict[str, Any] = {"__key__": keys[key_ends[i - 1] if i else 0 : key_ends[i]], "__url__": url}
+        m = first[i]
+        for field in layouts[layout_of[i]]:
+            at = offsets[m] - base
+            sample[field] = data[at : at + sizes[m]]
+            m += 1
+        return sample
+
+    mapping = map_source(reader, map_files)
+    if mapping is not None:
+        buf, at, owned = mapping
+        view = memoryview(buf)
+        unmap = owned and isinstance(buf, mmap.mmap) and hasattr(buf, "madvise")
+        unmapped = begin - begin % mmap.PAGESIZE
+        try:
+            if len(buf) != index.size or at != begin:
+                raise CorruptShard(f"the shard's member index is for {index.size} bytes read from byte {begin}, the "
+                                   f"file has {len(buf)} read from byte {at}", url=url)
+            members = view if zero_copy else buf
+            for i in range(start, len(key_ends)):
+                check(i, view[index.start(i) : ends[i]])
+                sample = sample_at(i, members, 0)
+                if unmap and ends[i] - unmapped >= UNMAP_EVERY_BYTES:
+                    # A mapped file's pages count in the reader's RSS once touched (see loader.tar).
+                    cut = ends[i] - ends[i] % mmap.PAGESIZE
+                    with contextlib.suppress(OSError, ValueError):
+                        buf.madvise(mmap.MADV_DONTNEED, unmapped, cut - unmapped)  # type: ignore[union-attr]
+                    unmapped = cut
+                yield sample
+        finally:
+            if not zero_copy:
+                view.release()
+            if owned:
+                with contextlib.suppress(BufferError):  # a caller still holds a view: the GC unmaps it
+                    buf.close()  # type: ignore[union-attr]
+        return
+    position = begin
+    for i in range(start, len(key_ends)):
+        data = _read_exactly(reader, ends[i] - position)
+        if len(data) != ends[i] - position:
+            raise CorruptShard(f"truncated: the shard ends at byte {position + len(data)}, inside sample {i}, which "
+                               f"its member index says ends at byte {ends[i]}", url=url)
+        check(i, data)
+        yield sample_at(i, memoryview(data) if zero_copy else data, position)
+        position = ends[i]
+
+
+def _read_exactly(reader: Reader, n: int) -> bytes:
+    """``n`` bytes of ``reader``, fewer only at its end."""
+    data = reader.read(n)
+    if len(data) >= n or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        data = reader.read(n - got)
+        if not data:
+            break
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
 
 
 class _Last:

@@ -54,14 +54,25 @@ class Source(Protocol):
     location: DatasetURL
     via: str  # "file", "s3" or the daemon's endpoint; shown in errors and logs
 
-    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
+    def open(
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+    ) -> Reader:
         """The shard's bytes. ``recheck``: the last read of this shard did not match its checksum;
         a cache in between re-hashes its copy first (the others read again as they would).
-        ``on_sent``: a source may call it once its request is on its way, before the answer."""
+        ``on_sent``: a source may call it once its request is on its way, before the answer.
+        ``offset``: the bytes from there on (a shard resumed at a sample, by its member index): a
+        stream starts there (a ranged request); a local file is answered positioned there (its
+        reader maps it, and reads nothing before the offset)."""
         ...
 
     def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
         """The dataset's manifest (or another index at the prefix: ``name``); None when absent."""
+        ...
+
+    def read_range(self, shard: Shard, start: int, end: int) -> tuple[bytes, bool]:
+        """Bytes ``[start, end)`` of the shard (one sample's, by its member index), and whether the
+        whole shard is in place where this source reads it (a cache hit, a local file): opening
+        it whole is then cheap. The caller checks the bytes (a range has no manifest checksum)."""
         ...
 
     def list_objects(self) -> Iterator[ListedObject]: ...
@@ -105,14 +116,15 @@ class _Resuming:
         what: str,
         settings: LoaderSettings,
         retryable: tuple[type[BaseException], ...],
+        offset: int = 0,
     ) -> None:
         self._open_at = open_at
         self._what = what
         self._settings = settings
         self._retryable = retryable
         self._raw: Reader | None
-        self._raw, self._etag = open_at(0)
-        self.position = 0
+        self._raw, self._etag = open_at(offset)
+        self.position = offset  # the object's byte this reader reads next
 
     def read(self, n: int = -1, /) -> bytes:
         backoff = self._settings.backoff
@@ -168,16 +180,21 @@ class FileSource:
     def _path(self, key: str) -> str:
         return os.path.join(self._base, *check_key(key, self.location.url).split("/"))
 
-    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
+    def open(
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+    ) -> Reader:
         path = self._path(shard.key)
         try:
-            return open(path, "rb", buffering=0)
+            handle = open(path, "rb", buffering=0)
         except FileNotFoundError as exc:
             raise ShardNotFound(f"{self.location.url}{shard.key}: no such file") from exc
         except PermissionError as exc:
             raise AccessDenied(f"{self.location.url}{shard.key}: permission denied") from exc
         except OSError as exc:
             raise SourceError(f"{self.location.url}{shard.key}: {exc.strerror or exc}") from exc
+        if offset:
+            handle.seek(offset)
+        return handle
 
     def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
         path = self._path(name)
@@ -188,6 +205,10 @@ class FileSource:
             return None
         except OSError as exc:
             raise SourceError(f"{self.location.url}{name}: {exc.strerror or exc}") from exc
+
+    def read_range(self, shard: Shard, start: int, end: int) -> tuple[bytes, bool]:
+        with self.open(shard) as handle:  # type: ignore[attr-defined]
+            return os.pread(handle.fileno(), end - start, start), True
 
     def list_objects(self) -> Iterator[ListedObject]:
         if not os.path.isdir(self._base):
@@ -271,17 +292,19 @@ class S3Source:
         tag = answer.get("ETag")
         return answer["Body"], tag.strip('"') if tag else None
 
-    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
+    def open(
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+    ) -> Reader:
         check_key(shard.key, self.location.url)
-        first: dict[str, str | None] = {"etag": None}
+        first: list[str | None] = []  # the first answer's ETag: a resumed GET must be of the same object
 
-        def open_at(offset: int) -> tuple[Reader, str | None]:
-            reader, etag = self._get(shard.key, offset, first["etag"] if offset else None)
-            if not offset:
-                first["etag"] = etag
+        def open_at(at: int) -> tuple[Reader, str | None]:
+            reader, etag = self._get(shard.key, at, first[0] if first else None)
+            if not first:
+                first.append(etag)
             return reader, etag
 
-        return _Resuming(open_at, self.location.url + shard.key, self._settings, self._retryable)
+        return _Resuming(open_at, self.location.url + shard.key, self._settings, self._retryable, offset)
 
     def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
         try:
@@ -293,6 +316,21 @@ class S3Source:
                 return reader.read(MAX_MANIFEST_BYTES + 1)
             finally:
                 reader.close()
+
+    def read_range(self, shard: Shard, start: int, end: int) -> tuple[bytes, bool]:
+        key = check_key(shard.key, self.location.url)
+        where = f"s3://{self.location.bucket}/{self.location.prefix}{key}"
+        with self._errors(where):
+            answer = self._client.get_object(Bucket=self.location.bucket, Key=self.location.prefix + key,
+                                             Range=f"bytes={start}-{end - 1}")
+            body = answer["Body"]
+            try:
+                data: bytes = body.read()
+            finally:
+                body.close()
+        if len(data) != end - start:
+            raise SourceError(f"{where}: asked bytes {start}-{end - 1}, got {len(data)} bytes")
+        return data, False
 
     def list_objects(self) -> Iterator[ListedObject]:
         paginator = self._client.get_paginator("list_objects_v2")
@@ -387,7 +425,9 @@ class DaemonSource:
             raise ConfigError(f"dataset {location.url}: the first directory under {origin} is the bucket; name one")
         return bucket, prefix
 
-    def open(self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None) -> Reader:
+    def open(
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+    ) -> Reader:
         key = self._prefix + check_key(shard.key, self.location.url)
         what = self.location.url + shard.key
         # The manifest's checksum goes with every read, resumed ones too: the daemon answers only
@@ -399,26 +439,32 @@ class DaemonSource:
             if self._handles.available():
                 obj = self._handles.open(self._bucket, key, xxh3_128=claim, recheck=recheck, on_sent=on_sent)
                 if obj is not None:
-                    handle = self._open_handle(obj, what)
+                    handle = self._open_handle(obj, what, offset)
                     if handle is not None:
                         self.last_open_in_place = obj.cache == "hit"
                         return handle
             # No descriptor: over HTTP, with ``recheck`` again (the answer that is read is this one).
-            return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent)
+            return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset)
         if self._short_circuit:
+            # From the first byte: a path is asked for only without a range (DaemonClient), and
+            # is the whole file, positioned at ``offset`` here.
             obj = self._client.open_object(self._bucket, key, short_circuit=True, xxh3_128=claim, recheck=recheck,
                                            on_sent=on_sent)
             recheck, on_sent = False, None
             if obj.path is not None:
-                handle = self._open_short_circuit(obj.path, obj.size)
+                handle = self._open_short_circuit(obj.path, obj.size, offset)
                 if handle is not None:
                     self.last_open_in_place = obj.cache == "hit"
                     return handle
             elif obj.response is not None and obj.conn is not None:
-                return self._resuming(key, what, claim, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
-        return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent)
+                if not offset:
+                    return self._resuming(key, what, claim, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
+                # Bytes instead of a path (the daemon serves none here): what is wanted starts
+                # further on, asked for by range rather than read through.
+                obj.conn.close()
+        return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset)
 
-    def _open_short_circuit(self, path: str, size: int | None) -> Reader | None:
+    def _open_short_circuit(self, path: str, size: int | None, offset: int = 0) -> Reader | None:
         # A fresh fill's bytes may be on the disk only (shardcache serve --direct-writes): the tar
         # reader's mapping reads them in with the kernel's sequential read-ahead. Not with
         # POSIX_FADV_WILLNEED for the whole file: that read-ahead fills the page cache with single
@@ -442,19 +488,22 @@ class DaemonSource:
             log.warning("short-circuit file %s has the wrong size; reading through %s", path, self.via)
             self._short_circuit = False
             return None
+        if offset:
+            handle.seek(offset)
         return handle
 
-    def _open_handle(self, obj: DaemonObject, what: str) -> Reader | None:
-        """A reader of the descriptor the handle socket passed, or None (it is closed, and the
-        shard read over HTTP): a received file is checked as a path's is, by its size."""
+    def _open_handle(self, obj: DaemonObject, what: str, offset: int = 0) -> Reader | None:
+        """A reader of the descriptor the handle socket passed (positioned at ``offset``), or None
+        (it is closed, and the shard read over HTTP): a received file is checked as a path's is,
+        by its size."""
         assert self._handles is not None
         fd = obj.take_fd()
         try:
             info = os.fstat(fd)
             if stat.S_ISREG(info.st_mode) and info.st_size == obj.size:
-                # From the first byte: the descriptor is this reader's own open file (the daemon
+                # From the byte asked for: the descriptor is this reader's own open file (the daemon
                 # opens one per answer), but nothing promised its offset.
-                os.lseek(fd, 0, os.SEEK_SET)
+                os.lseek(fd, offset, os.SEEK_SET)
                 return os.fdopen(fd, "rb", buffering=0)
             why = f"it passed a descriptor that is not a {obj.size}-byte file ({info.st_size} bytes, mode {info.st_mode:o})"
         except OSError as exc:
@@ -469,25 +518,34 @@ class DaemonSource:
 
     def _resuming(
         self, key: str, what: str, claim: str | None, first: tuple[Reader, str | None] | None = None,
-        recheck: bool = False, on_sent: Callable[[], None] | None = None,
+        recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0,
     ) -> Reader:
+        """An HTTP read from byte ``offset`` (``first``: the answer already in, from byte 0),
+        resumed at the byte reached; ``recheck`` and ``on_sent`` go with its first request only."""
         pending = [first] if first is not None else []
+        fresh = [] if first is not None else [True]  # the first request is still to be made
 
-        def open_at(offset: int) -> tuple[Reader, str | None]:
-            if pending and not offset:
+        def open_at(at: int) -> tuple[Reader, str | None]:
+            if pending and not at:
                 return pending.pop()
-            obj = self._client.open_object(self._bucket, key, offset=offset, xxh3_128=claim, recheck=recheck and not offset,
-                                           on_sent=None if offset else on_sent)
+            initial = bool(fresh and fresh.pop())
+            obj = self._client.open_object(self._bucket, key, offset=at, xxh3_128=claim, recheck=recheck and initial,
+                                           on_sent=on_sent if initial else None)
             assert obj.response is not None and obj.conn is not None
             return _HTTPBody(obj.response, obj.conn), obj.etag
 
-        return _Resuming(open_at, what, self._settings, RETRYABLE_HTTP)
+        return _Resuming(open_at, what, self._settings, RETRYABLE_HTTP, offset)
 
     def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
         try:
             return self._client.get_small(self._bucket, self._prefix + name)
         except ShardNotFound as exc:
             raise DatasetNotFound(f"{self.location.url}: {exc}") from exc
+
+    def read_range(self, shard: Shard, start: int, end: int) -> tuple[bytes, bool]:
+        key = self._prefix + check_key(shard.key, self.location.url)
+        data, cache = self._client.get_range(self._bucket, key, start, end)
+        return data, cache == "hit"
 
     def list_objects(self) -> Iterator[ListedObject]:
         for obj in self._client.list_objects(self._bucket, self._prefix):
