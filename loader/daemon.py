@@ -281,6 +281,7 @@ class DaemonClient:
     def open_object(
         self, bucket: str, key: str, *, offset: int = 0, short_circuit: bool = False,
         xxh3_128: str | None = None, recheck: bool = False, on_sent: Callable[[], None] | None = None,
+        if_cached: bool = False,
     ) -> DaemonObject:
         """Open ``bucket/key`` for streaming from byte ``offset`` (retried on connection errors
         and 5xx). With ``short_circuit`` the daemon may answer with the cached file's path.
@@ -290,7 +291,11 @@ class DaemonClient:
         that fails its own check or that the origin did not vouch for). ``recheck`` asks it to
         re-hash its copy first: this caller's last read of it did not match. ``on_sent`` is called
         once, as soon as the first request is on its way (before its answer: a claimed miss is
-        answered only once the whole object is in and checked)."""
+        answered only once the whole object is in and checked).
+
+        ``if_cached`` (with ``short_circuit``): a path only for a copy cached now, from any
+        ``offset``; an object not cached is answered with its fill's bytes as they land, from
+        ``offset`` (for a caller that checks each sample by the shard's member index)."""
         sent = [on_sent] if on_sent is not None else []
 
         def call() -> DaemonObject:
@@ -302,8 +307,9 @@ class DaemonClient:
                 headers["x-shardcache-recheck"] = "1"
             if offset:
                 headers["Range"] = f"bytes={offset}-"
-            if short_circuit and not offset:
-                headers["x-shardcache-short-circuit"] = "1"
+            path_asked = short_circuit and (not offset or if_cached)
+            if path_asked:
+                headers["x-shardcache-short-circuit"] = "if-cached" if if_cached else "1"
             try:
                 conn.request("GET", self._base + _object_path(bucket, key), headers=headers)
                 if sent:
@@ -316,7 +322,8 @@ class DaemonClient:
                 data = resp.read(MAX_ERROR_BYTES)
                 conn.close()
                 raise _s3_error(resp.status, data)
-            if offset and resp.status != 206:
+            path = resp.getheader("x-shardcache-path")
+            if offset and resp.status != 206 and not (path and path_asked):
                 conn.close()
                 raise SourceError(f"{self.endpoint}: asked bytes {offset}- of {bucket}/{key}, got the whole object")
             length = resp.getheader("Content-Length")
@@ -326,8 +333,7 @@ class DaemonClient:
                 etag=etag.strip('"') if etag else None,
                 cache=resp.getheader("x-shardcache-cache"),
             )
-            path = resp.getheader("x-shardcache-path")
-            if path and short_circuit and not offset:
+            if path and path_asked:
                 resp.read(65536)  # empty by contract
                 conn.close()
                 # The object's size: x-shardcache-size when given (an empty answer's Content-Length

@@ -359,10 +359,9 @@ class ShardIndex:
         if identity is not None:
             fd = reader.fileno()  # type: ignore[attr-defined]
             buf: Any = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            with contextlib.suppress(AttributeError, OSError):
-                buf.madvise(mmap.MADV_RANDOM)  # a sample at a time, anywhere
             table = INDEXES.get(identity)
             if table is not None and (table.checked_xxh3_128 == shard.xxh3_128 or not verify):
+                _random_access(buf)
                 return _Open(shard, buf, table, reader)
         else:
             buf = _read_all(reader)
@@ -386,6 +385,10 @@ class ShardIndex:
         table = replace(table, checked_xxh3_128=expected_xxh3_128)
         if identity is not None:
             INDEXES.put(identity, table)
+            # Only now: the whole read above wants the kernel's read-ahead. (Advised before it, a
+            # fresh shard the cache wrote past the page cache, --direct-writes, was read a page
+            # per fault: 0.69 s for 64 MiB after a 0.24 s fill, measured.)
+            _random_access(buf)
         return _Open(shard, buf, table, reader)
 
     def _read(self, opened: _Open, j: int) -> dict[str, Any]:
@@ -408,6 +411,12 @@ class ShardIndex:
 
     def __repr__(self) -> str:
         return f"ShardIndex({self.location.url!r}, {len(self)} samples in {len(self.shards)} shards)"
+
+
+def _random_access(buf: mmap.mmap) -> None:
+    """A sample at a time, anywhere: no read-ahead around each fault."""
+    with contextlib.suppress(AttributeError, OSError):
+        buf.madvise(mmap.MADV_RANDOM)
 
 
 def _read_all(reader: Reader) -> bytes:

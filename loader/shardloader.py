@@ -84,6 +84,8 @@ class _Runtime:
         self.renewer: Any = None
         # The loop's wait for data in this process (kept across close(): see ShardLoader.close).
         self.meter: WaitMeter | None = None
+        # Whether this process has opened a shard yet: its first is read as the cache fills it.
+        self.opened_first = False
 
 
 class ShardLoader:
@@ -576,9 +578,10 @@ class ShardLoader:
             rt.ahead.abandon()
             rt.ahead = None
 
-    def _open(self, shard: Shard, recheck: bool, offset: int = 0) -> Reader:
+    def _open(self, shard: Shard, recheck: bool, offset: int = 0, by_sample: bool = False) -> tuple[Reader, bool]:
         """The shard's reader (from byte ``offset``): the one opened ahead for it, else a new one
-        (the prefetch hints queued go out once its request has)."""
+        (the prefetch hints queued go out once its request has); and whether it was opened
+        ``by_sample`` (see :meth:`Source.open`: not one opened ahead)."""
         rt = self._runtime()
         ahead = rt.ahead
         if ahead is not None and (ahead.shard == shard or not recheck):
@@ -587,11 +590,14 @@ class ShardLoader:
             # from an offset (one opened ahead is from the first byte).
             rt.ahead = None
             if ahead.shard == shard and not recheck and not offset:
-                return ahead.take()
+                return ahead.take(), False
             ahead.abandon()
+        if by_sample:
+            return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints, offset=offset,
+                                       by_sample=True), True
         if offset:
-            return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints, offset=offset)
-        return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints)
+            return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints, offset=offset), False
+        return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints), False
 
     def _member_index(self, shard: Shard, start: int, url: str) -> TarIndex | None:
         """The member index to resume ``shard`` at sample ``start`` by (reading nothing before
@@ -628,6 +634,18 @@ class ShardLoader:
         # sample ``start`` begins at, nothing before it, each sample checked against its own
         # checksum (the whole shard's cannot be, without the bytes skipped).
         by_members = self._member_index(shard, start, url)
+        # The first shard this process reads, from its first sample, through a cache that can
+        # stream a shard it is still filling: if not cached, it is read as its bytes land, each
+        # sample checked by its member index, so the first sample need not wait for the whole
+        # shard (a cached one is read as always). Only the first: later shards' fills are hidden
+        # by the prefetch of the next, and reading them as they land measured slower than the
+        # short-circuit read of the filled file (1.13-1.62 s against 0.96-0.99 s for 260 MiB,
+        # first sample 0.16 s against 0.28-0.30 s; moto behind 20 ms).
+        streams_fills = bool(getattr(self._source(), "streams_fills", False))
+        first = not self._runtime().opened_first
+        self._runtime().opened_first = True
+        landing = (self._member_index(shard, 1, url) if first and start == 0 and settings.verify and streams_fills
+                   else None)
         if by_members is not None and start >= by_members.samples:
             self._flush_hints()  # as after an open: the next shards' hints go out now
             if start > by_members.samples:
@@ -638,7 +656,10 @@ class ShardLoader:
                 # The hints of the next shards go out as soon as this read's request has: the daemon
                 # then fills them in this one's tail, not after its answer.
                 offset = by_members.start(position) if by_members is not None else 0
-                reader = self._open(shard, recheck=attempt > 0, offset=offset)
+                reader, by_sample = self._open(shard, recheck=attempt > 0, offset=offset,
+                                               by_sample=streams_fills and (by_members is not None or landing is not None))
+                if by_sample and by_members is None and landing is not None and file_identity(reader) is None:
+                    by_members = landing  # a stream of the fill as it lands
             except CorruptShard as exc:
                 if attempt:
                     raise

@@ -55,14 +55,17 @@ class Source(Protocol):
     via: str  # "file", "s3" or the daemon's endpoint; shown in errors and logs
 
     def open(
-        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0,
+        by_sample: bool = False,
     ) -> Reader:
         """The shard's bytes. ``recheck``: the last read of this shard did not match its checksum;
         a cache in between re-hashes its copy first (the others read again as they would).
         ``on_sent``: a source may call it once its request is on its way, before the answer.
         ``offset``: the bytes from there on (a shard resumed at a sample, by its member index): a
         stream starts there (a ranged request); a local file is answered positioned there (its
-        reader maps it, and reads nothing before the offset)."""
+        reader maps it, and reads nothing before the offset). ``by_sample``: the caller checks
+        each sample by the shard's member index (a cache in between may then answer a shard it
+        is still filling with the bytes as they land)."""
         ...
 
     def read_manifest(self, name: str = MANIFEST_NAME) -> bytes | None:
@@ -181,7 +184,8 @@ class FileSource:
         return os.path.join(self._base, *check_key(key, self.location.url).split("/"))
 
     def open(
-        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0,
+        by_sample: bool = False,
     ) -> Reader:
         path = self._path(shard.key)
         try:
@@ -293,7 +297,8 @@ class S3Source:
         return answer["Body"], tag.strip('"') if tag else None
 
     def open(
-        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0,
+        by_sample: bool = False,
     ) -> Reader:
         check_key(shard.key, self.location.url)
         first: list[str | None] = []  # the first answer's ETag: a resumed GET must be of the same object
@@ -399,6 +404,10 @@ class DaemonSource:
         # With a handle socket the pod mounts no cache directory: a path answer could not be
         # opened, so short-circuit means handles only (and HTTP when there is none).
         self._handles = HandleClient(settings.handles, settings) if settings.handles and settings.short_circuit else None
+        # Whether open(by_sample=True) of a shard being filled streams its bytes as they land
+        # (over HTTP without a claim; by path only for a cached copy). Not by descriptor: the
+        # handle socket answers once the shard is in.
+        self.streams_fills = self._handles is None
         self._bucket, self._prefix = self._map(location)
         self._hints: HintSender[tuple[str, str]] = HintSender(
             lambda objects: self._client.prefetch(objects, "lease"), name="shardcache-hints"
@@ -426,14 +435,30 @@ class DaemonSource:
         return bucket, prefix
 
     def open(
-        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0
+        self, shard: Shard, recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0,
+        by_sample: bool = False,
     ) -> Reader:
+        """``by_sample``: the caller checks each sample against the shard's member index, so no
+        claim goes with the read, and a short-circuit read of a shard not cached is answered with
+        the fill's bytes as they land (not once the whole shard is in)."""
         key = self._prefix + check_key(shard.key, self.location.url)
         what = self.location.url + shard.key
         # The manifest's checksum goes with every read, resumed ones too: the daemon answers only
         # bytes that hash to it (loader.daemon.DaemonClient.open_object).
-        claim = shard.xxh3_128 if self._settings.verify else None
+        claim = shard.xxh3_128 if self._settings.verify and not by_sample else None
         self.last_open_in_place = False
+        if by_sample and self._short_circuit and self._handles is None:
+            answer = self._client.open_object(self._bucket, key, offset=offset, short_circuit=True, if_cached=True,
+                                              recheck=recheck, on_sent=on_sent)
+            if answer.path is not None:
+                handle = self._open_short_circuit(answer.path, answer.size, offset)
+                if handle is not None:
+                    self.last_open_in_place = answer.cache == "hit"
+                    return handle
+                return self._resuming(key, what, None, offset=offset)
+            assert answer.response is not None and answer.conn is not None
+            return self._resuming(key, what, None, first=(_HTTPBody(answer.response, answer.conn), answer.etag),
+                                  offset=offset)
         if self._handles is not None:
             on_sent = _once(on_sent)
             if self._handles.available():
@@ -520,13 +545,13 @@ class DaemonSource:
         self, key: str, what: str, claim: str | None, first: tuple[Reader, str | None] | None = None,
         recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0,
     ) -> Reader:
-        """An HTTP read from byte ``offset`` (``first``: the answer already in, from byte 0),
+        """An HTTP read from byte ``offset`` (``first``: the answer already in, from there),
         resumed at the byte reached; ``recheck`` and ``on_sent`` go with its first request only."""
         pending = [first] if first is not None else []
         fresh = [] if first is not None else [True]  # the first request is still to be made
 
         def open_at(at: int) -> tuple[Reader, str | None]:
-            if pending and not at:
+            if pending and at == offset:
                 return pending.pop()
             initial = bool(fresh and fresh.pop())
             obj = self._client.open_object(self._bucket, key, offset=at, xxh3_128=claim, recheck=recheck and initial,

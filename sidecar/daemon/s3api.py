@@ -240,7 +240,11 @@ async def _get(request: web.Request, reads: ReadService, ctx: ReadContext) -> we
     began = time.perf_counter()
     # Not under --auth: a path is for whoever shares the cache directory, and with tenants nobody
     # may (a pod holding the directory could open any tenant's file by path); bytes instead.
-    short_circuit = request.headers.get("x-shardcache-short-circuit") == "1" and AUTH not in request.app
+    mode = request.headers.get("x-shardcache-short-circuit")
+    short_circuit = mode in ("1", "if-cached") and AUTH not in request.app
+    # "if-cached": the path of a cached copy, else the fill's bytes as they land (a reader that
+    # checks each sample against its member index need not wait for the whole object's seal).
+    wait_for_path = short_circuit and mode == "1"
     # One explicit span (a sample of a shard): a small one of an object not cached may come
     # straight from the origin (reads.py). A short-circuit reader wants the whole file.
     direct = None if short_circuit else requested_range(request.headers.get("Range"))
@@ -260,7 +264,7 @@ async def _get(request: web.Request, reads: ReadService, ctx: ReadContext) -> we
     elif isinstance(result, Direct):
         response = await _serve_direct(request, reads, ctx, result)
     else:
-        response = await _serve_fill(request, reads, ctx, result, short_circuit)
+        response = await _serve_fill(request, reads, ctx, result, wait_for_path)
     metrics.request_duration.labels(cache=result.state).observe(time.perf_counter() - began)
     return response
 

@@ -65,9 +65,9 @@ class Counting:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)
 
-    def open(self, shard: Shard, recheck: bool = False, on_sent: Any = None, offset: int = 0) -> Any:
+    def open(self, shard: Shard, recheck: bool = False, on_sent: Any = None, offset: int = 0, **kwargs: Any) -> Any:
         self.opens.append((shard.key, offset))
-        reader = self.source.open(shard, recheck, on_sent, offset)
+        reader = self.source.open(shard, recheck, on_sent, offset, **kwargs)
         if not self.wrap:
             return reader
         counting = self

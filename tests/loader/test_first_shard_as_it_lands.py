@@ -1,0 +1,121 @@
+"""The first shard a loader reads, cold, as the cache fills it (issues 28 and 31): with the
+shard's member index pinned in the manifest, the loader asks the daemon for a short-circuit path
+only if the shard is cached (``x-shardcache-short-circuit: if-cached``) and otherwise reads the
+fill's bytes as they land, without a claim, checking each sample against its own checksum: the
+first sample does not wait for the whole shard. Later shards, and cached ones, are read as
+before. Bytes that fail their checksum are never yielded.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loader import CorruptShard, ShardLoader
+from loader.members import MEMBER_INDEXES
+from tests.support.daemons import DaemonProcess
+from tests.support.shards import Written, write_manifest, write_shards
+from tests.support.waits import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _daemon(tmp_path: Path) -> DaemonProcess:
+    return DaemonProcess(["--min-free", "0%", "--cache-dir", str(tmp_path / "cache"), "--cache-size", "1GiB",
+                          "--origin", f"file://{tmp_path / 'root'}"], tmp_path / "node.log", ready_path="/healthz").start()
+
+
+def _stats(endpoint: str) -> dict[str, Any]:
+    with urllib.request.urlopen(endpoint + "/_shardcache/stats", timeout=10) as resp:
+        return json.load(resp)  # type: ignore[no-any-return]
+
+
+def _get(url: str, mode: str) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers={"x-shardcache-short-circuit": mode})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return resp.status, dict(resp.headers), resp.read()
+
+
+def test_if_cached_answers_bytes_for_an_object_not_cached_and_a_path_once_it_is(tmp_path: Path) -> None:
+    written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=1, per_shard=4)
+    key = written.keys[0]
+    daemon = _daemon(tmp_path)
+    try:
+        status, headers, body = _get(f"{daemon.url}/bkt/ds/{key}", "if-cached")
+        assert status == 200 and "x-shardcache-path" not in headers
+        assert body == (written.root / key).read_bytes()
+        wait_until(lambda: _stats(daemon.url)["fills_in_flight"] == 0, timeout=30, what="the fill published")
+        status, headers, body = _get(f"{daemon.url}/bkt/ds/{key}", "if-cached")
+        assert headers.get("x-shardcache-cache") == "hit" and body == b""
+        assert Path(headers["x-shardcache-path"]).read_bytes() == (written.root / key).read_bytes()
+    finally:
+        daemon.stop()
+
+
+class _Opens:
+    def __init__(self, loader: ShardLoader, monkeypatch: pytest.MonkeyPatch) -> None:
+        source = loader._source()
+        real = source.open
+        self.calls: list[tuple[str, bool, bool]] = []  # (key, by_sample, answered a file)
+
+        def open_(shard: Any, *args: Any, by_sample: bool = False, **kwargs: Any) -> Any:
+            reader = real(shard, *args, by_sample=by_sample, **kwargs)
+            self.calls.append((shard.key, by_sample, hasattr(reader, "fileno")))
+            return reader
+
+        monkeypatch.setattr(source, "open", open_)
+
+
+def test_the_first_cold_shard_is_read_as_it_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    MEMBER_INDEXES.clear()
+    written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=3, per_shard=6)
+    write_manifest(written, members=True)
+    daemon = _daemon(tmp_path)
+    try:
+        expected = [s for s in ShardLoader(f"file://{tmp_path}/root/bkt/ds/", endpoint="", shuffle=False)]
+        loader = ShardLoader("s3://bkt/ds/", endpoint=daemon.url, shuffle=False)
+        opens = _Opens(loader, monkeypatch)
+        got = list(loader)
+        assert [s["__key__"] for s in got] == [s["__key__"] for s in expected]
+        assert [{k: bytes(v) for k, v in s.items() if not k.startswith("__")} for s in got] == [
+            {k: bytes(v) for k, v in s.items() if not k.startswith("__")} for s in expected]
+        # The first shard by sample, as a stream (not cached yet); the others as before.
+        assert opens.calls[0] == (written.keys[0], True, False)
+        assert all(not by_sample for _, by_sample, _ in opens.calls[1:])
+        # Warm, in a new process's loader: the first shard is cached, so a path (a mapped file).
+        MEMBER_INDEXES.clear()
+        again = ShardLoader("s3://bkt/ds/", endpoint=daemon.url, shuffle=False)
+        again._runtime().opened_first = False
+        opens = _Opens(again, monkeypatch)
+        assert len(list(again)) == len(expected)
+        assert opens.calls[0] == (written.keys[0], True, True)
+    finally:
+        daemon.stop()
+
+
+def test_a_damaged_first_shard_is_never_yielded_past_the_damage(tmp_path: Path) -> None:
+    MEMBER_INDEXES.clear()
+    written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=1, per_shard=6)
+    write_manifest(written, members=True)
+    path = written.root / written.keys[0]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside some sample after the first
+    path.write_bytes(bytes(data))
+    daemon = _daemon(tmp_path)
+    try:
+        loader = ShardLoader("s3://bkt/ds/", endpoint=daemon.url, shuffle=False)
+        yielded: list[Written] = []
+        with pytest.raises(CorruptShard):
+            for sample in loader:
+                yielded.append(sample)
+        keys = written.order[written.keys[0]]
+        assert 0 < len(yielded) < len(keys)
+        for sample in yielded:
+            assert {k: bytes(v) for k, v in sample.items() if not k.startswith("__")} == written.samples[
+                (written.keys[0], sample["__key__"])]
+    finally:
+        daemon.stop()
