@@ -196,9 +196,11 @@ class Fill:
             raise self.error
         return self.sealed
 
-    async def ranges(self, start: int, end: int) -> AsyncIterator[tuple[int, int, int]]:
+    async def ranges(self, start: int, end: int, before_seal: bool = False) -> AsyncIterator[tuple[int, int, int]]:
         """``(fd, offset, length)`` pieces of ``[start, end)`` as they land in the temp file, for
-        sendfile. ``fd`` stays open until the generator finishes. Raises the fill's error."""
+        sendfile. ``fd`` stays open until the generator finishes. Raises the fill's error.
+        ``before_seal``: the range's last byte too as soon as it lands (a small range, which
+        could as well have been read from the origin by range: reads.py's direct ranges)."""
         self._readers += 1
         try:
             sent = start
@@ -206,7 +208,8 @@ class Fill:
                 event = self._progress
                 # The last byte of the range waits for the seal: an answer never completes with
                 # bytes the origin's checksum has not passed (a failed check cuts it short).
-                ready = self.contiguous if self.sealed is not None or self.check is None else min(self.contiguous, end - 1)
+                ready = (self.contiguous if self.sealed is not None or self.check is None or before_seal
+                         else min(self.contiguous, end - 1))
                 if ready > sent and self._read_fd is not None:
                     length = min(ready, end) - sent
                     yield self._read_fd, sent, length

@@ -272,7 +272,7 @@ class ReadService:
 
         if ctx.peer is not None and ctx.if_cached:
             raise NotCached(f"{ctx.bucket}/{ctx.key} is not cached on this member")
-        if direct is not None and before_fill is None and self._may_go_direct(ctx, direct):
+        if direct is not None and before_fill is None and self.may_go_direct(ctx, direct):
             ranged = await self._direct(ctx, direct, decide)
             if ranged is not None:
                 return ranged
@@ -304,7 +304,9 @@ class ReadService:
 
     # -- a small range of an object not cached, straight from the origin ----------------------
 
-    def _may_go_direct(self, ctx: ReadContext, rng: tuple[int, int]) -> bool:
+    def may_go_direct(self, ctx: ReadContext, rng: tuple[int, int]) -> bool:
+        """Whether ``rng`` of ``ctx``'s object may be read from the origin by range (or, landed in
+        a fill, be sent before the fill's seal): small, no claim, no peer, an origin that can."""
         start, end = rng
         return (
             0 < end - start <= self.direct_range_bytes
@@ -320,7 +322,10 @@ class ReadService:
         object the range starts past)."""
         start, end = rng
         fill = self.fetcher.inflight.get((ctx.bucket, ctx.key))
-        if fill is not None and (fill.contiguous > start or fill.error is not None):
+        if fill is not None and (fill.contiguous >= end or fill.error is not None):
+            # Landed whole already: from the fill at once (s3api: without waiting for its seal,
+            # as a range from the origin would not). Landed in part: from the origin, not after
+            # the rest of the fill.
             return None
         # The fill's version, when it is known: the origin answers it or 412 (ObjectNotFound).
         etag = fill.info.etag if fill is not None and fill.info is not None else None

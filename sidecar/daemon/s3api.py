@@ -264,7 +264,8 @@ async def _get(request: web.Request, reads: ReadService, ctx: ReadContext) -> we
     elif isinstance(result, Direct):
         response = await _serve_direct(request, reads, ctx, result)
     else:
-        response = await _serve_fill(request, reads, ctx, result, wait_for_path)
+        before_seal = direct is not None and reads.may_go_direct(ctx, direct)
+        response = await _serve_fill(request, reads, ctx, result, wait_for_path, before_seal)
     metrics.request_duration.labels(cache=result.state).observe(time.perf_counter() - began)
     return response
 
@@ -296,10 +297,12 @@ async def _serve_hit(
 
 
 async def _serve_fill(
-    request: web.Request, reads: ReadService, ctx: ReadContext, filling: Filling, short_circuit: bool
+    request: web.Request, reads: ReadService, ctx: ReadContext, filling: Filling, short_circuit: bool,
+    before_seal: bool = False,
 ) -> web.StreamResponse:
     """A fill's bytes as they land (sendfile from its temp file), or, for a short-circuit reader,
-    the path of the sealed copy."""
+    the path of the sealed copy. ``before_seal``: a small range sent whole as soon as it has
+    landed (reads.py's direct ranges), else its last byte waits for the origin's checksum."""
     fill, info = filling.fill, filling.info
     if short_circuit:
         await fill.wait_sealed()
@@ -320,7 +323,7 @@ async def _serve_fill(
     loop = asyncio.get_running_loop()
     sent = start
     try:
-        async for fd, offset, length in fill.ranges(start, end):
+        async for fd, offset, length in fill.ranges(start, end, before_seal):
             if not response.prepared:
                 # Prepared only once bytes exist: a fill failing at once still gets an S3 error.
                 await response.prepare(request)

@@ -285,3 +285,28 @@ def test_a_range_cut_short_resumes_in_its_version(s3_server, bucket, proxy, tmp_
     assert any(re.match(r"GET /[^ ]+/k\.tar", line) for line in proxy.log)
     stats = daemon.stats()
     assert stats["direct_ranges"]["fills"]["no_room"] == 1 and stats["cache"]["items"] == 0
+
+
+def test_a_landed_range_goes_out_before_the_seal_and_one_ahead_of_the_fill_from_the_origin(
+    s3_server, bucket, proxy, tmp_path, start_daemon
+):
+    """A small range a running fill has landed is sent at once (not after the fill's seal: it
+    could as well have come from the origin by range); one the fill has not reached, even in
+    part, is read from the origin by range rather than after the rest of the fill."""
+    data = os.urandom(2 * MiB)
+    key = "train/shard-1.tar"
+    # With a checksum the origin vouches for: a fill's answer waits for it at the seal.
+    s3_server.client().put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="CRC64NVME")
+    daemon = start(tmp_path, proxy, start_daemon)
+    proxy.faults.trickle_bps = 1e6
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(lambda: daemon.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+        wait_until(lambda: daemon.stats()["origin_read_bytes"] >= MiB // 2, what="the fill's first half MiB to land")
+        resp = daemon.client().get_object(Bucket=bucket, Key=key, Range="bytes=1000-101999")
+        assert resp["Body"].read() == data[1000:102000] and cache_state(resp) == "coalesced"
+        assert not whole.done()  # sent before the fill's end
+        at = 3 * MiB // 2
+        ahead = daemon.client().get_object(Bucket=bucket, Key=key, Range=f"bytes={at}-{at + 100_000}")
+        assert ahead["Body"].read() == data[at : at + 100_001] and cache_state(ahead) == "range_origin"
+        assert not whole.done()
+        assert whole.result(30) == data
