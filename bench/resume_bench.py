@@ -136,8 +136,8 @@ class _CountingSource:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)
 
-    def open(self, shard: Any, recheck: bool = False, on_sent: Any = None, offset: int = 0) -> Any:
-        return _CountingReader(self._source.open(shard, recheck, on_sent, offset), self.counts)
+    def open(self, shard: Any, recheck: bool = False, on_sent: Any = None, offset: int = 0, **kwargs: Any) -> Any:
+        return _CountingReader(self._source.open(shard, recheck, on_sent, offset, **kwargs), self.counts)
 
 
 def _stats(daemon: str | None) -> dict[str, int]:

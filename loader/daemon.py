@@ -281,7 +281,7 @@ class DaemonClient:
     def open_object(
         self, bucket: str, key: str, *, offset: int = 0, short_circuit: bool = False,
         xxh3_128: str | None = None, recheck: bool = False, on_sent: Callable[[], None] | None = None,
-        if_cached: bool = False,
+        if_cached: bool = False, end: int | None = None,
     ) -> DaemonObject:
         """Open ``bucket/key`` for streaming from byte ``offset`` (retried on connection errors
         and 5xx). With ``short_circuit`` the daemon may answer with the cached file's path.
@@ -295,7 +295,9 @@ class DaemonClient:
 
         ``if_cached`` (with ``short_circuit``): a path only for a copy cached now, from any
         ``offset``; an object not cached is answered with its fill's bytes as they land, from
-        ``offset`` (for a caller that checks each sample by the shard's member index)."""
+        ``offset`` (for a caller that checks each sample by the shard's member index). ``end``:
+        with an ``offset``, the range's end (the object's size: a small rest of an object not
+        cached is then read from the origin by range, not after the daemon's whole fill)."""
         sent = [on_sent] if on_sent is not None else []
 
         def call() -> DaemonObject:
@@ -306,7 +308,7 @@ class DaemonClient:
             if recheck:
                 headers["x-shardcache-recheck"] = "1"
             if offset:
-                headers["Range"] = f"bytes={offset}-"
+                headers["Range"] = f"bytes={offset}-{end - 1}" if end is not None and end > offset else f"bytes={offset}-"
             path_asked = short_circuit and (not offset or if_cached)
             if path_asked:
                 headers["x-shardcache-short-circuit"] = "if-cached" if if_cached else "1"

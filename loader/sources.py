@@ -449,16 +449,16 @@ class DaemonSource:
         self.last_open_in_place = False
         if by_sample and self._short_circuit and self._handles is None:
             answer = self._client.open_object(self._bucket, key, offset=offset, short_circuit=True, if_cached=True,
-                                              recheck=recheck, on_sent=on_sent)
+                                              recheck=recheck, on_sent=on_sent, end=shard.size)
             if answer.path is not None:
                 handle = self._open_short_circuit(answer.path, answer.size, offset)
                 if handle is not None:
                     self.last_open_in_place = answer.cache == "hit"
                     return handle
-                return self._resuming(key, what, None, offset=offset)
+                return self._resuming(key, what, None, offset=offset, end=shard.size)
             assert answer.response is not None and answer.conn is not None
             return self._resuming(key, what, None, first=(_HTTPBody(answer.response, answer.conn), answer.etag),
-                                  offset=offset)
+                                  offset=offset, end=shard.size)
         if self._handles is not None:
             on_sent = _once(on_sent)
             if self._handles.available():
@@ -469,7 +469,8 @@ class DaemonSource:
                         self.last_open_in_place = obj.cache == "hit"
                         return handle
             # No descriptor: over HTTP, with ``recheck`` again (the answer that is read is this one).
-            return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset)
+            return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset,
+                                  end=shard.size if by_sample else None)
         if self._short_circuit:
             # From the first byte: a path is asked for only without a range (DaemonClient), and
             # is the whole file, positioned at ``offset`` here.
@@ -487,7 +488,8 @@ class DaemonSource:
                 # Bytes instead of a path (the daemon serves none here): what is wanted starts
                 # further on, asked for by range rather than read through.
                 obj.conn.close()
-        return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset)
+        return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset,
+                                  end=shard.size if by_sample else None)
 
     def _open_short_circuit(self, path: str, size: int | None, offset: int = 0) -> Reader | None:
         # A fresh fill's bytes may be on the disk only (shardcache serve --direct-writes): the tar
@@ -543,7 +545,7 @@ class DaemonSource:
 
     def _resuming(
         self, key: str, what: str, claim: str | None, first: tuple[Reader, str | None] | None = None,
-        recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0,
+        recheck: bool = False, on_sent: Callable[[], None] | None = None, offset: int = 0, end: int | None = None,
     ) -> Reader:
         """An HTTP read from byte ``offset`` (``first``: the answer already in, from there),
         resumed at the byte reached; ``recheck`` and ``on_sent`` go with its first request only."""
@@ -555,7 +557,7 @@ class DaemonSource:
                 return pending.pop()
             initial = bool(fresh and fresh.pop())
             obj = self._client.open_object(self._bucket, key, offset=at, xxh3_128=claim, recheck=recheck and initial,
-                                           on_sent=on_sent if initial else None)
+                                           on_sent=on_sent if initial else None, end=end)
             assert obj.response is not None and obj.conn is not None
             return _HTTPBody(obj.response, obj.conn), obj.etag
 

@@ -246,8 +246,9 @@ async def _get(request: web.Request, reads: ReadService, ctx: ReadContext) -> we
     # checks each sample against its member index need not wait for the whole object's seal).
     wait_for_path = short_circuit and mode == "1"
     # One explicit span (a sample of a shard): a small one of an object not cached may come
-    # straight from the origin (reads.py). A short-circuit reader wants the whole file.
-    direct = None if short_circuit else requested_range(request.headers.get("Range"))
+    # straight from the origin (reads.py). A short-circuit reader wants the whole file ("if-cached":
+    # a cached one's; else the span it asks for).
+    direct = None if short_circuit and wait_for_path else requested_range(request.headers.get("Range"))
     try:
         result = await reads.read(ctx, decide=functools.partial(_conditional, request, ctx), direct=direct)
     except NotCached as exc:
