@@ -256,6 +256,23 @@ class DaemonClient:
             return False
         return True
 
+    def members(self, bucket: str, key: str) -> bytes | None:
+        """The member index the daemon builds of its cached copy of ``bucket/key``
+        (``GET /_shardcache/members``); None when it holds none (not cached, not indexable, a
+        daemon without the endpoint)."""
+        query = urllib.parse.urlencode({"bucket": bucket, "key": key})
+
+        def call() -> bytes | None:
+            status, _, data = self._exchange("GET", f"/_shardcache/members?{query}")
+            if status in (404, 405, 422):
+                return None
+            if status != 200:
+                raise _s3_error(status, data)
+            return data
+
+        what = f"GET member index of {bucket}/{key}"
+        return self._wrap_errors(what, key, lambda: self._with_retries(what, call))
+
     def get_range(self, bucket: str, key: str, start: int, end: int) -> tuple[bytes, str | None]:
         """Bytes ``[start, end)`` of ``bucket/key`` and how the daemon served them (its
         ``x-shardcache-cache``: ``hit`` when the object is cached whole). No claim goes with it:

@@ -30,7 +30,7 @@ from wire.errors import ManifestError as WireManifestError
 from wire.members import MemberTable, members_key
 
 __all__ = ["index_shard", "member_table", "tar_index", "read_members", "usable", "sample_bytes_ok", "members_key",
-           "load_members", "MEMBER_INDEXES"]
+           "load_members", "cache_members", "MEMBER_INDEXES"]
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +161,16 @@ MEMBER_INDEXES = _Tables()
 """This process's member indexes (what cold samples and resumed shards are read by)."""
 
 
-def load_members(source: _ReadsNames, shard: Shard, url: str) -> TarIndex | None:
+def load_members(source: _ReadsNames, shard: Shard, url: str, ask_cache: bool = False) -> TarIndex | None:
     """``shard``'s (at ``url``) member index, read through ``source`` once per process and checked
     (:func:`read_members`); None when the manifest pins none, or when the one there cannot be
     used (missing, stale, damaged: logged once, and the shard is then read whole, never by a
-    wrong table)."""
+    wrong table).
+
+    ``ask_cache``: without a pinned one, the index a node cache in between builds of its copy of
+    the shard (:func:`cache_members`), if it holds the shard."""
     if shard.members is None:
-        return None
+        return cache_members(source, shard, url) if ask_cache else None
     found, table = MEMBER_INDEXES.get(shard.members)
     if found:
         return table
@@ -183,4 +186,41 @@ def load_members(source: _ReadsNames, shard: Shard, url: str) -> TarIndex | None
         log.warning("%s; reading %s whole instead", exc, shard.key)
         table = None
     MEMBER_INDEXES.put(shard.members, table)
+    return table
+
+
+def cache_members(source: Any, shard: Shard, url: str) -> TarIndex | None:
+    """The member index the node cache builds of its copy of ``shard`` (``source.cache_members``:
+    a daemon's), or None: no such source, the shard not cached there, or an index that does not
+    name the manifest's size and checksum of the shard (never used). Kept per process by the
+    shard's checksum; a miss is asked again next time (the shard may be cached by then).
+
+    The cache vouches for these sample boundaries as it does for the bytes it hands out: it built
+    the index from its verified copy, and each sample read by it is still checked against the
+    index's checksum of it."""
+    ask = getattr(source, "cache_members", None)
+    if ask is None or shard.xxh3_128 is None or shard.size is None:
+        return None
+    pin = "cache:" + shard.xxh3_128
+    found, table = MEMBER_INDEXES.get(pin)
+    if found:
+        return table
+    data = ask(shard)
+    if data is None:
+        return None
+    where = f"{members_key(url)} (built by the cache)"
+    try:
+        parsed = wire_members.parse_members(data, where)
+    except WireManifestError as exc:
+        log.warning("%s; reading %s whole instead", exc, shard.key)
+        return None
+    # Its key is the cache's object key (the dataset's prefix and the shard's): bound to the shard
+    # by the manifest's size and checksum of it.
+    if (parsed.size, parsed.xxh3_128) != (shard.size, shard.xxh3_128) or (
+            shard.samples is not None and parsed.samples != shard.samples):
+        log.warning("%s: indexes %s of %d bytes, xxh3_128 %s, not the manifest's; reading %s whole instead",
+                    where, parsed.shard_key, parsed.size, parsed.xxh3_128, shard.key)
+        return None
+    table = tar_index(parsed)
+    MEMBER_INDEXES.put(pin, table)
     return table

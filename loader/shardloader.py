@@ -599,14 +599,15 @@ class ShardLoader:
             return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints, offset=offset), False
         return self._source().open(shard, recheck=recheck, on_sent=self._flush_hints), False
 
-    def _member_index(self, shard: Shard, start: int, url: str) -> TarIndex | None:
+    def _member_index(self, shard: Shard, start: int, url: str, ask_cache: bool = False) -> TarIndex | None:
         """The member index to resume ``shard`` at sample ``start`` by (reading nothing before
         it), or None: the shard is read from its first byte, as without one (a read from the
-        start, a dataset without member indexes, one that could not be used)."""
-        if start <= 0 or shard.members is None:
+        start, a dataset without member indexes, one that could not be used). ``ask_cache``:
+        without one pinned in the manifest, the one the node cache builds of a shard it holds."""
+        if start <= 0 or (shard.members is None and not ask_cache):
             return None
         try:
-            index = load_members(self._source(), shard, url)
+            index = load_members(self._source(), shard, url, ask_cache=ask_cache)
         except LoaderError as exc:  # the index could not be read (a ManifestError is load_members' own)
             log.warning("%s: the member index could not be read (%s); reading the shard from its start", url, exc)
             return None
@@ -633,7 +634,7 @@ class ShardLoader:
         # Resumed past the first sample with a member index (loader.members): read from the byte
         # sample ``start`` begins at, nothing before it, each sample checked against its own
         # checksum (the whole shard's cannot be, without the bytes skipped).
-        by_members = self._member_index(shard, start, url)
+        by_members = self._member_index(shard, start, url, ask_cache=True)
         # The first shard this process reads, from its first sample, through a cache that can
         # stream a shard it is still filling: if not cached, it is read as its bytes land, each
         # sample checked by its member index, so the first sample need not wait for the whole

@@ -569,6 +569,10 @@ class DaemonSource:
         except ShardNotFound as exc:
             raise DatasetNotFound(f"{self.location.url}: {exc}") from exc
 
+    def cache_members(self, shard: Shard) -> bytes | None:
+        """The member index the daemon builds of its cached copy of the shard, if it holds one."""
+        return self._client.members(self._bucket, self._prefix + check_key(shard.key, self.location.url))
+
     def read_range(self, shard: Shard, start: int, end: int) -> tuple[bytes, bool]:
         key = self._prefix + check_key(shard.key, self.location.url)
         data, cache = self._client.get_range(self._bucket, key, start, end)

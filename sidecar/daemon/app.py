@@ -24,7 +24,21 @@ from sidecar.daemon.auth import RENEW_HEADER, Authorizer
 from sidecar.daemon.auth import http as auth_http
 from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
-from sidecar.daemon.keys import CLAIMS, CONTROL, FETCHER, METRICS, ORIGIN, PREFETCHER, READS, SCRUBBER, SETTINGS, STARTED, STORE
+from sidecar.daemon.keys import (
+    CLAIMS,
+    CONTROL,
+    FETCHER,
+    MEMBERS,
+    METRICS,
+    ORIGIN,
+    PREFETCHER,
+    READS,
+    SCRUBBER,
+    SETTINGS,
+    STARTED,
+    STORE,
+)
+from sidecar.daemon.members import MemberIndexes
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Boto3S3Origin, FileOrigin, Origin, S3Origin
 from sidecar.daemon.peers import http as peers_http
@@ -184,6 +198,7 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
             scrubber = Scrubber(store, fetcher, settings.scrub)
             scrubber.start()
             app[SCRUBBER] = scrubber
+            app[MEMBERS] = MemberIndexes(store)
         log.info("serving %s from %s (cache %s)", settings.mode, origin.description, settings.store.root)
         try:
             yield
@@ -205,6 +220,7 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
     app.router.add_post(CONTROL + "prefetch", control.prefetch_handler)
     app.router.add_get(CONTROL + "stats", control.stats_handler)
     app.router.add_get(CONTROL + "cached", control.cached_handler)
+    app.router.add_get(CONTROL + "members", control.members_handler)
     warmups.setup(app)
     auth_http.setup(app)
     peers_http.setup(app)

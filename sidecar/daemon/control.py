@@ -14,8 +14,22 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.daemon.auth.http import AUTH, batch_access, caller, listing_access, optional_caller
-from sidecar.daemon.keys import FETCHER, METRICS, ORIGIN, PREFETCHER, READS, SCRUBBER, SETTINGS, STARTED, STORE, file_root
+from cache import CacheError
+from sidecar.daemon.auth.http import AUTH, batch_access, caller, listing_access, object_access, optional_caller
+from sidecar.daemon.keys import (
+    FETCHER,
+    MEMBERS,
+    METRICS,
+    ORIGIN,
+    PREFETCHER,
+    READS,
+    SCRUBBER,
+    SETTINGS,
+    STARTED,
+    STORE,
+    file_root,
+)
+from sidecar.daemon.members import NotIndexable
 from sidecar.daemon.metrics import (
     LOOKUP_RESULTS,
     RANGE_FILL_OUTCOMES,
@@ -27,6 +41,7 @@ from sidecar.daemon.metrics import (
 from sidecar.daemon.peers.http import cluster_stats
 from sidecar.daemon.prefetch import PrefetchItem, QueueFull
 from sidecar.daemon.priority import priority_value
+from sidecar.daemon.s3xml import error_response
 from sidecar.errors import BadRequest, Busy, OriginBadResponse
 from wire.names import parse_object_url, validate_bucket, validate_key, validate_prefix, validate_xxh3_128
 from wire.s3xml import S3XMLError, parse_list_page
@@ -219,6 +234,25 @@ async def cached_handler(request: web.Request) -> web.Response:
         "fraction": round(cached_size / size, 6) if size else 1.0, "missing": missing,
         "unproven": unproven, "unproven_bytes": unproven_size,
     })
+
+
+async def members_handler(request: web.Request) -> web.Response:
+    """The member index of a shard this daemon holds (sidecar/daemon/members.py): for a caller
+    that may read the object (as its GET), never a fill: 404 ``NotCached`` when it is not here."""
+    bucket = validate_bucket(request.query.get("bucket", ""))
+    key = validate_key(request.query.get("key", ""))
+    await object_access(request, bucket, key)
+    store = request.app.get(STORE)
+    entry = store.lookup(bucket, key) if store is not None else None
+    if entry is None:
+        return error_response(404, "NotCached", f"{bucket}/{key} is not cached on this daemon", request.path)
+    try:
+        doc = await request.app[MEMBERS].document(entry)
+    except NotIndexable as exc:
+        return error_response(422, "NotIndexable", str(exc), request.path)
+    except CacheError as exc:  # evicted meanwhile, or its copy failed its check (and is gone)
+        return error_response(404, "NotCached", f"{bucket}/{key}: {exc}", request.path)
+    return web.Response(body=doc, content_type="application/json", headers={"x-shardcache-xxh3-128": entry.xxh3_128})
 
 
 async def metrics_handler(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ from aiohttp import web
 from cache import Store
 from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
+from sidecar.daemon.members import MemberIndexes
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Origin
 from sidecar.daemon.prefetch import Prefetcher
@@ -20,6 +21,7 @@ from sidecar.daemon.settings import ServeSettings
 
 __all__ = [
     "SETTINGS", "STORE", "ORIGIN", "FETCHER", "METRICS", "PREFETCHER", "CLAIMS", "READS", "SCRUBBER", "STARTED", "CONTROL",
+    "MEMBERS",
     "file_root",
 ]
 
@@ -33,6 +35,7 @@ CLAIMS = web.AppKey("claims", Claims)
 READS = web.AppKey("reads", ReadService)
 SCRUBBER = web.AppKey("scrubber", Scrubber)
 STARTED = web.AppKey("started", float)
+MEMBERS = web.AppKey("members", MemberIndexes)
 
 CONTROL = "/_shardcache/"
 

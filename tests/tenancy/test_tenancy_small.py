@@ -113,3 +113,18 @@ def test_a_newer_sidecar_signs_what_an_older_daemon_replays() -> None:
     assert identity_request(new, amz_date(), None)[2][AUDIENCE_HEADER] == "aud-1"
     old = Target.from_json({k: v for k, v in new.to_json().items() if k != "object_proof"})
     assert AUDIENCE_HEADER not in identity_request(old, amz_date(), None)[2]
+
+
+def test_member_indexes_only_for_who_may_read_the_shard(node: Node, iam_s3: IamS3) -> None:
+    """The daemon's member index of a cached shard tells its samples' names and sizes: only a
+    caller that may read the object gets it (as its GET), never one that may only list."""
+    alice, lister = node.sidecars["alice"], node.sidecars["lister"]
+    assert alice.client().get_object(Bucket=A, Key=SHARD)["Body"].read() == iam_s3.objects[(A, SHARD)]
+    wait_until(lambda: alice.json("GET", "/_shardcache/stats")[1]["fills_in_flight"] == 0, what="alice's fill")
+    path = f"/_shardcache/members?bucket={A}&key={SHARD}"
+    status, body, _ = alice.raw("GET", path)
+    assert status == 200 and b"shardcache-members-v1" in body, body[:300]
+    status, body, _ = lister.raw("GET", path)
+    assert status == 403 and b"shardcache-members-v1" not in body, body[:300]
+    status, body, _ = node.daemon.raw("GET", path)  # no session at all
+    assert status == 403 and b"shardcache-members-v1" not in body, body[:300]
