@@ -43,7 +43,7 @@ from loader.settings import LoaderSettings, check_locality_window
 from loader.sources import Reader, Source, make_source, resolve_shards
 from loader.stall import WaitMeter, WaitReporter
 from loader.static import rank_shards, worker_shards
-from loader.tar import UNMAP_EVERY_BYTES, MemberLog, iter_samples, map_source
+from loader.tar import UNMAP_EVERY_BYTES, MemberLog, iter_samples, map_source, release_pages
 from loader.tarindex import INDEXES, TarIndex, file_identity, iter_indexed
 
 __all__ = ["ShardLoader"]
@@ -1007,10 +1007,7 @@ def _by_members(
                 sample = sample_at(i, members, 0)
                 if unmap and ends[i] - unmapped >= UNMAP_EVERY_BYTES:
                     # A mapped file's pages count in the reader's RSS once touched (see loader.tar).
-                    cut = ends[i] - ends[i] % mmap.PAGESIZE
-                    with contextlib.suppress(OSError, ValueError):
-                        buf.madvise(mmap.MADV_DONTNEED, unmapped, cut - unmapped)  # type: ignore[union-attr]
-                    unmapped = cut
+                    unmapped = release_pages(buf, unmapped, ends[i])
                 yield sample
         finally:
             if not zero_copy:

@@ -38,11 +38,21 @@ from typing import Any, Protocol
 from loader.errors import CorruptShard
 
 __all__ = ["RawReader", "TarSource", "MemberLog", "iter_members", "iter_samples", "map_source", "split_name",
-           "UNMAP_EVERY_BYTES"]
+           "UNMAP_EVERY_BYTES", "release_pages"]
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
 UNMAP_EVERY_BYTES = 8 << 20  # a mapping's pages read and released together (see _Mapped)
+
+
+def release_pages(buf: Any, released: int, offset: int) -> int:
+    """Release the pages of the mapping ``buf`` from ``released`` up to ``offset`` (rounded down
+    to a page) from this process's RSS (the page cache keeps them; a view still held faults them
+    back in); the new ``released``."""
+    end = offset - offset % mmap.PAGESIZE
+    with contextlib.suppress(OSError, ValueError):
+        buf.madvise(mmap.MADV_DONTNEED, released, end - released)
+    return end
 _MAX_META_BYTES = 1 << 20  # a PAX or GNU long-name record larger than this is not a name
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)
 _META_RE = re.compile(r"__[^/]*__($|/)")
@@ -299,10 +309,7 @@ class _Mapped:
         return self._members[at : at + size]
 
     def _release(self, offset: int) -> None:
-        end = offset - offset % mmap.PAGESIZE
-        with contextlib.suppress(OSError, ValueError):
-            self._buf.madvise(mmap.MADV_DONTNEED, self._unmapped, end - self._unmapped)  # type: ignore[union-attr]
-        self._unmapped = end
+        self._unmapped = release_pages(self._buf, self._unmapped, offset)
 
     def skip(self, n: int, what: str, name: str | None = None) -> None:
         at = self._base + self.position

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loader.errors import CorruptShard
-from loader.tar import BLOCK, UNMAP_EVERY_BYTES, MemberLog, map_source
+from loader.tar import BLOCK, UNMAP_EVERY_BYTES, MemberLog, map_source, release_pages
 
 __all__ = ["TarIndex", "FileIdentity", "file_identity", "iter_indexed", "IndexRegistry", "INDEXES",
            "DEFAULT_BUDGET_BYTES"]
@@ -193,10 +193,7 @@ def iter_indexed(
                 m += 1
             if unmap and ends[i] - unmapped >= every:
                 # A mapped file's pages count in the reader's RSS once touched (see loader.tar).
-                cut = ends[i] - ends[i] % mmap.PAGESIZE
-                with contextlib.suppress(OSError, ValueError):
-                    buf.madvise(mmap.MADV_DONTNEED, unmapped, cut - unmapped)  # type: ignore[union-attr]
-                unmapped = cut
+                unmapped = release_pages(buf, unmapped, ends[i])
             yield sample
         if expected_size is not None and size != expected_size:
             raise CorruptShard(f"size mismatch: read {size} bytes, the manifest says {expected_size}", url=url)

@@ -49,6 +49,7 @@ __all__ = [
     "check_key",
     "parse_dataset_url",
     "parse_manifest",
+    "json_object",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -153,7 +154,7 @@ def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
     A manifest that lists no shards is an error (:class:`EmptyManifest`): ``shardcache index``
     never writes one, and training on nothing is never what was meant.
     """
-    doc = _json_object(data, where, "version, format and shards")
+    doc = json_object(data, where, "version, format and shards")
     if doc.get("version") != MANIFEST_VERSION:
         raise ManifestError(
             f"{where}: unsupported version {doc.get('version')!r} (this shardcache reads version {MANIFEST_VERSION}; "
@@ -189,10 +190,11 @@ def parse_manifest(data: bytes, where: str) -> list[ManifestShard]:
     return shards
 
 
-def _json_object(data: bytes, where: str, holding: str) -> dict[str, Any]:
-    """An index's document: bounded, JSON, an object; else one ManifestError saying which."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
+def json_object(data: bytes, where: str, holding: str, limit: int = MAX_MANIFEST_BYTES) -> dict[str, Any]:
+    """An index's document: at most ``limit`` bytes, JSON, an object; else one ManifestError
+    saying which."""
+    if len(data) > limit:
+        raise ManifestError(f"{where}: larger than {limit} bytes")
     try:
         doc = jsontext.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -226,7 +228,7 @@ def parse_wids_index(data: bytes, where: str, dataset_url: str) -> list[Manifest
     """A wids shard index of the dataset at ``dataset_url`` (where the index lies) as manifest
     entries: key from ``url``, ``samples`` from ``nsamples``, ``size`` from ``filesize``; no
     checksum (wids' ``md5sum`` is not the loader's xxh3-128). Every problem is one ManifestError."""
-    doc = _json_object(data, where, "a shardlist (a wids shard index)")
+    doc = json_object(data, where, "a shardlist (a wids shard index)")
     kind = doc.get("__kind__", WIDS_KIND)
     if kind != WIDS_KIND or doc.get("wids_version", 1) != 1:
         raise ManifestError(f"{where}: unsupported wids index (__kind__ {str(kind)[:60]!r}, wids_version "

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from wire import jsontext
+from wire.dataset import json_object
 from wire.errors import ManifestError
 
 __all__ = ["MEMBERS_KIND", "MEMBERS_SUFFIX", "MAX_MEMBERS_BYTES", "MemberTable", "members_key", "parse_members",
@@ -99,13 +99,8 @@ def _hex(value: Any, digits: int, where: str) -> str:
 def parse_members(data: bytes, where: str) -> MemberTable:
     """A member index document, checked; every problem is one :class:`~wire.errors.ManifestError`
     naming where it is (a reader then reads the shard whole instead)."""
-    if len(data) > MAX_MEMBERS_BYTES:
-        raise ManifestError(f"{where}: larger than {MAX_MEMBERS_BYTES} bytes")
-    try:
-        doc = jsontext.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("__kind__") != MEMBERS_KIND:
+    doc = json_object(data, where, "__kind__, shard, layouts and samples", MAX_MEMBERS_BYTES)
+    if doc.get("__kind__") != MEMBERS_KIND:
         raise ManifestError(f"{where}: not a member index ({MEMBERS_KIND}); rebuild it with `shardcache index --members`")
     shard = doc.get("shard")
     if not isinstance(shard, dict):

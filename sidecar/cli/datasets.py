@@ -17,7 +17,6 @@ import logging
 import mmap
 import os
 import re
-import stat
 import tempfile
 import threading
 import urllib.parse
@@ -353,17 +352,9 @@ def scan_shard(raw: Reader, key: str, url: str = "", on_bytes: Callable[[int], N
 def _regular_file(raw: Reader) -> int | None:
     """The descriptor of ``raw`` when it is a regular file read from its start (``file://``):
     it is mapped after the scan instead of spooled."""
-    fileno = getattr(raw, "fileno", None)
-    tell = getattr(raw, "tell", None)
-    if fileno is None or tell is None:
-        return None
-    try:
-        fd = fileno()
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or tell() != 0:
-            return None
-    except (OSError, ValueError):
-        return None
-    return int(fd)
+    from loader.tarindex import file_identity
+
+    return int(raw.fileno()) if file_identity(raw) is not None else None  # type: ignore[attr-defined]
 
 
 def scan_and_index(raw: Reader, key: str, url: str, on_bytes: Callable[[int], None] | None,
