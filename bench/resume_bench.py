@@ -160,7 +160,10 @@ def _resume_once(spec: dict[str, Any], count: bool, find_path: bool = False) -> 
     loader = ShardLoader(f"s3://{BUCKET}/{PREFIX}", shuffle=False, settings=settings)
     shards = loader.shards  # the manifest, read before the clock starts
     if not spec["index"]:
+        # Before: no member index at all, neither the dataset's nor the one the daemon builds of
+        # a shard it holds.
         loader._shards = [dataclasses.replace(s, members=None) for s in shards]
+        loader._source().cache_members = lambda shard: None  # type: ignore[attr-defined]
     counting = None
     path = None
     if count:

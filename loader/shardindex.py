@@ -191,7 +191,7 @@ class ShardIndex:
         with self._lock:
             opened = self._open.get(shard.index)
         if opened is None:
-            ranged = self._ranged(shard, [j])
+            ranged = self._ranged([(shard, [j])]).get(shard.index)
             if ranged is not None:
                 return ranged[j]
         return self._read(self._shard(shard), j)
@@ -208,13 +208,7 @@ class ShardIndex:
             cold = [located[positions[0]][0] for index, positions in by_shard.items() if index not in self._open]
         ranged: dict[int, dict[int, dict[str, Any]]] = {}
         if cold:
-            tables = {shard.index: self._ranged_table(shard) for shard in cold}
-            by_range = [shard for shard in cold if tables[shard.index] is not None]
-            if by_range:
-                wanted = {shard.index: [located[n][1] for n in by_shard[shard.index]] for shard in by_range}
-                for shard, got in zip(by_range, self._map(lambda s: self._ranged(s, wanted[s.index]), by_range), strict=True):
-                    if got is not None:
-                        ranged[shard.index] = got
+            ranged = self._ranged([(shard, [located[n][1] for n in by_shard[shard.index]]) for shard in cold])
             whole = [shard for shard in cold if shard.index not in ranged]
             if len(whole) > 1:
                 # The batch's other shards fill while the first is read (the daemon's prefetch
@@ -242,43 +236,56 @@ class ShardIndex:
             return None
         return load_members(source, shard, self.location.object_url(shard.key))
 
-    def _ranged(self, shard: Shard, js: list[int]) -> dict[int, dict[str, Any]] | None:
-        """Samples ``js`` of a shard not open, by ranged reads checked against its member index;
-        None when it has none (the caller opens the shard whole)."""
-        table = self._ranged_table(shard)
-        if table is None or table.digests is None:
-            return None
+    def _ranged(self, wanted: list[tuple[Shard, list[int]]]) -> dict[int, dict[int, dict[str, Any]]]:
+        """Samples ``js`` of each shard not open, by ranged reads checked against its member
+        index, every range of the batch in flight at once (:data:`RANGE_READERS`), by shard index;
+        a shard without a member index is left out (the caller opens it whole)."""
+        url_of = self.location.object_url
+        plans: list[tuple[Shard, TarIndex, list[int]]] = []
+        for shard, js in wanted:
+            table = self._ranged_table(shard)
+            if table is None or table.digests is None:
+                continue
+            chosen = sorted(set(js))
+            if chosen[-1] >= table.samples:
+                raise CorruptShard(f"has {table.samples} samples, sample {chosen[-1]} was asked for", url=url_of(shard.key))
+            spans: list[list[int]] = [[chosen[0]]]
+            for j in chosen[1:]:
+                first = spans[-1][0]
+                if (table.start(j) - table.ends[spans[-1][-1]] <= SPAN_GAP_BYTES
+                        and table.ends[j] - table.start(first) <= SPAN_MAX_BYTES):
+                    spans[-1].append(j)
+                else:
+                    spans.append([j])
+            plans += [(shard, table, span) for span in spans]
+        if not plans:
+            return {}
         source = self._get_source()
-        url = self.location.object_url(shard.key)
-        wanted = sorted(set(js))
-        if wanted[-1] >= table.samples:
-            raise CorruptShard(f"has {table.samples} samples, sample {wanted[-1]} was asked for", url=url)
-        spans: list[list[int]] = [[wanted[0]]]
-        for j in wanted[1:]:
-            first = spans[-1][0]
-            if table.start(j) - table.ends[spans[-1][-1]] <= SPAN_GAP_BYTES and table.ends[j] - table.start(first) <= SPAN_MAX_BYTES:
-                spans[-1].append(j)
-            else:
-                spans.append([j])
-        out: dict[int, dict[str, Any]] = {}
-        bad: list[int] = []
-        for span in spans:
-            base = table.start(span[0])
-            data, in_place = source.read_range(shard, base, table.ends[span[-1]])
+
+        def read(plan: tuple[Shard, TarIndex, list[int]]) -> tuple[bytes, bool]:
+            shard, table, span = plan
+            return source.read_range(shard, table.start(span[0]), table.ends[span[-1]])
+
+        out: dict[int, dict[int, dict[str, Any]]] = {}
+        bad: dict[int, tuple[Shard, list[int]]] = {}
+        for (shard, table, span), (data, in_place) in zip(plans, self._map(read, plans), strict=True):
             if in_place:
                 self._in_place.add(shard.index)
+            url = url_of(shard.key)
+            base = table.start(span[0])
             view = memoryview(data)
+            got = out.setdefault(shard.index, {})
             for j in span:
-                piece = view[table.start(j) - base : table.ends[j] - base]
-                if not sample_bytes_ok(table, j, piece):
-                    bad.append(j)
+                if not sample_bytes_ok(table, j, view[table.start(j) - base : table.ends[j] - base]):
+                    bad.setdefault(shard.index, (shard, []))[1].append(j)
                     continue
-                out[j] = self._slice(table, view if self.settings.zero_copy else data, base, j, url)
-        if bad:
-            log.warning("%s: sample %d read by range does not match its checksum; opening the shard whole", url, bad[0])
+                got[j] = self._slice(table, view if self.settings.zero_copy else data, base, j, url)
+        for shard, js in bad.values():
+            log.warning("%s: sample %d read by range does not match its checksum; opening the shard whole",
+                        url_of(shard.key), js[0])
             opened = self._shard(shard)
-            for j in bad:
-                out[j] = self._read(opened, j)
+            for j in js:
+                out[shard.index][j] = self._read(opened, j)
         return out
 
     @staticmethod
@@ -292,7 +299,7 @@ class ShardIndex:
             m += 1
         return sample
 
-    def _map(self, fn: Any, items: list[Shard]) -> list[Any]:
+    def _map(self, fn: Any, items: list[Any]) -> list[Any]:
         if len(items) == 1:
             return [fn(items[0])]
         if self._pool is None:
