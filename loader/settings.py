@@ -128,6 +128,13 @@ class LoaderSettings:
     CPU cache for the copy); see the README's cold and warm speed section. Env
     ``SHARDCACHE_REHASH_WARM``."""
 
+    heap_trim_threshold_bytes: int = 64 << 20
+    """Freed heap a reading process keeps for reuse rather than giving back to the kernel
+    (glibc's ``M_TRIM_THRESHOLD``, set once per process; :mod:`loader.heap`): a batch of samples
+    freed together would otherwise be given back and faulted in again by the next one (batches of
+    64 read 7-9x slower warm). 0 leaves the allocator as it is; a process started with
+    ``MALLOC_TRIM_THRESHOLD_`` keeps that. Env ``SHARDCACHE_HEAP_TRIM_THRESHOLD`` (bytes)."""
+
     max_member_bytes: int = 1 << 31
     """Largest tar member accepted (it is held in memory as one sample field); a header claiming
     more is treated as corruption rather than an allocation to attempt."""
@@ -160,6 +167,8 @@ class LoaderSettings:
             raise ConfigError(f"read_chunk_bytes must be at least 4096, not {self.read_chunk_bytes}")
         if self.max_member_bytes < 1:
             raise ConfigError("max_member_bytes must be positive")
+        if self.heap_trim_threshold_bytes < 0:
+            raise ConfigError(f"heap_trim_threshold_bytes must be 0 or more, not {self.heap_trim_threshold_bytes}")
         if self.io_attempts < 1:
             raise ConfigError("io_attempts must be at least 1")
         if not self.retry_backoff_s >= 0:
@@ -201,6 +210,14 @@ class LoaderSettings:
             except ValueError:
                 raise ConfigError(
                     f"SHARDCACHE_LOCALITY_WINDOW={raw_window!r}: use a number of shards, e.g. 256 (0: the plain shuffle)"
+                ) from None
+        raw_trim = env.get("SHARDCACHE_HEAP_TRIM_THRESHOLD", "").strip()
+        if raw_trim:
+            try:
+                values["heap_trim_threshold_bytes"] = int(raw_trim)
+            except ValueError:
+                raise ConfigError(
+                    f"SHARDCACHE_HEAP_TRIM_THRESHOLD={raw_trim!r}: use a number of bytes, e.g. 67108864 (0: glibc's own)"
                 ) from None
         flags = (
             ("SHARDCACHE_SHORT_CIRCUIT", "short_circuit"),

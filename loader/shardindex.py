@@ -53,6 +53,7 @@ from typing import Any
 
 from loader.dataset import DatasetURL, Shard, parse_dataset_url, parse_index
 from loader.errors import ConfigError, CorruptShard, DatasetNotFound, ManifestError
+from loader.heap import keep_freed_heap
 from loader.members import load_members, sample_bytes_ok
 from loader.settings import LoaderSettings
 from loader.sources import Reader, Source, make_source, resolve_shards
@@ -165,6 +166,7 @@ class ShardIndex:
             self._open = OrderedDict()
             self._pool = None
             self._in_place = set()
+            keep_freed_heap(self.settings.heap_trim_threshold_bytes)
             self._source = make_source(self.location, self.settings)
         return self._source
 

@@ -37,6 +37,7 @@ from loader.ahead import OpenAhead, Opener
 from loader.checkpoint import Clock, DynamicState
 from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
+from loader.heap import keep_freed_heap
 from loader.master.protocol import shards_sha256
 from loader.members import load_members
 from loader.settings import LoaderSettings, check_locality_window
@@ -233,6 +234,8 @@ class ShardLoader:
     def _source(self) -> Source:
         rt = self._runtime()
         if rt.source is None:
+            # A DataLoader's batch of samples is freed together: kept for the next (loader.heap).
+            keep_freed_heap(self.settings.heap_trim_threshold_bytes)
             rt.source = make_source(self.location, self.settings)
         return rt.source
 
