@@ -10,6 +10,8 @@ own, with its own empty cache:
   with short-circuit by handle, the dataset's manifest with sample counts, one sample at a time;
   ``shardcache_batched``: the same in batches of 64 (``ShardIndex.samples``, what a DataLoader's
   ``__getitems__`` calls), the batch's cold shards hinted to the daemon together;
+  ``shardcache_batched_per_sample``: the same batches with one ranged read per cold sample (no
+  samples of a shard merged into one range: the choice the batched reader makes, measured);
   ``shardcache_zero_copy``: one at a time, fields as views of the mapping (``zero_copy=True``).
   The dataset is indexed with ``shardcache index --members``: a cold shard's samples are read by
   ranges (answered from the origin by range while the daemon fills the shard behind them);
@@ -64,7 +66,10 @@ from bench.servers import MotoServer, ServeProcess
 BUCKET = "bench"
 PREFIX = "random/"
 MDS_PREFIX = "random-mds/"
-READERS = ("shardcache", "shardcache_whole", "shardcache_batched", "shardcache_zero_copy", "wids", "streaming")
+READERS = ("shardcache", "shardcache_whole", "shardcache_batched", "shardcache_batched_per_sample", "shardcache_zero_copy",
+           "wids", "streaming")
+WARM_REPEATS = 10
+"""Warm passes are the order read this many times over (one takes 0.05-0.15 s: too short to time)."""
 BATCH = 64
 """Samples per batch of the ``shardcache_batched`` reader: ``ShardIndex.samples`` (what
 ``ShardMapDataset.__getitems__`` calls with a DataLoader's batch)."""
@@ -99,6 +104,11 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
     if kind.startswith("shardcache"):
         from loader import LoaderSettings, ShardIndex
 
+        if kind == "shardcache_batched_per_sample":
+            import loader.shardindex
+
+            loader.shardindex.SPAN_GAP_BYTES = -1  # every sample a range of its own
+
         index = ShardIndex(f"s3://{BUCKET}/{PREFIX}", endpoint=spec["daemon"],
                            settings=LoaderSettings(handles=spec["handles"], zero_copy=kind.endswith("zero_copy")),
                            by_range=kind != "shardcache_whole")
@@ -111,7 +121,7 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
             # Everything read from the origin, and of it the ranges answered straight from it.
             return int(stats["origin_read_bytes"]), int(stats["served_bytes"].get("range_origin", 0))
 
-        if kind == "shardcache_batched":
+        if kind.startswith("shardcache_batched"):
             return (lambda batch: sum(len(v) for sample in index.samples(batch) for k, v in sample.items()
                                       if not k.startswith("__"))), origin_bytes
         return (lambda i: sum(len(v) for k, v in index.sample(i).items() if not k.startswith("__"))), origin_bytes
@@ -141,26 +151,28 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     order = spec["order"]
     lookup, origin_bytes = _open_reader(spec)
     passes = {}
-    for name in ("cold", "warm"):
+    for name, repeats in (("cold", 1), ("warm", WARM_REPEATS)):
         before_origin, before_ranges = origin_bytes()
         cpu0, daemon0 = _cpu_s(), _proc_cpu_s(spec.get("daemon_pid"))
         started = time.perf_counter()
         first = None
         payload = 0
-        steps = [order[i : i + BATCH] for i in range(0, len(order), BATCH)] if spec["reader"].endswith("_batched") else order
-        for i in steps:
-            payload += lookup(i)
-            if first is None:
-                first = time.perf_counter() - started
+        steps = [order[i : i + BATCH] for i in range(0, len(order), BATCH)] if "_batched" in spec["reader"] else order
+        for _ in range(repeats):
+            for i in steps:
+                payload += lookup(i)
+                if first is None:
+                    first = time.perf_counter() - started
         wall = time.perf_counter() - started
         cpu = _cpu_s() - cpu0 + _proc_cpu_s(spec.get("daemon_pid")) - daemon0
         after_origin, after_ranges = origin_bytes()
         fetched, ranged = after_origin - before_origin, after_ranges - before_ranges
         passes[name] = {
-            "samples": len(order), "seconds": round(wall, 3), "samples_per_s": round(len(order) / wall, 1),
+            "samples": len(order), "repeats": repeats, "seconds": round(wall, 3),
+            "samples_per_s": round(repeats * len(order) / wall, 1),
             "first_sample_s": round(first or 0.0, 4), "payload_bytes": payload,
             "cpu_s_per_gb": round(cpu / (payload / 1e9), 2) if payload else None,
-            "origin_bytes_per_sample": round(fetched / len(order)),
+            "origin_bytes_per_sample": round(fetched / (repeats * len(order))),
             "origin_range_bytes": ranged,
         }
     return passes

@@ -30,8 +30,8 @@ def test_quick_random_bench_reads_every_sample_once_per_pass(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((results / "random-quick.json").read_text())
     dataset = result["dataset"]
-    assert set(result["readers"]) == {"shardcache", "shardcache_whole", "shardcache_batched", "shardcache_zero_copy", "wids",
-                                      "streaming"}
+    assert set(result["readers"]) == {"shardcache", "shardcache_whole", "shardcache_batched", "shardcache_batched_per_sample",
+                                      "shardcache_zero_copy", "wids", "streaming"}
     for reader, passes in result["readers"].items():
         for name, figures in passes.items():
             assert figures["samples"] == dataset["order_samples"] == dataset["samples"], (reader, name)
