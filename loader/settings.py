@@ -203,22 +203,18 @@ class LoaderSettings:
         values["node"] = (
             env.get("SHARDCACHE_NODE", "").strip() or env.get("NODE_NAME", "").strip() or socket.gethostname()
         )
-        raw_window = env.get("SHARDCACHE_LOCALITY_WINDOW", "").strip()
-        if raw_window:
-            try:
-                values["locality_window"] = int(raw_window)
-            except ValueError:
-                raise ConfigError(
-                    f"SHARDCACHE_LOCALITY_WINDOW={raw_window!r}: use a number of shards, e.g. 256 (0: the plain shuffle)"
-                ) from None
-        raw_trim = env.get("SHARDCACHE_HEAP_TRIM_THRESHOLD", "").strip()
-        if raw_trim:
-            try:
-                values["heap_trim_threshold_bytes"] = int(raw_trim)
-            except ValueError:
-                raise ConfigError(
-                    f"SHARDCACHE_HEAP_TRIM_THRESHOLD={raw_trim!r}: use a number of bytes, e.g. 67108864 (0: glibc's own)"
-                ) from None
+        integers = (
+            ("SHARDCACHE_LOCALITY_WINDOW", "locality_window", "a number of shards, e.g. 256 (0: the plain shuffle)"),
+            ("SHARDCACHE_HEAP_TRIM_THRESHOLD", "heap_trim_threshold_bytes",
+             "a number of bytes, e.g. 67108864 (0: glibc's own)"),
+        )
+        for name, field_name, hint in integers:
+            raw_int = env.get(name, "").strip()
+            if raw_int:
+                try:
+                    values[field_name] = int(raw_int)
+                except ValueError:
+                    raise ConfigError(f"{name}={raw_int!r}: use {hint}") from None
         flags = (
             ("SHARDCACHE_SHORT_CIRCUIT", "short_circuit"),
             ("SHARDCACHE_MAP_FILES", "map_files"),

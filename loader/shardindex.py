@@ -281,7 +281,7 @@ class ShardIndex:
                 if not sample_bytes_ok(table, j, view[table.start(j) - base : table.ends[j] - base]):
                     bad.setdefault(shard.index, (shard, []))[1].append(j)
                     continue
-                got[j] = self._slice(table, view if self.settings.zero_copy else data, base, j, url)
+                got[j] = table.sample(j, view if self.settings.zero_copy else data, url, base)
         for shard, js in bad.values():
             log.warning("%s: sample %d read by range does not match its checksum; opening the shard whole",
                         url_of(shard.key), js[0])
@@ -289,17 +289,6 @@ class ShardIndex:
             for j in js:
                 out[shard.index][j] = self._read(opened, j)
         return out
-
-    @staticmethod
-    def _slice(table: TarIndex, data: Any, base: int, j: int, url: str) -> dict[str, Any]:
-        keys, key_ends = table.keys, table.key_ends
-        sample: dict[str, Any] = {"__key__": keys[key_ends[j - 1] if j else 0 : key_ends[j]], "__url__": url}
-        m = table.first[j]
-        for field in table.layouts[table.layout_of[j]]:
-            at = table.offsets[m] - base
-            sample[field] = data[at : at + table.sizes[m]]
-            m += 1
-        return sample
 
     def _map(self, fn: Any, items: list[Any]) -> list[Any]:
         if len(items) == 1:
@@ -405,18 +394,11 @@ class ShardIndex:
         if j >= table.samples:
             raise CorruptShard(f"has {table.samples} samples, sample {j} was asked for",
                                url=self.location.object_url(opened.shard.key))
-        keys, key_ends = table.keys, table.key_ends
-        sample: dict[str, Any] = {"__key__": keys[key_ends[j - 1] if j else 0 : key_ends[j]],
-                                  "__url__": self.location.object_url(opened.shard.key)}
-        m = table.first[j]
         # zero_copy (LoaderSettings): views of the mapping, as the streaming loader yields them;
-        # else bytes, which a caller may keep after the shard is closed.
-        view = memoryview(buf) if self.settings.zero_copy and isinstance(buf, mmap.mmap) else None
-        for field in table.layouts[table.layout_of[j]]:
-            at = table.offsets[m]
-            sample[field] = view[at : at + table.sizes[m]] if view is not None else bytes(buf[at : at + table.sizes[m]])
-            m += 1
-        return sample
+        # else bytes (slices of a mapping or of bytes are), which a caller may keep after the
+        # shard is closed.
+        data = memoryview(buf) if self.settings.zero_copy and isinstance(buf, mmap.mmap) else buf
+        return table.sample(j, data, self.location.object_url(opened.shard.key))
 
     def __repr__(self) -> str:
         return f"ShardIndex({self.location.url!r}, {len(self)} samples in {len(self.shards)} shards)"

@@ -31,15 +31,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-import xxhash
-
 from loader.ahead import OpenAhead, Opener
 from loader.checkpoint import Clock, DynamicState
 from loader.dataset import DatasetURL, Shard, parse_dataset_url
 from loader.errors import ConfigError, CorruptShard, LoaderError
 from loader.heap import keep_freed_heap
 from loader.master.protocol import shards_sha256
-from loader.members import load_members
+from loader.members import load_members, sample_bytes_ok
 from loader.settings import LoaderSettings, check_locality_window
 from loader.sources import Reader, Source, make_source, resolve_shards
 from loader.stall import WaitMeter, WaitReporter
@@ -974,25 +972,13 @@ def _by_members(
     read sample by sample. With ``verify``, each sample's bytes (headers, data, padding) are
     checked against its xxh3-64 before it is yielded; a mismatch, or a shard that ends early, is
     :class:`~loader.errors.CorruptShard`. The bytes before the offset are never read."""
-    digests = index.digests if verify else None
-    ends, first, offsets, sizes = index.ends, index.first, index.offsets, index.sizes
-    keys, key_ends, layouts, layout_of = index.keys, index.key_ends, index.layouts, index.layout_of
+    ends = index.ends
     begin = index.start(start)
 
     def check(i: int, data: Any) -> None:
-        if digests is not None and xxhash.xxh3_64_intdigest(data) != digests[i]:
-            key = keys[key_ends[i - 1] if i else 0 : key_ends[i]]
-            raise CorruptShard(f"checksum mismatch: sample {i} ({key!r}, bytes {index.start(i)}-{ends[i] - 1}) does "
-                               "not match the xxh3_64 its member index gives", url=url)
-
-    def sample_at(i: int, data: Any, base: int) -> dict[str, Any]:
-        sample: dict[str, Any] = {"__key__": keys[key_ends[i - 1] if i else 0 : key_ends[i]], "__url__": url}
-        m = first[i]
-        for field in layouts[layout_of[i]]:
-            at = offsets[m] - base
-            sample[field] = data[at : at + sizes[m]]
-            m += 1
-        return sample
+        if verify and not sample_bytes_ok(index, i, data):
+            raise CorruptShard(f"checksum mismatch: sample {i} ({index.key(i)!r}, bytes {index.start(i)}-{ends[i] - 1}) "
+                               "does not match the xxh3_64 its member index gives", url=url)
 
     mapping = map_source(reader, map_files)
     if mapping is not None:
@@ -1005,9 +991,9 @@ def _by_members(
                 raise CorruptShard(f"the shard's member index is for {index.size} bytes read from byte {begin}, the "
                                    f"file has {len(buf)} read from byte {at}", url=url)
             members = view if zero_copy else buf
-            for i in range(start, len(key_ends)):
+            for i in range(start, index.samples):
                 check(i, view[index.start(i) : ends[i]])
-                sample = sample_at(i, members, 0)
+                sample = index.sample(i, members, url)
                 if unmap and ends[i] - unmapped >= UNMAP_EVERY_BYTES:
                     # A mapped file's pages count in the reader's RSS once touched (see loader.tar).
                     unmapped = release_pages(buf, unmapped, ends[i])
@@ -1020,13 +1006,13 @@ def _by_members(
                     buf.close()  # type: ignore[union-attr]
         return
     position = begin
-    for i in range(start, len(key_ends)):
+    for i in range(start, index.samples):
         data = _read_exactly(reader, ends[i] - position)
         if len(data) != ends[i] - position:
             raise CorruptShard(f"truncated: the shard ends at byte {position + len(data)}, inside sample {i}, which "
                                f"its member index says ends at byte {ends[i]}", url=url)
         check(i, data)
-        yield sample_at(i, memoryview(data) if zero_copy else data, position)
+        yield index.sample(i, memoryview(data) if zero_copy else data, url, position)
         position = ends[i]
 
 

@@ -447,18 +447,7 @@ class DaemonSource:
         # bytes that hash to it (loader.daemon.DaemonClient.open_object).
         claim = shard.xxh3_128 if self._settings.verify and not by_sample else None
         self.last_open_in_place = False
-        if by_sample and self._short_circuit and self._handles is None:
-            answer = self._client.open_object(self._bucket, key, offset=offset, short_circuit=True, if_cached=True,
-                                              recheck=recheck, on_sent=on_sent, end=shard.size)
-            if answer.path is not None:
-                handle = self._open_short_circuit(answer.path, answer.size, offset)
-                if handle is not None:
-                    self.last_open_in_place = answer.cache == "hit"
-                    return handle
-                return self._resuming(key, what, None, offset=offset, end=shard.size)
-            assert answer.response is not None and answer.conn is not None
-            return self._resuming(key, what, None, first=(_HTTPBody(answer.response, answer.conn), answer.etag),
-                                  offset=offset, end=shard.size)
+        end = shard.size if by_sample else None
         if self._handles is not None:
             on_sent = _once(on_sent)
             if self._handles.available():
@@ -469,12 +458,13 @@ class DaemonSource:
                         self.last_open_in_place = obj.cache == "hit"
                         return handle
             # No descriptor: over HTTP, with ``recheck`` again (the answer that is read is this one).
-            return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset,
-                                  end=shard.size if by_sample else None)
+            return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset, end=end)
         if self._short_circuit:
-            # From the first byte: a path is asked for only without a range (DaemonClient), and
-            # is the whole file, positioned at ``offset`` here.
-            obj = self._client.open_object(self._bucket, key, short_circuit=True, xxh3_128=claim, recheck=recheck,
+            # A path is the whole file, positioned at ``offset`` here. Asked ``by_sample``, a path
+            # only for a cached copy, and the request carries its range (bytes answer from there);
+            # else a path is asked for only from the first byte (DaemonClient).
+            obj = self._client.open_object(self._bucket, key, offset=offset if by_sample else 0, short_circuit=True,
+                                           if_cached=by_sample, end=end, xxh3_128=claim, recheck=recheck,
                                            on_sent=on_sent)
             recheck, on_sent = False, None
             if obj.path is not None:
@@ -483,13 +473,13 @@ class DaemonSource:
                     self.last_open_in_place = obj.cache == "hit"
                     return handle
             elif obj.response is not None and obj.conn is not None:
-                if not offset:
-                    return self._resuming(key, what, claim, first=(_HTTPBody(obj.response, obj.conn), obj.etag))
+                if by_sample or not offset:
+                    return self._resuming(key, what, claim, first=(_HTTPBody(obj.response, obj.conn), obj.etag),
+                                          offset=offset, end=end)
                 # Bytes instead of a path (the daemon serves none here): what is wanted starts
                 # further on, asked for by range rather than read through.
                 obj.conn.close()
-        return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset,
-                                  end=shard.size if by_sample else None)
+        return self._resuming(key, what, claim, recheck=recheck, on_sent=on_sent, offset=offset, end=end)
 
     def _open_short_circuit(self, path: str, size: int | None, offset: int = 0) -> Reader | None:
         # A fresh fill's bytes may be on the disk only (shardcache serve --direct-writes): the tar

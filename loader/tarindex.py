@@ -90,6 +90,21 @@ class TarIndex:
         """Where sample ``i``'s bytes begin (the end of the one before)."""
         return self.ends[i - 1] if i else 0
 
+    def key(self, i: int) -> str:
+        return self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]]
+
+    def sample(self, i: int, data: Any, url: str, base: int = 0) -> dict[str, Any]:
+        """Sample ``i`` as the loader yields it, its fields sliced out of ``data`` (the shard's
+        bytes from offset ``base`` on: a mapping, bytes, or a view for zero-copy fields)."""
+        sample: dict[str, Any] = {"__key__": self.key(i), "__url__": url}
+        offsets, sizes = self.offsets, self.sizes
+        m = self.first[i]
+        for field in self.layouts[self.layout_of[i]]:
+            at = offsets[m] - base
+            sample[field] = data[at : at + sizes[m]]
+            m += 1
+        return sample
+
     @property
     def samples(self) -> int:
         return len(self.key_ends)

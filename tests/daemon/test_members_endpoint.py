@@ -4,7 +4,6 @@ the dataset has no member index of its own (no skipped sample read)."""
 
 from __future__ import annotations
 
-import json
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -16,7 +15,7 @@ import xxhash
 
 from loader import ShardLoader
 from loader.members import MEMBER_INDEXES, index_shard
-from tests.support.daemons import DaemonProcess
+from tests.support.daemons import Daemon, daemon_stats
 from tests.support.shards import write_manifest, write_shards
 from tests.support.waits import wait_until
 from wire.members import members_bytes, parse_members
@@ -36,17 +35,12 @@ def _members(endpoint: str, bucket: str, key: str) -> tuple[int, dict[str, str],
     return _get(endpoint, "/_shardcache/members?" + urllib.parse.urlencode({"bucket": bucket, "key": key}))
 
 
-def _stats(endpoint: str) -> dict[str, Any]:
-    return json.loads(_get(endpoint, "/_shardcache/stats")[2])
-
-
 @pytest.fixture
 def node(tmp_path: Path) -> Any:
     written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=2, per_shard=9)
     write_manifest(written)  # no member indexes of its own
     (written.root / "notatar.tar").write_bytes(b"not a tar at all" * 100)
-    proc = DaemonProcess(["--min-free", "0%", "--cache-dir", str(tmp_path / "cache"), "--cache-size", "1GiB",
-                          "--origin", f"file://{tmp_path / 'root'}"], tmp_path / "node.log", ready_path="/healthz").start()
+    proc = Daemon(tmp_path, f"file://{tmp_path / 'root'}").start()
     try:
         yield written, proc.url
     finally:
@@ -59,9 +53,9 @@ def test_the_daemon_indexes_a_shard_it_holds_and_only_then(node: Any) -> None:
     data = (written.root / key).read_bytes()
     status, _, body = _members(endpoint, "bkt", "ds/" + key)
     assert status == 404 and b"NotCached" in body
-    assert _stats(endpoint)["cache"]["items"] == 0  # asking fills nothing
+    assert daemon_stats(endpoint)["cache"]["items"] == 0  # asking fills nothing
     assert _get(endpoint, f"/bkt/ds/{key}")[2] == data
-    wait_until(lambda: _stats(endpoint)["fills_in_flight"] == 0, timeout=30, what="the fill published")
+    wait_until(lambda: daemon_stats(endpoint)["fills_in_flight"] == 0, timeout=30, what="the fill published")
     status, headers, body = _members(endpoint, "bkt", "ds/" + key)
     assert status == 200 and headers["x-shardcache-xxh3-128"] == xxhash.xxh3_128_hexdigest(data)
     table = parse_members(body, "answer")
@@ -73,7 +67,7 @@ def test_the_daemon_indexes_a_shard_it_holds_and_only_then(node: Any) -> None:
 def test_what_cannot_be_indexed_and_hostile_parameters(node: Any) -> None:
     written, endpoint = node
     assert _get(endpoint, "/bkt/ds/notatar.tar")[0] == 200
-    wait_until(lambda: _stats(endpoint)["fills_in_flight"] == 0, timeout=30, what="the fill published")
+    wait_until(lambda: daemon_stats(endpoint)["fills_in_flight"] == 0, timeout=30, what="the fill published")
     status, _, body = _members(endpoint, "bkt", "ds/notatar.tar")
     assert status == 422 and b"NotIndexable" in body
     for query in ("", "?bucket=bkt", "?key=x", "?bucket=..&key=x", "?bucket=bkt&key=../../etc/passwd",
@@ -87,7 +81,7 @@ def test_a_cached_shard_resumes_by_the_daemons_index(node: Any, monkeypatch: pyt
     MEMBER_INDEXES.clear()
     key = written.keys[0]
     full = list(ShardLoader("s3://bkt/ds/", endpoint=endpoint, shuffle=False))
-    wait_until(lambda: _stats(endpoint)["fills_in_flight"] == 0, timeout=30, what="the fills published")
+    wait_until(lambda: daemon_stats(endpoint)["fills_in_flight"] == 0, timeout=30, what="the fills published")
     per = len(written.order[key])
     loader = ShardLoader("s3://bkt/ds/", endpoint=endpoint, shuffle=False)
     state = loader.state_dict()

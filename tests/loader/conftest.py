@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from loader.members import MEMBER_INDEXES
 from tests.support.daemons import DaemonProcess
 from tests.support.masters import running_master
 from tests.support.shards import Written, write_manifest, write_shards
+
+
+@pytest.fixture(autouse=True)
+def fresh_member_indexes() -> Iterator[None]:
+    """Each test reads its own member indexes (the registry is per process, by checksum)."""
+    MEMBER_INDEXES.clear()
+    yield
+    MEMBER_INDEXES.clear()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ before. Bytes that fail their checksum are never yielded.
 
 from __future__ import annotations
 
-import json
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,21 +16,11 @@ import pytest
 
 from loader import CorruptShard, ShardLoader
 from loader.members import MEMBER_INDEXES
-from tests.support.daemons import DaemonProcess
+from tests.support.daemons import Daemon, daemon_stats
 from tests.support.shards import Written, write_manifest, write_shards
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _daemon(tmp_path: Path) -> DaemonProcess:
-    return DaemonProcess(["--min-free", "0%", "--cache-dir", str(tmp_path / "cache"), "--cache-size", "1GiB",
-                          "--origin", f"file://{tmp_path / 'root'}"], tmp_path / "node.log", ready_path="/healthz").start()
-
-
-def _stats(endpoint: str) -> dict[str, Any]:
-    with urllib.request.urlopen(endpoint + "/_shardcache/stats", timeout=10) as resp:
-        return json.load(resp)  # type: ignore[no-any-return]
 
 
 def _get(url: str, mode: str) -> tuple[int, dict[str, str], bytes]:
@@ -43,12 +32,12 @@ def _get(url: str, mode: str) -> tuple[int, dict[str, str], bytes]:
 def test_if_cached_answers_bytes_for_an_object_not_cached_and_a_path_once_it_is(tmp_path: Path) -> None:
     written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=1, per_shard=4)
     key = written.keys[0]
-    daemon = _daemon(tmp_path)
+    daemon = Daemon(tmp_path, f"file://{tmp_path / 'root'}").start()
     try:
         status, headers, body = _get(f"{daemon.url}/bkt/ds/{key}", "if-cached")
         assert status == 200 and "x-shardcache-path" not in headers
         assert body == (written.root / key).read_bytes()
-        wait_until(lambda: _stats(daemon.url)["fills_in_flight"] == 0, timeout=30, what="the fill published")
+        wait_until(lambda: daemon_stats(daemon.url)["fills_in_flight"] == 0, timeout=30, what="the fill published")
         status, headers, body = _get(f"{daemon.url}/bkt/ds/{key}", "if-cached")
         assert headers.get("x-shardcache-cache") == "hit" and body == b""
         assert Path(headers["x-shardcache-path"]).read_bytes() == (written.root / key).read_bytes()
@@ -71,10 +60,9 @@ class _Opens:
 
 
 def test_the_first_cold_shard_is_read_as_it_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    MEMBER_INDEXES.clear()
     written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=3, per_shard=6)
     write_manifest(written, members=True)
-    daemon = _daemon(tmp_path)
+    daemon = Daemon(tmp_path, f"file://{tmp_path / 'root'}").start()
     try:
         expected = [s for s in ShardLoader(f"file://{tmp_path}/root/bkt/ds/", endpoint="", shuffle=False)]
         loader = ShardLoader("s3://bkt/ds/", endpoint=daemon.url, shuffle=False)
@@ -98,14 +86,13 @@ def test_the_first_cold_shard_is_read_as_it_lands(tmp_path: Path, monkeypatch: p
 
 
 def test_a_damaged_first_shard_is_never_yielded_past_the_damage(tmp_path: Path) -> None:
-    MEMBER_INDEXES.clear()
     written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=1, per_shard=6)
     write_manifest(written, members=True)
     path = written.root / written.keys[0]
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside some sample after the first
     path.write_bytes(bytes(data))
-    daemon = _daemon(tmp_path)
+    daemon = Daemon(tmp_path, f"file://{tmp_path / 'root'}").start()
     try:
         loader = ShardLoader("s3://bkt/ds/", endpoint=daemon.url, shuffle=False)
         yielded: list[Written] = []

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,6 @@ from tests.support.waits import wait_until
 
 SHARDS, PER_SHARD, RESUME_AT = 3, 12, 8
 SLACK = 2 * 4096  # page alignment of a mapped read; the end-of-archive blocks of a stream
-
-
-@pytest.fixture(autouse=True)
-def fresh_member_indexes() -> Iterator[None]:
-    """Each test reads its own member indexes (the registry is per process, by checksum)."""
-    MEMBER_INDEXES.clear()
-    yield
-    MEMBER_INDEXES.clear()
 
 
 @pytest.fixture

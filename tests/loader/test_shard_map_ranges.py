@@ -9,7 +9,6 @@ stale or damaged member index is not used.
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,8 @@ from typing import Any
 import pytest
 
 from loader import LoaderSettings, ShardIndex
-from loader.members import MEMBER_INDEXES, members_key
-from tests.support.daemons import DaemonProcess
+from loader.members import members_key
+from tests.support.daemons import Daemon, daemon_stats
 from tests.support.shards import Written, write_manifest, write_shards
 from tests.support.waits import wait_until
 
@@ -37,28 +36,15 @@ def fields(sample: dict[str, Any]) -> dict[str, bytes]:
     return {k: bytes(v) for k, v in sample.items() if not k.startswith("__")}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_tables() -> Iterator[None]:
-    MEMBER_INDEXES.clear()
-    yield
-    MEMBER_INDEXES.clear()
-
-
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[Written, str]]:
     written = write_shards(tmp_path / "root" / "bkt" / "ds", shards=4, per_shard=9)
     write_manifest(written, members=True)
-    proc = DaemonProcess(["--min-free", "0%", "--cache-dir", str(tmp_path / "cache"), "--cache-size", "1GiB",
-                          "--origin", f"file://{tmp_path / 'root'}"], tmp_path / "node.log", ready_path="/healthz").start()
+    proc = Daemon(tmp_path, f"file://{tmp_path / 'root'}").start()
     try:
         yield written, proc.url
     finally:
         proc.stop()
-
-
-def _stats(endpoint: str) -> dict[str, Any]:
-    with urllib.request.urlopen(endpoint + "/_shardcache/stats", timeout=10) as resp:
-        return json.load(resp)
 
 
 class _Counting:
@@ -123,7 +109,7 @@ def test_a_shard_cached_whole_is_then_mapped(node: tuple[Written, str], monkeypa
     index = ShardIndex("s3://bkt/ds/", endpoint=endpoint)
     counting = _Counting(index, monkeypatch)
     index.sample(0)
-    wait_until(lambda: _stats(endpoint)["cache"]["items"] >= 1 and int(_stats(endpoint)["fills_in_flight"]) == 0,
+    wait_until(lambda: daemon_stats(endpoint)["cache"]["items"] >= 1 and int(daemon_stats(endpoint)["fills_in_flight"]) == 0,
                timeout=30, what="the shard cached")
     index.sample(1)  # answered from the cache: "hit", so the shard is opened whole next
     index.sample(2)
@@ -145,8 +131,7 @@ def test_bytes_failing_their_checksum_are_never_returned(tmp_path: Path, monkeyp
     data = bytearray(path.read_bytes())
     data[600] ^= 0xFF  # inside the first sample's first member
     path.write_bytes(bytes(data))
-    proc = DaemonProcess(["--min-free", "0%", "--cache-dir", str(tmp_path / "cache"), "--cache-size", "1GiB",
-                          "--origin", f"file://{tmp_path / 'root'}"], tmp_path / "node.log", ready_path="/healthz").start()
+    proc = Daemon(tmp_path, f"file://{tmp_path / 'root'}").start()
     try:
         index = ShardIndex("s3://bkt/ds/", endpoint=proc.url, settings=LoaderSettings(short_circuit=False))
         with pytest.raises(CorruptShard):
@@ -177,8 +162,7 @@ def test_a_member_index_that_cannot_be_used_is_not(tmp_path: Path, monkeypatch: 
         doc.write_bytes(bytes(raw))
     else:
         doc.unlink()
-    proc = DaemonProcess(["--min-free", "0%", "--cache-dir", str(tmp_path / "cache"), "--cache-size", "1GiB",
-                          "--origin", f"file://{tmp_path / 'root'}"], tmp_path / "node.log", ready_path="/healthz").start()
+    proc = Daemon(tmp_path, f"file://{tmp_path / 'root'}").start()
     try:
         index = ShardIndex("s3://bkt/ds/", endpoint=proc.url, settings=LoaderSettings(short_circuit=False))
         counting = _Counting(index, monkeypatch)

@@ -35,6 +35,7 @@ __all__ = [
     "make_settings",
     "replace_fetch",
     "http_get",
+    "daemon_stats",
 ]
 
 FAST_RETRY = FetchSettings(retries=3, backoff_base_s=0.01, backoff_max_s=0.05, part_size=1024 * 1024)
@@ -168,3 +169,11 @@ def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 2
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def daemon_stats(url: str) -> dict[str, Any]:
+    """A daemon's ``/_shardcache/stats`` at ``url``."""
+    status, body = http_get(url + "/_shardcache/stats")
+    assert status == 200, (status, body[:300])
+    stats: dict[str, Any] = json.loads(body)
+    return stats
