@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "one request to 85-90 MB/s); default: the link's rate only")
     parser.add_argument("--store", choices=STORES, default="moto",
                         help="S3 server behind the proxy: moto (RAM) or s3rver (files; needs node and npm)")
+    parser.add_argument("--stock-moto", action="store_true",
+                        help="moto as released (every GET copies the whole object, so a ranged GET costs a whole "
+                             "object); default: ranges cost the range, as on S3 (bench.servers.S3_LIKE_MOTO)")
     parser.add_argument("--trainer-rate", type=float, default=1000.0,
                         help="samples/s the simulated trainer consumes (default 1000)")
     parser.add_argument("--stall-seconds", type=float, default=None,
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = SuiteConfig(
         size=size, shard_bytes=shard, delay_ms=args.delay_ms, stream_mbps=args.stream_mbps,
-        far_host_mbps=args.far_host_mbps, far_host_flow_mbps=args.far_host_flow_mbps, store=args.store,
+        far_host_mbps=args.far_host_mbps, far_host_flow_mbps=args.far_host_flow_mbps, store=args.store, stock_moto=args.stock_moto,
         trainer_rate=args.trainer_rate,
         stall_cap_s=args.stall_seconds if args.stall_seconds is not None else (2.0 if args.smoke else 10.0),
         upload_checksum=args.upload_checksum, seed=args.seed, smoke=args.smoke, readers=tuple(args.readers.split(",")) if args.readers else None,

@@ -53,7 +53,10 @@ def markdown_table(result: dict[str, Any], chart: str | None) -> str:
         "",
         f"Dataset: {ds['shards']} WebDataset shards, {ds['bytes'] / 2**30:.2f} GiB, {ds['samples']} samples "
         f"(mean {ds['mean_sample_bytes'] / 1000:.0f} KB), "
-        f"on {'an s3rver' if cfg.get('store') == 's3rver' else 'a moto'} S3 server behind a proxy adding "
+        f"on {'an s3rver' if cfg.get('store') == 's3rver' else 'a moto'} S3 server"
+        + ("" if cfg.get("store") == "s3rver" else " (stock: every GET copies the whole object)" if cfg.get("stock_moto", True)
+           else " (a ranged GET costs the range, as on S3)")
+        + " behind a proxy adding "
         f"{cfg['delay_ms']:g} ms per request" + (f" and {cfg['stream_mbps']:g} MB/s per connection" if cfg.get("stream_mbps") else "")
         + f"; shards uploaded with {_checksum_words(cfg.get('upload_checksum'))}"
         + f". Simulated trainer: {cfg['trainer_rate']:g} samples/s.",

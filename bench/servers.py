@@ -167,6 +167,50 @@ class S3Server(ServerProcess):
         return s3_client(self.endpoint, max_pool)
 
 
+S3_LIKE_MOTO = """
+import sys
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication
+from moto.s3.models import FakeKey
+
+_call = DomainDispatcherApplication.__call__
+
+def _checksum_mode_upper(self, environ, start_response):
+    mode = environ.get("HTTP_X_AMZ_CHECKSUM_MODE")
+    if mode:
+        environ["HTTP_X_AMZ_CHECKSUM_MODE"] = mode.upper()
+    return _call(self, environ, start_response)
+
+DomainDispatcherApplication.__call__ = _checksum_mode_upper
+
+_get, _set = FakeKey.value.fget, FakeKey.value.fset
+
+def _cached_value(self):
+    value = self.__dict__.get("_bench_value")
+    if value is None:
+        value = self.__dict__["_bench_value"] = _get(self)
+    return value
+
+def _set_value(self, new_value):
+    self.__dict__.pop("_bench_value", None)
+    _set(self, new_value)
+
+FakeKey.value = property(_cached_value, _set_value)
+
+import moto.server
+moto.server.main(sys.argv[1:])
+"""
+"""``moto.server`` (5.x) with two differences from S3 removed, the same for every reader:
+
+- moto copies an object's whole bytes out of its buffer for every GET, ranged or not, so each
+  part of a download in parallel ranges (s3torchconnector's, the daemon's split fills and direct
+  ranges, awscrt's) costs it a whole object: 8x the bytes for 64 MiB objects in 8 MiB parts, on
+  the cores the readers use. Here each object's bytes are read once and kept as one immutable
+  bytes object (moto then holds them twice), and a range costs the range, as on S3.
+- moto answers a checksum only when ``x-amz-checksum-mode`` is exactly ``ENABLED``; awscrt sends
+  ``enabled``, which S3 accepts. The value is upper-cased before moto reads it.
+"""
+
+
 class MotoServer(S3Server):
     """A moto S3 server in its own process, holding every object in memory.
 
@@ -175,15 +219,19 @@ class MotoServer(S3Server):
 
     name = "moto server"
 
-    def __init__(self, workdir: Path, in_memory: bool = True) -> None:
+    def __init__(self, workdir: Path, in_memory: bool = True, s3_like: bool = False) -> None:
         super().__init__(workdir / "moto.log")
         self.in_memory = in_memory
+        self.s3_like = s3_like
+        """Patch moto where it differs from S3 in what the benchmarks measure (:data:`S3_LIKE_MOTO`)."""
 
     def module(self) -> str:
         """The module run as the server (a drop-in for ``moto.server`` may take its place)."""
         return "moto.server"
 
     def command(self) -> list[str]:
+        if self.s3_like and self.module() == "moto.server":
+            return [sys.executable, "-c", S3_LIKE_MOTO, "-H", self.host, "-p", str(self.port)]
         return [sys.executable, "-m", self.module(), "-H", self.host, "-p", str(self.port)]
 
     def env(self) -> dict[str, str] | None:
@@ -233,10 +281,11 @@ class S3rverServer(S3Server):
 STORES = ("moto", "s3rver")
 
 
-def store_server(kind: str, workdir: Path) -> S3Server:
-    """The S3 server a benchmark reads from: ``moto`` (objects in RAM) or ``s3rver`` (in files)."""
+def store_server(kind: str, workdir: Path, s3_like: bool = False) -> S3Server:
+    """The S3 server a benchmark reads from: ``moto`` (objects in RAM; ``s3_like``: with
+    :data:`S3_LIKE_MOTO`'s patches) or ``s3rver`` (in files)."""
     if kind == "moto":
-        return MotoServer(workdir)
+        return MotoServer(workdir, s3_like=s3_like)
     if kind == "s3rver":
         return S3rverServer(workdir)
     raise ValueError(f"unknown store {kind!r}; known: {', '.join(STORES)}")

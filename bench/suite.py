@@ -110,6 +110,10 @@ class SuiteConfig:
     store: str = "moto"
     """The S3 server behind the proxy: ``moto`` (objects in RAM) or ``s3rver`` (objects in files,
     ranges streamed from them; see ``bench.servers.S3rverServer``)."""
+    stock_moto: bool = False
+    """moto as released: every GET copies the whole object, so each ranged GET costs it a whole
+    object. False (the default since 2026-12-06): ``bench.servers.S3_LIKE_MOTO``, a range costs the
+    range as on S3 (runs before then used stock moto)."""
     trainer_rate: float = 1000.0
     """Samples/s the simulated trainer consumes (ResNet-50 on one modern GPU: ~1,000-3,000)."""
     stall_cap_s: float = 10.0
@@ -407,6 +411,9 @@ def scenario(cfg: SuiteConfig) -> str:
 def origin_description(cfg: SuiteConfig) -> str:
     """The store and the path to it, in words (results JSON and the markdown's dataset line)."""
     store = STORE_DESCRIPTIONS[cfg.store]
+    if cfg.store == "moto":
+        store += (", stock: every GET copies the whole object" if cfg.stock_moto
+                  else ", a ranged GET costing the range as on S3 (bench.servers.S3_LIKE_MOTO)")
     proxy = (f"bench.latency_proxy ({cfg.delay_ms:g} ms per request"
              + (f", {cfg.stream_mbps:g} MB/s per connection" if cfg.stream_mbps else "") + ")")
     if not cfg.far_host_mbps:
@@ -487,7 +494,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
     try:
         # Stopped in reverse: the proxy, then the store, then the far host it ran on.
         with contextlib.ExitStack() as stack:
-            store = store_server(cfg.store, workdir)
+            store = store_server(cfg.store, workdir, s3_like=not cfg.stock_moto)
             far = None
             if cfg.far_host_mbps:
                 far = stack.enter_context(FarHost(cfg.far_host_mbps, flow_mbps=cfg.far_host_flow_mbps))
