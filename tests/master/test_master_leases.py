@@ -11,9 +11,11 @@ every shard is done or failed. The log of accepted events, replayed into a fresh
 rebuild the same state (that is how the stores recover), as must a snapshot round trip.
 
 Jobs draw a ``locality_window`` (0: the plain order; >0: cache-aware leases) and trainers sit on
-nodes of a ring that changes (Placement events): exactly-once must hold with any window, the order
-may move by less than the window, and a master that never restarted must choose exactly as one
-rebuilt from snapshots (the window's index is derived state, rebuilt on restore).
+nodes of a ring that changes (Placement events), while node daemons report what they cache (full
+or delta Holdings events, from any node, naming shards or nothing): exactly-once must hold with
+any window, the order may move by less than the window, and a master that never restarted must
+choose exactly as one rebuilt from snapshots (the window's index is derived state, rebuilt on
+restore).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from loader.master.server.events import (
     CreateJob,
     Event,
     Fail,
+    Holdings,
     Lease,
     Placement,
     Release,
@@ -42,6 +45,7 @@ from loader.master.server.events import (
 )
 from loader.master.server.spec import JobSpec, ShardSpec
 from loader.master.server.state import MAX_COUNT, MAX_OPEN_EPOCHS, OPEN_SLACK, MasterState
+from wire.nodeplan import name_hash
 
 TRAINERS = ("t0", "t1", "t2")
 NODE_OF = {"t0": "n0", "t1": "n1", "t2": "n0"}
@@ -377,6 +381,21 @@ class LeaseMachine(RuleBasedStateMachine):
         """The cluster cache's membership moves: only where shards are preferred changes."""
         _, err, _ = self.apply(Placement(tuple(sorted(members))))
         assert err is None
+
+    @rule(
+        node=st.sampled_from(["n0", "n1", "n2", "n9"]),
+        full=st.booleans(),
+        held=st.sets(st.integers(min_value=0, max_value=9), max_size=6),
+        dropped=st.sets(st.integers(min_value=0, max_value=9), max_size=4),
+    )
+    def node_reports(self, node: str, full: bool, held: set[int], dropped: set[int]) -> None:
+        """A node's daemon reports what it caches (a full report or a delta; numbers past the
+        job's shards name no shard of it): only which shard a lease prefers may change."""
+        def hashes(shards: set[int]) -> tuple[int, ...]:
+            return tuple(name_hash("b", f"p/k{i}") for i in sorted(shards))
+
+        _, err, _ = self.apply(Holdings(node, full, hashes(held), () if full else hashes(dropped)))
+        assert err is None, err
 
     @rule()
     def master_restarts(self) -> None:

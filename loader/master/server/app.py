@@ -28,7 +28,7 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from loader.master.errors import BadRequest, BodyTooLarge, LeaseLost, MasterError, NotLeaseHolder
+from loader.master.errors import BadRequest, BodyTooLarge, Forbidden, LeaseLost, MasterError, NotLeaseHolder
 from loader.master.protocol import (
     CHECKPOINT_FEATURE,
     COMPLETE_FIELDS,
@@ -47,8 +47,9 @@ from loader.master.server.settings import MasterSettings, listen_address
 from loader.master.server.spec import check_ident, check_int
 from loader.master.server.state import MAX_COUNT, MAX_LEASE_WAIT_S, validate_job_name, validate_lease_id
 from wire import errors as wire_errors
+from wire.nodeplan import MAX_REPORT_BYTES, NodeReport, parse_report
 from wire.stall import WAIT_FEATURE, WaitReport, validate_wait
-from wire.web import ConnectionGuard, GuardedSite, error_middleware, http_code, read_json_object
+from wire.web import ConnectionGuard, GuardedSite, decode_json_object, error_middleware, http_code, read_body, read_json_object
 
 __all__ = ["build_app", "serve", "run_forever", "tune_allocator", "trim_allocator", "SERVICE_KEY", "SETTINGS_KEY"]
 
@@ -430,6 +431,36 @@ async def rewind(request: web.Request) -> web.Response:
     )
 
 
+# A report body larger than this is decoded and checked on a thread (a full report of 100,000
+# objects is ~1 MB of base64: ~5 ms to decode).
+_REPORT_INLINE_BYTES = 256 * 1024
+
+
+def _read_report(raw: bytes) -> NodeReport:
+    return parse_report(decode_json_object(raw, "a shardcache-node-report-v1 document"))
+
+
+async def node_report(request: web.Request) -> web.Response:
+    """``POST /v1/nodes/{node}/report``: a node daemon's report (``wire/nodeplan.py``), answered with
+    the node's plan. The operator's call only (daemons report with its token); checked before
+    the body is read: a standby answers ``NotLeader`` as for every write."""
+    service = _service(request)
+    try:
+        if not caller_of(request).operator:
+            raise Forbidden("only the operator reports node holdings: start the node daemons with the master's "
+                            "--token-file token, not a tenant's")
+        node = check_ident(request.match_info["node"], "node")
+        service.require_state()
+        raw = await read_body(request, MAX_REPORT_BYTES, "a node report holds at most 4,000,000 hashes a list")
+        report = await asyncio.to_thread(_read_report, raw) if len(raw) > _REPORT_INLINE_BYTES else _read_report(raw)
+        del raw
+        plan = await service.node_report(node, report)
+    except (MasterError, wire_errors.WireError):
+        service.metrics.node_reports.labels("refused").inc()
+        raise
+    return _json(plan.to_json())
+
+
 def _package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -519,6 +550,7 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     app.router.add_get("/v1/version", api_version)
     app.router.add_get("/v1/leader", leader)
     app.router.add_get("/v1/cluster", cluster)
+    app.router.add_post("/v1/nodes/{node}/report", node_report)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -10,10 +10,11 @@ an older master replays as it did there.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loader.master.server.spec import JobSpec
+from wire.nodeplan import pack_hashes, unpack_hashes
 
 __all__ = [
     "CreateJob",
@@ -26,6 +27,7 @@ __all__ = [
     "Resume",
     "DeleteJob",
     "Placement",
+    "Holdings",
     "Mark",
     "Rewind",
     "Event",
@@ -121,6 +123,25 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Holdings:
+    """What a node's daemon reported it caches (``POST /v1/nodes/{node}/report``), as the hashes
+    of the objects' names (``wire.nodeplan.name_hash``). ``full``: ``held`` is everything the node
+    holds (the node is first cleared from every job's holder table); else a delta: ``held`` were
+    cached and ``dropped`` evicted since the report before (an object in both is held). Windowed
+    jobs take each shard named as held by ``node`` (locality.py's holder), so leases prefer it
+    there. The service keeps only the hashes that name a shard of some such job."""
+
+    node: str
+    full: bool
+    held: tuple[int, ...]
+    dropped: tuple[int, ...] = ()
+    resolved: Any = field(default=None, compare=False, repr=False)
+    """Not journaled, a shortcut only: the shards the service already found for these hashes off
+    the event loop (holdings.Resolution.hint), taken for a job whose spec is the very one it was
+    found for; replay finds them again, the same."""
+
+
+@dataclass(frozen=True)
 class Mark:
     """A checkpoint (``state_dict()``): ``trainer``'s loop had received each held lease up to its
     offset at clock ``clock``; the job's mark at that clock is made or joined (marks.py)."""
@@ -145,7 +166,7 @@ class Rewind:
     """The job's creation time the state recorded: a namesake job created since refuses it."""
 
 
-Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob | Placement | Mark | Rewind
+Event = CreateJob | Lease | Renew | Complete | Fail | Release | Resume | DeleteJob | Placement | Holdings | Mark | Rewind
 
 
 def event_to_json(event: Event) -> dict[str, Any]:
@@ -176,6 +197,10 @@ def event_to_json(event: Event) -> dict[str, Any]:
         return {"t": "delete", "job": event.job, "force": event.force}
     if isinstance(event, Placement):
         return {"t": "placement", "members": [list(m) for m in event.members]}
+    if isinstance(event, Holdings):
+        # Packed (8 bytes a hash, base64): a full report of 100,000 objects is a 1 MB record.
+        return {"t": "holdings", "node": event.node, "full": event.full, "held": pack_hashes(event.held),
+                "dropped": pack_hashes(event.dropped)}
     raise TypeError(f"not an event: {event!r}")
 
 
@@ -230,4 +255,7 @@ def event_from_json(raw: dict[str, Any]) -> Event:
         return DeleteJob(raw["job"], bool(raw["force"]))
     if kind == "placement":
         return Placement(tuple((str(m), str(n)) for m, n in raw["members"]))
+    if kind == "holdings":
+        return Holdings(str(raw["node"]), bool(raw["full"]), tuple(unpack_hashes(raw["held"], "holdings.held")),
+                        tuple(unpack_hashes(raw["dropped"], "holdings.dropped")))
     raise ValueError(f"unknown event type {kind!r}")

@@ -47,6 +47,19 @@ class _JobCollector(Collector):
             "Mean distance, in positions, between a shard's place in the seeded order and when it was handed out "
             "(the newest epoch)", labels=["job"],
         )
+        # The node daemons' reads for the job (their reports' counters, summed over nodes; never
+        # down: a restarted daemon's earlier counts are kept, a node gone quiet stays counted).
+        # Labels job and source only, never node: a thousand nodes are not a thousand series.
+        cache_bytes = CounterMetricFamily(
+            "shardcache_master_job_cache_bytes",
+            "Bytes the node daemons served to the job's readers, by source: hit (from the node's cache), origin "
+            "(the object store), peer (another node's cache), prefetch (filled ahead on the master's plan)",
+            labels=["job", "source"],
+        )
+        hit_ratio = GaugeMetricFamily(
+            "shardcache_master_job_cache_hit_ratio",
+            "Share of the job's bytes read from the nodes' caches: hit / (hit + origin + peer)", labels=["job"],
+        )
         rho = GaugeMetricFamily(
             "shardcache_master_job_order_spearman",
             "Rank correlation of the handed-out order with the seeded order (the newest epoch; 1: unchanged)",
@@ -71,7 +84,14 @@ class _JobCollector(Collector):
                     moved.add_metric([name], newest["mean_displacement"])
                 if newest is not None and newest["spearman"] is not None:
                     rho.add_metric([name], newest["spearman"])
-        yield from (placed, local, moved, rho)
+            cache = status.get("cache")
+            if cache:
+                totals = cache["totals"]
+                for source in ("hit", "origin", "peer", "prefetch"):
+                    cache_bytes.add_metric([name, source], totals[f"{source}_bytes"])
+                if totals["hit_rate"] is not None:
+                    hit_ratio.add_metric([name], totals["hit_rate"])
+        yield from (placed, local, moved, rho, cache_bytes, hit_ratio)
         yield shards
         yield epoch
         yield rate
@@ -142,6 +162,14 @@ class MasterMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=self.registry,
         )
         self.leader = Gauge("shardcache_master_leader", "1 while this master leads and serves", registry=self.registry)
+        self.node_reports = Counter(
+            "shardcache_master_node_reports_total",
+            "Node daemons' reports (POST /v1/nodes/{node}/report) by outcome: applied, resend (a delta the master "
+            "could not apply: a full report asked for), refused (a 4xx or 503 answer)",
+            ["outcome"], registry=self.registry,
+        )
+        for outcome in ("applied", "resend", "refused"):
+            self.node_reports.labels(outcome)
         self.store_failures = Counter(
             "shardcache_master_store_failures_total", "State store writes that failed", registry=self.registry
         )

@@ -25,14 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 from loader.master.errors import Forbidden, MasterError, NotLeader, StateError, TooManyJobs
 from loader.master.server.auth import OPERATOR, Caller
-from loader.master.server.events import CreateJob, Event, Resume, create_head, event_from_json, event_to_text
+from loader.master.server.events import CreateJob, Event, Holdings, Resume, create_head, event_from_json, event_to_text
+from loader.master.server.holdings import TRAINER_RECENT_S, NodeBook, Planner, plan_interval, resolve_report
 from loader.master.server.journal import Journal, Store
 from loader.master.server.metrics import MasterMetrics
 from loader.master.server.settings import MasterSettings, parse_state
 from loader.master.server.spec import JobSpec, ShardTable, read_log_spec
 from loader.master.server.spec_stream import SpecStream, read_spec
-from loader.master.server.state import MasterState, Result
+from loader.master.server.state import JobState, MasterState, Result
 from loader.master.server.wait import JobWaits, WaitTotals
+from wire.nodeplan import NodePlan, NodeReport
 from wire.retry import Backoff
 from wire.stall import WaitReport
 
@@ -51,6 +53,12 @@ _INLINE_BODY_BYTES = 64 * 1024
 _GATED_BODY_BYTES = 1024 * 1024
 # Reloading the state after a store failure: until it works or the role changes.
 _RECOVER_BACKOFF = Backoff(initial_s=0.1, max_s=5.0)
+# A node report with more hashes than this, or naming a job whose hash index is still to build
+# and holds more shards than that, is resolved on a thread (~1 µs a hash and job; ~2.5 µs a shard).
+_INLINE_HASHES = 4096
+_INLINE_INDEX_SHARDS = 4096
+# Jobs with more live leases than this find their trainers' nodes from presence alone.
+_LEASES_SCANNED = 50_000
 
 
 class _Rate:
@@ -107,6 +115,12 @@ class MasterService:
         # job -> an event set (and dropped) at the job's next change: what long-polling lease
         # requests wait on instead of the client sleeping a fixed retry interval.
         self._changes: dict[str, asyncio.Event] = {}
+        # What node daemons reported (holdings.py): the bookkeeping of their reports, and their
+        # plans' layouts. In memory only: a new master asks every node for a full report.
+        self.nodes = NodeBook()
+        self.planner = Planner()
+        self._report_locks: dict[str, asyncio.Lock] = {}
+        self._trainer_nodes_cache: dict[str, tuple[JobState, float, dict[str, set[str]]]] = {}
         self.placement: PlacementPoller | None = None
         if settings.cluster:
             from loader.master.server.placement import PlacementPoller
@@ -253,6 +267,8 @@ class MasterService:
     def _drop_state(self, role: str, reason: BaseException) -> None:
         self.role = role
         self.state = None
+        self.nodes.lost_state()
+        self._trainer_nodes_cache.clear()
         self.metrics.leader.set(0)
         if self._journal is not None:
             self._journal.abort(reason if isinstance(reason, MasterError) else StateError(str(reason)))
@@ -359,14 +375,75 @@ class MasterService:
             await asyncio.wait_for(changed.wait(), timeout_s)
 
     def forget(self, job: str) -> None:
-        """Drop what the service keeps of a deleted job in memory (presence, rate, waits)."""
+        """Drop what the service keeps of a deleted job in memory (presence, rate, waits, what
+        nodes hold of it and their plans' layouts)."""
         self._presence.pop(job, None)
         self._rates.pop(job, None)
         self._waits.pop(job, None)
+        self._trainer_nodes_cache.pop(job, None)
+        self.nodes.forget_job(job)
+        self.planner.forget(job)
+
+    # -- node daemons' reports (holdings.py) --
+
+    async def node_report(self, node: str, report: NodeReport) -> NodePlan:
+        """Take a node daemon's report (checked: ``wire.nodeplan.parse_report``) and answer its
+        plan. The holdings it changes are journaled (a ``Holdings`` event) before the answer; the
+        rest is memory. A delta the master cannot apply is answered ``resend: "full"``, nothing
+        taken of it but its counters. One report of a node at a time."""
+        lock = self._report_locks.get(node)
+        if lock is None:
+            lock = self._report_locks[node] = asyncio.Lock()
+        async with lock:
+            state = self.require_state()
+            now = self.clock()
+            book = self.nodes
+            rec = book.take(node, report, now)
+            if len(self._report_locks) > 2 * len(book.records) + 64:  # nodes forgotten (RECORD_KEEP_S)
+                for name in [n for n, held in self._report_locks.items() if not held.locked() and n not in book.records]:
+                    del self._report_locks[name]
+            windowed = [(name, job.spec, job.created_at, job.locality) for name, job in state.jobs.items()
+                        if job.locality is not None and job.locality.names is not None]
+            key = frozenset((name, created) for name, _, created, _ in windowed)
+            interval = plan_interval(book.reporting(now))
+            if book.needs_full(rec, report, key):
+                self.metrics.node_reports.labels("resend").inc()
+                return NodePlan(report.seq, resend="full", interval_s=interval)
+            heavy = len(report.held) + len(report.dropped) > _INLINE_HASHES or any(
+                loc.index is None and len(spec.shards) > _INLINE_INDEX_SHARDS for _, spec, _, loc in windowed
+            )
+            resolution = await asyncio.to_thread(resolve_report, windowed, report) if heavy else resolve_report(windowed, report)
+            if report.full or resolution.held or resolution.dropped:
+                event = Holdings(node, report.full, tuple(resolution.held), tuple(resolution.dropped), resolution.hint())
+                await self.submit(event, OPERATOR)
+            state = self.require_state()
+            book.applied(rec, report, resolution, key, now)
+            self.metrics.node_reports.labels("applied").inc()
+            trainers = {name: self._trainer_nodes(name, state.jobs[name], now) for name, *_ in windowed if name in state.jobs}
+            return self.planner.plan(state, rec, report.seq, trainers, interval)
+
+    def _trainer_nodes(self, name: str, job: JobState, now: float) -> dict[str, set[str]]:
+        """node -> the job's trainers on it: holding a live lease leased from it, or seen within
+        TRAINER_RECENT_S after leasing from it (presence). Cached for a second."""
+        cached = self._trainer_nodes_cache.get(name)
+        if cached is not None and cached[0] is job and 0.0 <= now - cached[1] < 1.0:
+            return cached[2]
+        out: dict[str, set[str]] = {}
+        for trainer, (node, seen) in self._presence.get(name, {}).items():
+            if node and now - seen <= TRAINER_RECENT_S:
+                out.setdefault(node, set()).add(trainer)
+        if len(job.leases) <= _LEASES_SCANNED:
+            for rec in job.leases.values():
+                if rec.node and rec.expires_at > now:
+                    out.setdefault(rec.node, set()).add(rec.trainer)
+        self._trainer_nodes_cache[name] = (job, now, out)
+        return out
 
     def note(self, job: str, trainer: str | None, node: str | None, progress: int = 0) -> None:
         """Trainer presence and throughput for the status (in memory only)."""
         if trainer is not None:
+            if node is not None and node:
+                self._trainer_nodes_cache.pop(job, None)  # a lease: where the job's trainers are may have changed
             seen = self._presence.setdefault(job, {})
             old = seen.get(trainer)
             seen[trainer] = (node if node is not None else (old[0] if old else ""), self.clock())
@@ -497,6 +574,14 @@ class MasterService:
         rate = self._rates.get(name)
         out["samples_per_s"] = rate.per_s() if rate else 0.0
         out["wait"] = waits.job(now)
+        job = state.jobs[name]
+        windowed = job.locality is not None and job.locality.names is not None
+
+        def wait_of(trainer: str) -> float | None:
+            report = waits.trainer(trainer, now)
+            return report["fraction_60s"] if report is not None else None
+
+        out["cache"] = self.nodes.view(name, now, windowed, self._trainer_nodes(name, job, now), wait_of)
         if out.get("locality") is not None:
             out["locality"]["ring"]["source"] = self.placement.status() if self.placement is not None else None
         return out

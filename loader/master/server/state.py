@@ -39,8 +39,9 @@ import heapq
 import json
 import math
 import re
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from loader.master.server.events import (
     DeleteJob,
     Event,
     Fail,
+    Holdings,
     Lease,
     Mark,
     Placement,
@@ -60,12 +62,11 @@ from loader.master.server.events import (
     Resume,
     Rewind,
 )
-from loader.master.server.locality import MAX_MEMBERS, STEP, JobLocality, Ring, Window
+from loader.master.server.locality import MAX_MEMBERS, STEP, JobLocality, Readers, Ring, ShardIndex, Window, job_index, s3_location
 from loader.master.server.marks import JobMarks
 from loader.master.server.snapshots import Snapshot, document, read_document, read_text, write_text
 from loader.master.server.spec import JobSpec, check_ident, check_int, spec_diff, validate_job_name
-from wire.dataset import parse_dataset_url
-from wire.errors import InvalidName
+from wire.nodeplan import MAX_HASHES
 from wire.shuffle import EpochOrder
 
 __all__ = [
@@ -302,8 +303,8 @@ class EpochState:
             win.push(reader, position)
 
     def note_reader(self, shard: int, node: str) -> None:
-        """``shard`` is now cached on ``node`` (completed there in another epoch): if it waits in
-        this epoch's window, index it for ``node`` too."""
+        """``shard`` is now cached on ``node`` (reported held there, or completed there in another
+        epoch): if it waits in this epoch's window, index it for ``node`` too."""
         win = self.window
         if win is None or self.cursor >= self.n:
             return
@@ -594,6 +595,8 @@ class MasterState:
             result = self._resume(event, now)
         elif isinstance(event, Placement):
             result = self._placement(event)
+        elif isinstance(event, Holdings):
+            result = self._holdings(event)
         else:
             job = self.job(event.job)
             if isinstance(event, Lease):
@@ -689,6 +692,25 @@ class MasterState:
                         ep.window.reset()  # owners moved: the index is rebuilt on the next lease
         answer = {"version": self.ring.version, "members": len(self.ring.node_of), "changed": changed}
         return Result(answer, mutated=changed)
+
+    def _holdings(self, event: Holdings) -> Result:
+        """A node's reported holdings (holdings.py): the holder of each shard named, in every
+        windowed job. Sweeps nothing, as a placement: it changes no lease."""
+        check_ident(event.node, "node")
+        if not isinstance(event.full, bool):
+            raise BadRequest("'full' must be true or false")
+        for what, hashes in (("held", event.held), ("dropped", event.dropped)):
+            if not isinstance(hashes, tuple) or len(hashes) > MAX_HASHES:
+                raise BadRequest(f"'{what}' lists at most {MAX_HASHES} hashes")
+            try:
+                array("Q", hashes)  # every one an unsigned 64-bit integer, checked at C speed
+            except (TypeError, OverflowError):
+                raise BadRequest(f"'{what}' holds 64-bit unsigned integers only") from None
+        if event.full and event.dropped:
+            raise BadRequest("a full report drops nothing")
+        # -- mutation --
+        changed = apply_holdings(self.jobs.values(), event)
+        return Result({"changed": changed}, mutated=changed > 0)
 
     @staticmethod
     def _pool(job: JobState, epoch: int | None) -> EpochState | None:
@@ -1116,16 +1138,82 @@ class MasterState:
         return state
 
 
+# -- holdings as state (reported by daemons: holdings.py) ------------------------------------------------------------------------------
+
+
+_SMALL_HOLDINGS = 64
+"""Past this many new holders in one report, an open window's index is rebuilt at its next lease
+instead of noted shard by shard (the same choice either way)."""
+
+
+def _shards(index: ShardIndex, hashes: Iterable[int]) -> list[int]:
+    find = index.find
+    return [s for s in (find(h) for h in hashes) if s >= 0]
+
+
+def apply_holdings(jobs: Iterable[JobState], ev: Holdings) -> int:
+    """Apply a validated ``Holdings`` event to every windowed job the daemons can name; the
+    number of holder entries changed (0: nothing changed, nothing to journal). Per job O(reported)
+    binary searches (skipped with the service's ``resolved`` shortcut), plus O(shards) once for a
+    full report (its node's old entries)."""
+    hint = ev.resolved if isinstance(ev.resolved, dict) else {}
+    changed = 0
+    for job in jobs:
+        loc = job.locality
+        if loc is None or loc.names is None:
+            continue
+        found = hint.get(job.spec.name)
+        if found is not None and found[0] is job.spec:
+            held, dropped = found[1], found[2]
+        else:
+            index = job_index(loc, job.spec)
+            if index is None:
+                continue
+            held, dropped = _shards(index, ev.held), _shards(index, ev.dropped)
+        changed += _apply_job(job, loc.readers, ev.node, ev.full, held, dropped)
+    return changed
+
+
+def _apply_job(job: JobState, readers: Readers, node: str, full: bool, held: list[int], dropped: list[int]) -> int:
+    changed = 0
+    if full:
+        keep = set(held)
+        for shard in readers.shards_of(node):
+            if shard not in keep:
+                changed += readers.clear(shard)
+    else:
+        for shard in dropped:
+            if readers.get(shard) == node:
+                changed += readers.clear(shard)
+    noted: list[int] = []
+    for shard in held:
+        if readers.set(shard, node):
+            changed += 1
+            noted.append(shard)
+    if noted:
+        # A shard that now has a holder and waits in an open window must be in the window's
+        # index for that node (so the next lease of a trainer there finds it). Each costs a
+        # seeded-order inverse per open epoch; past a few, rebuilding the windows' indexes at
+        # their next lease is cheaper. Either way the index holds every local position, and a
+        # lease takes the smallest of those, so the choice is the same.
+        for ep in job.open.values():
+            if ep.window is None:
+                continue
+            if len(noted) <= _SMALL_HOLDINGS:
+                for shard in noted:
+                    ep.note_reader(shard, node)
+            else:
+                ep.window.reset()
+    return changed
+
+
 def _object_names(spec: JobSpec) -> Callable[[int], str] | None:
     """How the daemons name a job's shards for the ring (``bucket/prefix+key``); None for a
     dataset they cannot place by name (``file://``)."""
-    try:
-        url = parse_dataset_url(spec.dataset)
-    except InvalidName:
+    where = s3_location(spec.dataset)
+    if where is None:
         return None
-    if url.scheme != "s3":
-        return None
-    base, shards = f"{url.bucket}/{url.prefix}", spec.shards
+    base, shards = f"{where[0]}/{where[1]}", spec.shards
     return lambda shard: base + shards[shard].key
 
 

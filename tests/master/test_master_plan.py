@@ -1,0 +1,269 @@
+"""The plan a node's report is answered with (loader/master/server/holdings.py): each node is asked
+to prefetch the shards assigned to it (rendezvous over the job's trainer nodes, or the ring
+owner's node) and keep the shards it holds, the soonest needed first, as many as its capacity
+holds; checked against a naive reference that walks the seeded orders itself. Also the cost of a
+plan at 1,000 nodes and 100,000 shards (slow tier)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from array import array
+from typing import Any
+
+import pytest
+
+from loader.master.server.events import Complete, CreateJob, Holdings, Lease, Placement
+from loader.master.server.holdings import NodeBook, NodeRecord, Planner, plan_interval, resolve_report
+from loader.master.server.spec import JobSpec, ShardSpec
+from loader.master.server.state import MasterState
+from wire.nodeplan import MAX_PREFETCH, NodePlan, NodeReport, name_hash
+from wire.rendezvous import owner
+from wire.shuffle import EpochOrder
+
+SIZE = 1000
+
+
+def key(i: int) -> str:
+    return f"train/shard-{i:05d}.tar"
+
+
+def spec(name: str = "job", n: int = 40, window: int = 8, epochs: int | None = 3, seed: int = 7) -> JobSpec:
+    shards = tuple(ShardSpec(f"shard-{i:05d}.tar", SIZE, 10) for i in range(n))
+    return JobSpec(name, "s3://bucket/train/", shards, epochs, seed, True, 60.0, 3, window)
+
+
+class Cluster:
+    """A master's state, its node bookkeeping and planner, and trainers that lease on nodes."""
+
+    def __init__(self, *specs: JobSpec, budget_s: float = float("inf")) -> None:
+        self.state = MasterState()
+        self.now = 100.0
+        self.book = NodeBook()
+        self.planner = Planner(budget_s=budget_s)
+        self.ids = 0
+        self.handed: dict[str, dict[int, set[int]]] = {}  # job -> epoch -> shards leased
+        self.trainers: dict[str, dict[str, set[str]]] = {}  # job -> node -> trainers
+        self.seqs: dict[str, int] = {}
+        for s in specs:
+            self.state.apply(CreateJob(s), self.now)
+
+    def lease(self, job: str, node: str, trainer: str | None = None, complete: bool = True) -> dict[str, Any]:
+        self.ids += 1
+        trainer = trainer or f"t-{node}"
+        answer = self.state.apply(Lease(job, trainer, node, 1, None, (f"lease{self.ids:08d}",)), self.now).answer
+        got: dict[str, Any] = answer["leases"][0]
+        self.handed.setdefault(job, {}).setdefault(got["epoch"], set()).add(got["shard"])
+        self.trainers.setdefault(job, {}).setdefault(node, set()).add(trainer)
+        if complete:
+            self.state.apply(Complete(job, got["lease"], trainer), self.now)
+        return got
+
+    def report(self, node: str, held: tuple[int, ...] = (), capacity: int = 6 * SIZE) -> NodePlan:
+        """A full report of ``node`` holding shards ``held`` (of job "job"), applied as the service does."""
+        seq = self.seqs[node] = self.seqs.get(node, 0) + 1
+        rep = NodeReport(f"d-{node}", seq, None, array("Q", [name_hash("bucket", key(s)) for s in held]), array("Q"),
+                         capacity, 0, SIZE, {})
+        rec = self.book.take(node, rep, self.now)
+        windowed = [(name, job.spec, job.created_at, job.locality) for name, job in self.state.jobs.items()
+                    if job.locality is not None and job.locality.names is not None]
+        resolution = resolve_report(windowed, rep)
+        self.state.apply(Holdings(node, True, tuple(resolution.held), (), resolution.hint()), self.now)
+        self.book.applied(rec, rep, resolution, frozenset((n, c) for n, _, c, _ in windowed), self.now)
+        return self.planner.plan(self.state, rec, seq, self.trainers, 2.0)
+
+    def record(self, node: str) -> NodeRecord:
+        return self.book.records[node]
+
+
+def shards_of(plan: NodePlan) -> list[int]:
+    return [int(item.key[-9:-4]) for item in plan.prefetch]
+
+
+def keep_of(plan: NodePlan) -> list[int]:
+    by_hash = {name_hash("bucket", key(i)): i for i in range(100_000)}
+    return [by_hash[h] for h in plan.keep]
+
+
+def reference(cluster: Cluster, job: str, node: str, assigned: dict[int, str], slots: int, held: set[int]) -> list[tuple[int, int]]:
+    """The brief's rule, naively: (next use, shard) of the ``slots`` soonest among the node's held and
+    assigned shards; next use = this epoch's position if not handed out yet in it, else the next
+    epoch's."""
+    state = cluster.state.jobs[job]
+    n, s = state.n, state.spec
+    epoch = state.epoch if state.open and next(iter(state.open.values())).cursor < n else state.next_epoch
+    now, after = EpochOrder(n, s.seed, epoch, s.shuffle), EpochOrder(n, s.seed, epoch + 1, s.shuffle)
+    handed = cluster.handed.get(job, {}).get(epoch, set())
+    uses = {}
+    for shard in range(n):
+        if assigned.get(shard) != node and shard not in held:
+            continue
+        uses[shard] = epoch * n + now.index(shard) if shard not in handed else (epoch + 1) * n + after.index(shard)
+    return sorted((use, shard) for shard, use in uses.items())[:slots]
+
+
+def rendezvous(n: int, nodes: list[str]) -> dict[int, str]:
+    return {i: owner(nodes, f"bucket/{key(i)}") or "" for i in range(n)}
+
+
+# -- the rules --------------------------------------------------------------------------------
+
+
+def test_two_nodes_get_disjoint_plans_of_their_assigned_shards_soonest_first_bounded_by_slots() -> None:
+    cluster = Cluster(spec(n=40))
+    for _ in range(3):
+        cluster.lease("job", "n1")
+        cluster.lease("job", "n2")
+    assigned = rendezvous(40, ["n1", "n2"])
+    plans = {node: cluster.report(node) for node in ("n1", "n2")}
+    for node, plan in plans.items():
+        assert plan.resend is None and len(plan.keep) == 0
+        expected = reference(cluster, "job", node, assigned, 6, set())
+        assert [(i.next_use, int(i.key[-9:-4])) for i in plan.prefetch] == expected
+        assert all(assigned[s] == node for s in shards_of(plan))
+        assert all(i.job == "job" and i.bucket == "bucket" for i in plan.prefetch)
+        assert cluster.record(node).planned == {"job": (6, 0)}
+    assert not set(shards_of(plans["n1"])) & set(shards_of(plans["n2"]))
+    # Handed out this epoch: not in the plan for it (leased shards are needed next epoch at the soonest).
+    assert not set(shards_of(plans["n1"])) & cluster.handed["job"][0]
+
+
+def test_keep_ranks_the_held_shards_the_order_needs_soonest_and_prefetch_skips_them() -> None:
+    n = 40
+    cluster = Cluster(spec(n=n))
+    for _ in range(2):
+        cluster.lease("job", "n1")
+        cluster.lease("job", "n2")
+    assigned = rendezvous(n, ["n1", "n2"])
+    order = EpochOrder(n, 7, 0)
+    handed = cluster.handed["job"][0]
+    pending = [order[p] for p in range(n) if order[p] not in handed]
+    # n1 holds: the next shard of the order (whoever it is assigned to), a late one of its own,
+    # and one handed out already (needed only next epoch).
+    soon, late, done = pending[0], [s for s in pending[::-1] if assigned[s] == "n1"][0], sorted(handed)[0]
+    held = {soon, late, done}
+    plan = cluster.report("n1", tuple(held))
+    expected = reference(cluster, "job", "n1", assigned, 6, held)
+    desired = [s for _, s in expected]
+    assert keep_of(plan) == [s for s in desired if s in held]
+    assert shards_of(plan) == [s for s in desired if s not in held]
+    assert soon in keep_of(plan) and late not in keep_of(plan) and done not in keep_of(plan)
+    assert len(plan.prefetch) + len(plan.keep) == 6
+    assert cluster.record("n1").planned["job"] == (6, 1)  # one of this epoch's held: the lead
+    # With room for everything the held ones all rank, soonest first.
+    big = cluster.report("n1", tuple(held), capacity=1000 * SIZE)
+    expected = reference(cluster, "job", "n1", assigned, 1000, held)
+    assert keep_of(big) == [s for _, s in expected if s in held] and set(keep_of(big)) == held
+
+
+def test_the_next_epoch_follows_when_this_one_runs_out() -> None:
+    n = 24
+    cluster = Cluster(spec(n=n, window=4))
+    while len(cluster.handed.get("job", {}).get(0, ())) < n - 3:
+        cluster.lease("job", "n1")
+        cluster.lease("job", "n2")
+    assigned = rendezvous(n, ["n1", "n2"])
+    plan = cluster.report("n1", capacity=8 * SIZE)
+    expected = reference(cluster, "job", "n1", assigned, 8, set())
+    assert [(i.next_use, int(i.key[-9:-4])) for i in plan.prefetch] == expected
+    assert any(i.next_use >= n for i in plan.prefetch)  # reaches into epoch 1
+    # A job's last epoch has no next one: only what is left of it.
+    last = Cluster(spec(n=n, window=4, epochs=1))
+    while len(last.handed.get("job", {}).get(0, ())) < n - 3:
+        last.lease("job", "n1")
+    assert all(i.next_use < n for i in last.report("n1", capacity=8 * SIZE).prefetch)
+
+
+def test_with_a_ring_shards_are_assigned_to_their_owners_node() -> None:
+    n = 40
+    cluster = Cluster(spec(n=n))
+    members = (("http://10.0.0.1:8600", "n1"), ("http://10.0.0.2:8600", "n2"), ("http://10.0.0.3:8600", "n3"))
+    cluster.state.apply(Placement(members), cluster.now)
+    cluster.lease("job", "n1")
+    owners = {i: dict(members)[owner([m for m, _ in members], f"bucket/{key(i)}") or ""] for i in range(n)}
+    plan = cluster.report("n1", capacity=5 * SIZE)
+    assert [(i.next_use, int(i.key[-9:-4])) for i in plan.prefetch] == reference(cluster, "job", "n1", owners, 5, set())
+    assert {owners[s] for s in shards_of(plan)} == {"n1"}
+
+
+def test_slots_are_split_between_jobs_by_their_trainers_on_the_node() -> None:
+    cluster = Cluster(spec("a", n=40), spec("b", n=40, seed=3))
+    for trainer in ("a0", "a1", "a2"):
+        cluster.lease("a", "n1", trainer)
+    cluster.lease("b", "n1", "b0")
+    plan = cluster.report("n1", capacity=8 * SIZE)
+    assert cluster.record("n1").planned == {"a": (6, 0), "b": (2, 0)}
+    jobs = [item.job for item in plan.prefetch]
+    assert jobs.count("a") == 6 and jobs.count("b") == 2
+    # Ranked by how far ahead of each job's own position they are needed.
+    leads = [i.next_use - (40 * 0 + cluster.state.jobs[i.job].open[0].cursor) for i in plan.prefetch]
+    assert leads == sorted(leads)
+
+
+def test_no_plan_without_trainers_on_the_node_capacity_or_a_window() -> None:
+    cluster = Cluster(spec(n=20), spec("plain", n=20, window=0))
+    cluster.lease("plain", "n1")
+    assert cluster.report("n1") == NodePlan(1, interval_s=2.0)  # only a window-less job's trainers there
+    cluster.lease("job", "n2")
+    assert cluster.report("n3").prefetch == ()  # nobody trains on n3
+    assert cluster.report("n2", capacity=0).prefetch == ()
+    assert len(cluster.report("n2").prefetch) == 6
+
+
+def test_a_spent_budget_makes_a_plan_shorter_never_wrong() -> None:
+    n = 400
+    full = Cluster(spec(n=n, window=16))
+    starved = Cluster(spec(n=n, window=16), budget_s=0.0)
+    for cluster in (full, starved):
+        for node in ("n1", "n2", "n3"):
+            cluster.lease("job", node)
+    whole = full.report("n1", capacity=50 * SIZE)
+    short = starved.report("n1", capacity=50 * SIZE)
+    assert len(whole.prefetch) == 50 and set(shards_of(short)) <= set(shards_of(whole))
+
+
+def test_the_report_interval_grows_with_the_reporting_nodes() -> None:
+    assert plan_interval(1) == plan_interval(200) == 2.0
+    assert plan_interval(1000) == 10.0 and plan_interval(10**9) == 3600.0
+
+
+def test_prefetch_is_bounded() -> None:
+    n = 3000
+    cluster = Cluster(spec(n=n, window=4))
+    cluster.lease("job", "n1")
+    plan = cluster.report("n1", capacity=n * SIZE)
+    assert len(plan.prefetch) == MAX_PREFETCH and len(plan.keep) == 0
+    assert cluster.record("n1").planned["job"][0] == n - 1 + 1  # every shard, the leased one next epoch
+
+
+# -- what a plan costs ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_plan_cost_at_1000_nodes() -> None:
+    """100,000 shards, 1,000 nodes with a trainer each and a ring of their daemons, 100 slots and
+    100 held shards a node. Prints the one-time cost of placing the epoch and the per-plan cost
+    after (holdings.py's docstring has the figures)."""
+    n, nodes = int(os.environ.get("PLAN_BENCH_SHARDS", "100000")), int(os.environ.get("PLAN_BENCH_NODES", "1000"))
+    cluster = Cluster(spec(n=n, window=4096, epochs=None))
+    members = tuple((f"http://10.{i // 250}.{i % 250}.1:8600", f"node-{i:04d}") for i in range(nodes))
+    cluster.state.apply(Placement(members), cluster.now)
+    names = [node for _, node in members]
+    for node in names:
+        cluster.lease("job", node, complete=False)
+    started = time.perf_counter()
+    for node in names:  # every node's first plan: places the positions the plans reach
+        cluster.report(node, capacity=100 * SIZE)
+    first = time.perf_counter() - started
+    held = {node: tuple((i * 97 + k) % n for k in range(100)) for i, node in enumerate(names)}
+    times = []
+    for node in names:
+        t0 = time.perf_counter()
+        plan = cluster.report(node, held[node], capacity=100 * SIZE)
+        times.append(time.perf_counter() - t0)
+        assert len(plan.prefetch) + len(plan.keep) == 100
+    print(f"\n{nodes} nodes x {n} shards: first plans {first:.1f} s in all; then a report+plan "
+          f"{1000 * statistics.mean(times):.2f} ms mean, p99 {1000 * sorted(times)[int(0.99 * len(times))]:.2f} ms")
+    assert statistics.mean(times) < 0.05
