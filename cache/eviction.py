@@ -12,23 +12,36 @@ their own least-recently-used order and names the ones to evict to bring a tenan
 Costs: every notification is O(1), and naming a victim costs only the pinned entries in front of it
 in its order, never a scan of the index: evicting for a fill costs the same in a cache of millions
 of entries as in one of a thousand. The store's lock guards every call.
+
+A lease master may tell the daemon the order in which its trainers will need the cached objects
+(``wire.nodeplan``'s ``keep``: object names, soonest needed first). :meth:`EvictionPolicy.plan`
+hands it to the policy: ``planned`` (:class:`PlannedPolicy`) evicts by it, the others ignore it.
+A fill the plan itself asked for (a plan prefetch) asks for victims with ``spare_ranked``: never
+an entry the plan ranks (:meth:`EvictionPolicy.spare` says how much room that leaves).
 """
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:  # entries are only named in hints
     from cache.entry import Entry
+
+NameHash = Callable[[str, str], int]
+"""How a plan names an object: ``(bucket, key) -> int`` (the daemon gives ``wire.nodeplan.name_hash``;
+the storage engine imports nothing of wire)."""
 
 __all__ = [
     "EvictionPolicy",
     "LRUPolicy",
     "HoldPolicy",
     "BorrowedFirst",
+    "PlannedPolicy",
+    "NameHash",
     "TenantQuota",
     "POLICIES",
     "EVICTION_POLICIES",
@@ -59,9 +72,28 @@ class EvictionPolicy(ABC):
         """``entry`` left the index: evicted, removed (corrupt, vanished) or replaced by a refetch."""
 
     @abstractmethod
-    def victim(self) -> Entry | None:
+    def victim(self, spare_ranked: bool = False) -> Entry | None:
         """The unpinned entry to evict next to make room, or ``None``: nothing (more) may go. The
-        store evicts it and asks again until the fill fits."""
+        store evicts it and asks again until the fill fits. ``spare_ranked``: for a fill the plan
+        asked for, never an entry the plan ranks (only a policy that ranks has any)."""
+
+    @abstractmethod
+    def spare(self) -> tuple[int, int]:
+        """The bytes and entries :meth:`victim` with ``spare_ranked`` could name at most (pinned
+        ones included: an estimate), for the store to refuse a plan's fill that cannot fit at once
+        rather than evict for it in vain."""
+
+    def plan(self, order: Sequence[int], ranks: Mapping[int, int], entered: Sequence[int], left: Sequence[int],
+             name_hash: NameHash) -> None:
+        """A lease master's plan (:meth:`cache.Store.set_plan`): ``order`` names the objects to
+        keep, soonest needed first, each once; ``ranks`` maps each name to its index in ``order``;
+        ``entered`` and ``left`` are the names that came into and went out of it since the last
+        plan. A policy that does not evict by plan ignores it."""
+        return  # lru and hold: their orders are their own
+
+    def describe(self) -> dict[str, int]:
+        """Figures of the policy's own for the store's stats ({} for none)."""
+        return {}
 
 
 class LRUPolicy(EvictionPolicy):
@@ -69,19 +101,41 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._order: OrderedDict[str, Entry] = OrderedDict()  # entry id -> entry, oldest first
+        self.bytes = 0  # of the entries in the order
 
     def on_add(self, entry: Entry) -> None:
         self._order[entry.id] = entry
+        self.bytes += entry.size
+
+    def add_oldest(self, entry: Entry) -> None:
+        """Index ``entry`` as the least recently used (the next to go)."""
+        self.on_add(entry)
+        self._order.move_to_end(entry.id, last=False)
 
     def on_touch(self, entry: Entry) -> None:
         if entry.id in self._order:
             self._order.move_to_end(entry.id)
 
     def on_remove(self, entry: Entry) -> None:
-        self._order.pop(entry.id, None)
+        gone = self._order.pop(entry.id, None)
+        if gone is not None:
+            self.bytes -= gone.size
 
-    def victim(self) -> Entry | None:
+    def __contains__(self, entry: Entry) -> bool:
+        return entry.id in self._order
+
+    def entries(self) -> list[Entry]:
+        """The entries in the order, oldest first."""
+        return list(self._order.values())
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def victim(self, spare_ranked: bool = False) -> Entry | None:
         return next((entry for entry in self._order.values() if entry.pins == 0), None)
+
+    def spare(self) -> tuple[int, int]:
+        return self.bytes, len(self._order)
 
 
 class HoldPolicy(EvictionPolicy):
@@ -100,8 +154,11 @@ class HoldPolicy(EvictionPolicy):
     def on_remove(self, entry: Entry) -> None:
         pass
 
-    def victim(self) -> Entry | None:
+    def victim(self, spare_ranked: bool = False) -> Entry | None:
         return None
+
+    def spare(self) -> tuple[int, int]:
+        return 0, 0
 
 
 class BorrowedFirst(EvictionPolicy):
@@ -126,9 +183,193 @@ class BorrowedFirst(EvictionPolicy):
     def on_remove(self, entry: Entry) -> None:
         self._order_of(entry).on_remove(entry)
 
-    def victim(self) -> Entry | None:
-        victim = self._borrowed.victim()
-        return victim if victim is not None else self._owned.victim()
+    def victim(self, spare_ranked: bool = False) -> Entry | None:
+        victim = self._borrowed.victim(spare_ranked)
+        return victim if victim is not None else self._owned.victim(spare_ranked)
+
+    def spare(self) -> tuple[int, int]:
+        (borrowed_bytes, borrowed), (owned_bytes, owned) = self._borrowed.spare(), self._owned.spare()
+        return borrowed_bytes + owned_bytes, borrowed + owned
+
+
+class _FarthestFirst:
+    """The entries of one kind (borrowed, or owned) whose names a plan ranks, farthest needed first:
+    a walk down the plan's order from its end, with no order of its own to keep in step.
+
+    The walk's ``cursor`` only moves down: no position above it holds an unpinned entry of this
+    kind, but those in ``above`` (a max-heap of positions): entries indexed there after the walk
+    passed (a refetch of an object the plan ranks), and positions where every entry of this kind
+    was pinned when the walk passed. Over one plan the walk passes each position once; each
+    victim costs the pinned positions in front of it, as in an LRU order."""
+
+    def __init__(self, borrowed: bool) -> None:
+        self.borrowed = borrowed
+        self.count = 0  # entries of this kind ranked now
+        self._order: Sequence[int] = ()
+        self._cursor = -1
+        self._above: list[int] = []  # negated positions, so that heapq's smallest is the farthest
+
+    def reset(self, order: Sequence[int]) -> None:
+        """A new plan: the walk starts again from the end of its order."""
+        self._order = order
+        self._cursor = len(order) - 1
+        self._above = []
+
+    def added(self, rank: int) -> None:
+        self.count += 1
+        if rank > self._cursor:
+            heapq.heappush(self._above, -rank)
+
+    def _at(self, rank: int, by_hash: Mapping[int, Mapping[str, Entry]]) -> tuple[bool, Entry | None]:
+        """Whether position ``rank`` holds an entry of this kind, and an unpinned one if any."""
+        found = False
+        for entry in by_hash.get(self._order[rank], {}).values():
+            if entry.borrowed == self.borrowed:
+                if entry.pins == 0:
+                    return True, entry
+                found = True
+        return found, None
+
+    def victim(self, by_hash: Mapping[int, Mapping[str, Entry]]) -> Entry | None:
+        if not self.count:
+            return None
+        pinned: list[int] = []
+        try:
+            while self._above:
+                rank = -self._above[0]
+                found, entry = self._at(rank, by_hash)
+                if entry is not None:
+                    return entry  # stays in the heap: looked at again once it is gone
+                heapq.heappop(self._above)
+                if found:
+                    pinned.append(rank)
+            while self._cursor >= 0:
+                rank = self._cursor
+                found, entry = self._at(rank, by_hash)
+                if entry is not None:
+                    return entry  # the cursor stays: a second version of the name may be there
+                self._cursor -= 1
+                if found:
+                    pinned.append(rank)  # above the cursor now: looked at first next time
+            return None
+        finally:
+            for rank in pinned:
+                heapq.heappush(self._above, -rank)
+
+
+class PlannedPolicy(EvictionPolicy):
+    """``planned``: evict by the lease master's plan, Belady's rule over the order it knows.
+
+    The plan (:meth:`plan`) ranks the cached objects the master's trainers will read, by when
+    (rank = the name's index in the plan's ``keep``, soonest needed first). Victims, in order:
+
+    1. borrowed entries (copies another daemon of the cluster owns), as under ``lru``: first those
+       the plan does not rank, least recently used first, then those it ranks, farthest first;
+    2. owned entries the plan does not rank, least recently used first (what other readers use,
+       and what the plan no longer needs: an entry whose name leaves the plan goes to the least
+       recently used end, first to go);
+    3. owned entries the plan ranks, farthest needed (largest rank) first: Belady's rule.
+
+    A fill the plan asked for (``spare_ranked``) takes victims of 1 and 2 only, never an entry
+    the plan ranks: a prefetch of what is needed next must not evict what is needed sooner. A
+    demand read's fill may evict ranked entries, farthest first. Without a plan every entry is
+    unranked and the order is ``lru``'s exactly.
+
+    Names are hashes (``wire.nodeplan.name_hash``, passed in by the store's caller with the
+    plan): an entry's rank is its name's, whatever its version. The policy indexes entries by
+    name from the first plan on (that plan costs one pass over the index); each notification
+    after that stays O(1).
+    """
+
+    def __init__(self) -> None:
+        self._unranked = {True: LRUPolicy(), False: LRUPolicy()}  # by Entry.borrowed
+        self._ranked = {True: _FarthestFirst(True), False: _FarthestFirst(False)}
+        self._ranks: Mapping[int, int] = {}
+        self._name_hash: NameHash | None = None  # known from the first plan
+        self._by_hash: dict[int, dict[str, Entry]] = {}  # name -> its indexed versions, from the first plan
+
+    def _hash(self, entry: Entry) -> int | None:
+        return self._name_hash(entry.bucket, entry.key) if self._name_hash is not None else None
+
+    def on_add(self, entry: Entry) -> None:
+        name = self._hash(entry)
+        if name is None:
+            self._unranked[entry.borrowed].on_add(entry)
+            return
+        self._by_hash.setdefault(name, {})[entry.id] = entry
+        rank = self._ranks.get(name)
+        if rank is None:
+            self._unranked[entry.borrowed].on_add(entry)
+        else:
+            self._ranked[entry.borrowed].added(rank)
+
+    def on_touch(self, entry: Entry) -> None:
+        self._unranked[entry.borrowed].on_touch(entry)  # a ranked entry's place is its rank
+
+    def on_remove(self, entry: Entry) -> None:
+        unranked = self._unranked[entry.borrowed]
+        if entry in unranked:
+            unranked.on_remove(entry)
+            ranked = False
+        else:
+            ranked = True
+        name = self._hash(entry)
+        if name is None:
+            return
+        versions = self._by_hash.get(name)
+        if versions is None or versions.pop(entry.id, None) is None:
+            return
+        if not versions:
+            del self._by_hash[name]
+        if ranked:
+            self._ranked[entry.borrowed].count -= 1
+
+    def victim(self, spare_ranked: bool = False) -> Entry | None:
+        for borrowed in (True, False):
+            victim = self._unranked[borrowed].victim()
+            if victim is None and not spare_ranked:
+                victim = self._ranked[borrowed].victim(self._by_hash)
+            if victim is not None:
+                return victim
+        return None
+
+    def spare(self) -> tuple[int, int]:
+        borrowed, owned = self._unranked[True], self._unranked[False]
+        return borrowed.bytes + owned.bytes, len(borrowed) + len(owned)
+
+    def plan(self, order: Sequence[int], ranks: Mapping[int, int], entered: Sequence[int], left: Sequence[int],
+             name_hash: NameHash) -> None:
+        if self._name_hash is not name_hash:
+            # The first plan: every entry indexed by name, once (all unranked until now).
+            entries = [entry for unranked in self._unranked.values() for entry in unranked.entries()]
+            entries += [entry for versions in self._by_hash.values() for entry in versions.values()
+                        if entry not in self._unranked[entry.borrowed]]
+            self._name_hash = name_hash
+            self._by_hash = {}
+            for entry in entries:
+                self._by_hash.setdefault(name_hash(entry.bucket, entry.key), {})[entry.id] = entry
+        self._ranks = ranks
+        for name in entered:
+            for entry in self._by_hash.get(name, {}).values():
+                unranked = self._unranked[entry.borrowed]
+                if entry in unranked:
+                    unranked.on_remove(entry)
+                    self._ranked[entry.borrowed].count += 1
+        for name in left:
+            for entry in self._by_hash.get(name, {}).values():
+                unranked = self._unranked[entry.borrowed]
+                if entry not in unranked:
+                    self._ranked[entry.borrowed].count -= 1
+                    unranked.add_oldest(entry)  # no longer needed by the plan: first to go
+        for ranked in self._ranked.values():
+            ranked.reset(order)
+
+    def describe(self) -> dict[str, int]:
+        return {
+            "plan_names": len(self._ranks),
+            "ranked_items": self._ranked[True].count + self._ranked[False].count,
+            "unranked_items": len(self._unranked[True]) + len(self._unranked[False]),
+        }
 
 
 class TenantQuota:
@@ -224,6 +465,7 @@ class TenantQuota:
 POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
     "lru": lambda: BorrowedFirst(LRUPolicy()),
     "hold": HoldPolicy,  # borrowed entries stay too: hold evicts nothing for room
+    "planned": PlannedPolicy,  # borrowed first too (its docstring)
 }
 """Every ``StoreSettings.eviction`` and the policy it makes: the one place a name becomes a policy."""
 

@@ -28,8 +28,10 @@ class StoreSettings:
     """``lru`` evicts the least recently used entry to admit a new one. ``hold`` admits until
     full and then serves misses without caching: with shuffled epochs over a dataset larger than
     the cache, LRU evicts each shard just before it is needed again and gets almost no hits,
-    while ``hold`` keeps a fixed cache/dataset fraction of hits every epoch. Each name is a policy of
-    :mod:`cache.eviction` (``POLICIES``)."""
+    while ``hold`` keeps a fixed cache/dataset fraction of hits every epoch. ``planned`` evicts by a
+    lease master's plan (the order in which its trainers will read the cached objects: Belady's
+    rule over it, :class:`cache.eviction.PlannedPolicy`), and as ``lru`` without one. Each name is
+    a policy of :mod:`cache.eviction` (``POLICIES``)."""
 
     namespace: str = ""
     """Identity of the origin (e.g. ``s3`` + endpoint, or ``file:///root``). Part of every entry id,

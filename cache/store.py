@@ -20,7 +20,13 @@ Eviction (:mod:`cache.eviction`): the store accounts for capacity (bytes, items,
 pins; which entries go to make room is its policy's choice (``StoreSettings.eviction``), told of
 every entry indexed, touched and removed. Under ``lru`` borrowed entries (:attr:`Entry.borrowed`:
 copies of objects another daemon of the cluster owns, read from that peer) go first, least recently
-used first, then the least recently used owned ones; ``hold`` evicts nothing for room.
+used first, then the least recently used owned ones; ``hold`` evicts nothing for room; ``planned``
+evicts by a lease master's plan (:meth:`Store.set_plan`, Belady's rule over the order its trainers
+will read in: :class:`cache.eviction.PlannedPolicy`). A fill the plan asked for
+(:meth:`Store.spare_kept`) never evicts an entry the plan keeps.
+
+Watchers (:meth:`Store.watch`) are told of every entry indexed and every entry that leaves the
+index, under the store's lock: the daemon's report of what it holds to the lease master.
 
 Tenants (``StoreSettings.tenant_quota_bytes``): an entry counts for the tenant whose request
 caused its fill. A fill that would take that tenant past its quota first evicts the tenant's own
@@ -58,8 +64,9 @@ import secrets
 import shutil
 import threading
 import time
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -68,10 +75,10 @@ import xxhash
 
 from cache.entry import LAYOUT, Entry
 from cache.errors import CacheLocked, CorruptEntry, EntryNotFound, IntegrityError, NoSpace, ReadOnlyViewError
-from cache.eviction import TenantQuota, policy_for
+from cache.eviction import NameHash, TenantQuota, policy_for
 from cache.settings import StoreSettings
 
-__all__ = ["Store", "Entry", "Writer", "Verifier", "ReadOnlyViewError", "entry_id", "hash_file"]
+__all__ = ["Store", "Entry", "Writer", "Verifier", "Watcher", "ReadOnlyViewError", "entry_id", "hash_file"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +135,11 @@ class Verifier(Protocol):
     def matches(self) -> bool: ...
 
     def actual(self) -> str: ...
+
+
+Watcher = Callable[[Sequence[Entry], Sequence[Entry]], None]
+"""Told ``(added, removed)``: entries just indexed, entries that just left the index
+(:meth:`Store.watch`)."""
 
 
 @dataclass
@@ -362,6 +374,13 @@ class Store:
         }
         # Reported in stats()["tenants"] only, apart from the capacity figures above.
         self._tenant_counters = {"quota_evictions": 0, "quota_evicted_bytes": 0, "rejected_quota": 0}
+        self._watchers: list[Watcher] = []
+        # The plan (set_plan): its ranks, as last handed to the policy; set_plan's own lock keeps
+        # two plans from being diffed against the same old one.
+        self._plan_lock = threading.Lock()
+        self._plan_ranks: dict[int, int] = {}
+        # Names whose fill the plan asked for (spare_kept): their begin evicts no ranked entry.
+        self._sparing: set[tuple[str, str]] = set()
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -688,6 +707,90 @@ class Store:
             with contextlib.suppress(OSError):
                 os.utime(self._meta_path(entry.id), (now, now))
 
+    # -- watchers and the plan ----------------------------------------------------------------
+
+    def watch(self, watcher: Watcher) -> Callable[[], None]:
+        """Tell ``watcher`` of every entry indexed and every entry that leaves the index from now
+        on, first of every entry indexed now (as added), all under the store's lock: it sees each
+        change once, in order. It must be quick (O(1) per entry) and must not call the store.
+        Returns what stops it."""
+        with self._lock:
+            self._watchers.append(watcher)
+            self._tell(watcher, list(self._entries.values()), ())
+
+        def unwatch() -> None:
+            with self._lock:
+                with contextlib.suppress(ValueError):
+                    self._watchers.remove(watcher)
+
+        return unwatch
+
+    @staticmethod
+    def _tell(watcher: Watcher, added: Sequence[Entry], removed: Sequence[Entry]) -> None:
+        try:
+            watcher(added, removed)
+        except Exception:  # a watcher's bug must not fail a fill or an eviction
+            log.exception("cache watcher %r failed", watcher)
+
+    def set_plan(self, keep: Iterable[int], name_hash: NameHash) -> dict[str, int]:
+        """A lease master's plan: ``keep`` names the objects its trainers will read, soonest needed
+        first (``name_hash(bucket, key)`` names them; the first place of a name counts). The
+        ``planned`` policy evicts by it; the others ignore it. Costs O(len(keep)) off the store's
+        lock and O(the names that came into or left the plan) under it (the first plan: one pass
+        over the index too). Pass the same ``name_hash`` every time. Returns the policy's figures."""
+        order = array("Q", keep)
+        ranks = dict(zip(order, range(len(order)), strict=True))  # in rank order: ``left`` below is too
+        if len(ranks) != len(order):  # a name twice: the order without its later places
+            first: dict[int, int] = {}
+            for rank, name in enumerate(order):
+                first.setdefault(name, rank)
+            order = array("Q", first)
+            ranks = dict(zip(order, range(len(order)), strict=True))
+        with self._plan_lock:
+            old = self._plan_ranks
+            entered = [name for name in ranks if name not in old]
+            left = [name for name in old if name not in ranks]
+            with self._lock:
+                self._policy.plan(order, ranks, entered, left, name_hash)
+                figures = self._policy.describe()
+            self._plan_ranks = ranks
+        return figures
+
+    @contextlib.contextmanager
+    def spare_kept(self, bucket: str, key: str) -> Iterator[None]:
+        """While in the block, a fill of ``bucket/key`` begun (:meth:`begin`) is the plan's own (a
+        plan prefetch): it evicts no entry the plan ranks, and is not admitted if the rest cannot
+        make room (:meth:`cache.eviction.EvictionPolicy.spare`)."""
+        name = (bucket, key)
+        with self._lock:
+            self._sparing.add(name)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sparing.discard(name)
+
+    def unspare(self, bucket: str, key: str) -> None:
+        """A reader waits for ``bucket/key`` now: a fill of it not begun yet may evict as a demand
+        read's does (ends :meth:`spare_kept` for it)."""
+        with self._lock:
+            self._sparing.discard((bucket, key))
+
+    def plan_room(self, size: int) -> bool:
+        """Whether a fill the plan asks for, of about ``size`` bytes, could be admitted now: free
+        room, counting what such a fill may evict as free (all of it under ``lru``, nothing under
+        ``hold``, what the plan does not rank under ``planned``). An estimate (pinned entries
+        count as free): :meth:`begin` decides."""
+        with self._lock:
+            spare_bytes, spare_items = self._policy.spare()
+            return (size <= self.settings.capacity_bytes and time.monotonic() >= self._no_space_until
+                    and self._fits(size, spare_bytes, spare_items))
+
+    def usage(self) -> tuple[int, int, int]:
+        """``(capacity_bytes, used_bytes, items)``, without asking the file system (:meth:`stats` does)."""
+        with self._lock:
+            return self.settings.capacity_bytes, self._used, len(self._entries)
+
     # -- admission and eviction -------------------------------------------------------------
 
     def _disk_free_after(self, extra: int) -> bool:
@@ -740,7 +843,8 @@ class Store:
         its quota, its own least recently used entries go first, under either eviction policy.
         ``borrowed``: a copy of an object another daemon of the cluster owns (evicted first).
         ``evict=False``: admitted only into free room (:meth:`has_room`), never by evicting an
-        entry, the tenant's own included (a fill nobody waits for: a ranged read's, behind it)."""
+        entry, the tenant's own included (a fill nobody waits for: a ranged read's, behind it).
+        A fill of a name in :meth:`spare_kept` evicts no entry the plan ranks."""
         headers = _checked_headers([list(pair) for pair in headers])
         checksums = _checked_headers([list(pair) for pair in checksums])
         _checked_text(last_modified)
@@ -762,12 +866,18 @@ class Store:
                 # them and still cache nothing.
                 self._counters["rejected_full"] += 1
                 return None
+            sparing = (bucket, key) in self._sparing
+            if sparing and not self._fits(size, *self._policy.spare()):
+                # The plan's own fill: what the plan keeps is not its to evict, and the rest
+                # cannot make room. Nothing evicted in vain.
+                self._counters["rejected_full"] += 1
+                return None
             for entry in victims:
                 self._tenant_counters["quota_evictions"] += 1
                 self._tenant_counters["quota_evicted_bytes"] += entry.size
                 self._remove_locked(entry)
             while not self._fits(size):
-                victim = self._policy.victim()
+                victim = self._policy.victim(sparing)
                 if victim is None:
                     self._counters["rejected_full"] += 1
                     return None
@@ -804,6 +914,8 @@ class Store:
         if not entry.verified:
             self._unverified[0] += sign
             self._unverified[1] += sign * entry.size
+        for watcher in self._watchers:
+            self._tell(watcher, (entry,) if sign > 0 else (), (entry,) if sign < 0 else ())
 
     def _release(self, writer: Writer) -> None:
         with self._lock:
@@ -941,6 +1053,7 @@ class Store:
                 "min_free_ratio": self.settings.min_free_ratio,
                 **self._counters,
                 "tenants": self._tenant_stats(),
+                "policy": self._policy.describe(),
             }
 
 

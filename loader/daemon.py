@@ -1,6 +1,10 @@
 """Client of the node daemon / sidecar HTTP API (``docs/daemon-api.md``): small, synchronous,
 stdlib only, over TCP or a unix socket; and of the pod's handle socket (``wire.handles``).
 
+A client made with a ``job`` names it on every request (``x-shardcache-job``,
+:data:`wire.nodeplan.JOB_HEADER`): the daemon counts what the job's readers read, and tells the
+lease master (``serve --master``).
+
 Object bodies stream through a connection of their own (a shard is large; reusing the pooled
 connection would block hints and listings behind it). Small calls (stats, listings, prefetch
 hints, the manifest) reuse one keep-alive connection per thread and process, and so do handle
@@ -21,12 +25,14 @@ from typing import Any, TypeVar
 from loader.errors import AccessDenied, CorruptShard, LoaderError, ShardNotFound, SourceError
 from loader.settings import LoaderSettings, parse_endpoint
 from wire import jsontext
+from wire.errors import BadRequest
 from wire.httpclient import (
     AnswerTooLarge,
     ThreadConnections,
     UnixHTTPConnection,
     exchange,
 )
+from wire.nodeplan import JOB_HEADER, job_name
 from wire.retry import retry_sync
 from wire.s3errors import TRANSIENT, S3ErrorAnswer, S3ErrorKind, from_http
 from wire.s3xml import MAX_ERROR_BYTES, ListedObject, S3XMLError, parse_list_page
@@ -119,9 +125,18 @@ class DaemonClient:
     """The cache endpoint as the loader uses it. Safe to share between threads; after a fork
     (DataLoader workers) each process opens its own connections."""
 
-    def __init__(self, endpoint: str, settings: LoaderSettings) -> None:
+    def __init__(self, endpoint: str, settings: LoaderSettings, job: str | None = None) -> None:
+        """``job``: the reader's job, named on every request (none: nothing is sent)."""
         self.endpoint = endpoint.rstrip("/")
         self._settings = settings
+        self._job_headers: dict[str, str] = {}
+        if job:
+            try:
+                self._job_headers[JOB_HEADER] = job_name(job)
+            except BadRequest as exc:  # the daemon would refuse every request: read uncounted instead
+                log.warning("not naming job %r to the cache at %s: %s", job, self.endpoint, exc)
+        self.job: str | None = self._job_headers.get(JOB_HEADER)
+        """The job named to the daemon (None: none, or a name it would refuse)."""
         address = parse_endpoint(self.endpoint)
         self._unix: str | None = address.path if address.kind == "unix" else None
         self._host, self._port, self._base = address.host, address.port, address.base
@@ -149,7 +164,7 @@ class DaemonClient:
         try:
             return exchange(
                 self._conns.get, self._conns.discard, method, self._base + path, body=body,
-                headers={"User-Agent": _USER_AGENT, **(headers or {})}, max_body=_MAX_SMALL_BODY,
+                headers={"User-Agent": _USER_AGENT, **self._job_headers, **(headers or {})}, max_body=_MAX_SMALL_BODY,
             )
         except AnswerTooLarge as exc:
             # Not a transient fault: listings and manifests this large are not what we asked for.
@@ -319,7 +334,7 @@ class DaemonClient:
 
         def call() -> DaemonObject:
             conn = self._new_connection(self._settings.io_timeout_s)
-            headers = {"User-Agent": _USER_AGENT}
+            headers = {"User-Agent": _USER_AGENT, **self._job_headers}
             if xxh3_128:
                 headers["x-shardcache-xxh3-128"] = xxh3_128
             if recheck:

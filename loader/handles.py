@@ -95,10 +95,14 @@ class HandleClient:
     :data:`HANDLES_RETRY_S`. The answers the HTTP API would raise for (403, 404, a checksum that
     is not the object's) raise here the same errors (``loader.daemon.loader_error``)."""
 
-    def __init__(self, address: str, settings: LoaderSettings, retry_s: float = HANDLES_RETRY_S) -> None:
+    def __init__(self, address: str, settings: LoaderSettings, retry_s: float = HANDLES_RETRY_S,
+                 job: str | None = None) -> None:
         if not address.startswith("unix://"):
             raise ValueError(f"a handle socket is unix:///path.sock, not {address!r}")
         self.address = address
+        self.job = job
+        """The reader's job, named in every request (the daemon's per-job figures); checked by
+        :class:`loader.daemon.DaemonClient`, which passes it on only when it is a valid name."""
         self._sockets = _ThreadSockets(address[len("unix://") :], settings.io_timeout_s)
         self._retry_s = retry_s
         self._paused_until = 0.0
@@ -131,6 +135,8 @@ class HandleClient:
             request["xxh3_128"] = xxh3_128
         if recheck:
             request["recheck"] = True
+        if self.job:
+            request["job"] = self.job
         answer = self._exchange(request, on_sent)
         if answer is None:
             return None

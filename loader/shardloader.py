@@ -234,7 +234,7 @@ class ShardLoader:
         if rt.source is None:
             # A DataLoader's batch of samples is freed together: kept for the next (loader.heap).
             keep_freed_heap(self.settings.heap_trim_threshold_bytes)
-            rt.source = make_source(self.location, self.settings)
+            rt.source = make_source(self.location, self.settings, job=self.job)
         return rt.source
 
     def _client(self) -> Any:

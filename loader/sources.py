@@ -85,9 +85,10 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-def make_source(location: DatasetURL, settings: LoaderSettings) -> Source:
+def make_source(location: DatasetURL, settings: LoaderSettings, job: str | None = None) -> Source:
+    """``job``: the reader's job, named to a cache endpoint on every request (its per-job figures)."""
     if settings.endpoint:
-        return DaemonSource(location, settings.endpoint, settings)
+        return DaemonSource(location, settings.endpoint, settings, job=job)
     if location.scheme == "s3":
         return S3Source(location, settings)
     return FileSource(location, settings)
@@ -394,16 +395,17 @@ class DaemonSource:
     maps through the daemon's origin root (``GET /_shardcache/stats``) to ``/{bucket}/{prefix}``.
     """
 
-    def __init__(self, location: DatasetURL, endpoint: str, settings: LoaderSettings) -> None:
+    def __init__(self, location: DatasetURL, endpoint: str, settings: LoaderSettings, job: str | None = None) -> None:
         self.location = location
         self.via = endpoint
         self.last_open_in_place = False
         self._settings = settings
-        self._client = DaemonClient(endpoint, settings)
+        self._client = DaemonClient(endpoint, settings, job=job)
         self._short_circuit = settings.short_circuit
         # With a handle socket the pod mounts no cache directory: a path answer could not be
         # opened, so short-circuit means handles only (and HTTP when there is none).
-        self._handles = HandleClient(settings.handles, settings) if settings.handles and settings.short_circuit else None
+        self._handles = (HandleClient(settings.handles, settings, job=self._client.job)
+                         if settings.handles and settings.short_circuit else None)
         # Whether open(by_sample=True) of a shard being filled streams its bytes as they land
         # (over HTTP without a claim; by path only for a cached copy). Not by descriptor: the
         # handle socket answers once the shard is in.

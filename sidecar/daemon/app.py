@@ -24,6 +24,7 @@ from sidecar.daemon.auth import RENEW_HEADER, Authorizer
 from sidecar.daemon.auth import http as auth_http
 from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher
+from sidecar.daemon.jobstats import JOBS, JobCollector, JobStats, job_header
 from sidecar.daemon.keys import (
     CLAIMS,
     CONTROL,
@@ -38,6 +39,7 @@ from sidecar.daemon.keys import (
     STARTED,
     STORE,
 )
+from sidecar.daemon.masterlink import MasterLink, start_masterlink
 from sidecar.daemon.members import MemberIndexes
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import Boto3S3Origin, FileOrigin, Origin, S3Origin
@@ -136,10 +138,13 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
 
 def build_app(settings: ServeSettings, with_store: bool = True) -> web.Application:
     errors = error_middleware(error_answer, known=_KNOWN_ERRORS, log=log)
-    app = web.Application(middlewares=[count_requests, errors], client_max_size=control.MAX_CONTROL_BODY)
+    # job_header inside errors: a malformed x-shardcache-job is an error answer (400) like any other.
+    app = web.Application(middlewares=[count_requests, errors, job_header], client_max_size=control.MAX_CONTROL_BODY)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app[STARTED] = time.monotonic()
+    app[JOBS] = JobStats()
+    app[METRICS].registry.register(JobCollector(app[JOBS]))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         origin = make_origin(settings)
@@ -187,7 +192,7 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
         app[CLAIMS] = Claims(settings.claims)
         reads = ReadService(
             store, fetcher, app[CLAIMS], app[METRICS],
-            direct_range_bytes=settings.direct_range_bytes, fills_behind=settings.prefetch_workers,
+            direct_range_bytes=settings.direct_range_bytes, fills_behind=settings.prefetch_workers, jobs=app[JOBS],
         )
         app[READS] = reads
         prefetcher = Prefetcher(reads, app[METRICS], settings.prefetch_workers, settings.prefetch_queue_max)
@@ -199,10 +204,16 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
             scrubber.start()
             app[SCRUBBER] = scrubber
             app[MEMBERS] = MemberIndexes(store)
+        link: MasterLink | None = None
+        if settings.master is not None and store is not None and settings.node:
+            link = await start_masterlink(app, settings.master, settings.node, store, prefetcher, app[JOBS], app[METRICS],
+                                          settings.store.eviction)
         log.info("serving %s from %s (cache %s)", settings.mode, origin.description, settings.store.root)
         try:
             yield
         finally:
+            if link is not None:
+                await link.stop()
             if scrubber is not None:
                 await scrubber.stop()
             await prefetcher.stop()

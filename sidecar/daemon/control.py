@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cache import CacheError
 from sidecar.daemon.auth.http import AUTH, batch_access, caller, listing_access, object_access, optional_caller
+from sidecar.daemon.jobstats import JOBS
 from sidecar.daemon.keys import (
     FETCHER,
     MEMBERS,
@@ -29,6 +30,7 @@ from sidecar.daemon.keys import (
     STORE,
     file_root,
 )
+from sidecar.daemon.masterlink import MASTERLINK
 from sidecar.daemon.members import NotIndexable
 from sidecar.daemon.metrics import (
     LOOKUP_RESULTS,
@@ -140,7 +142,11 @@ def stats(app: web.Application) -> dict[str, Any]:
             "fills": {outcome: counter_value(metrics.range_fills, outcome=outcome) for outcome in RANGE_FILL_OUTCOMES},
         },
         "prefetch": {"queued": app[PREFETCHER].queued(), "done": app[PREFETCHER].done,
-                     "failed": app[PREFETCHER].failed},
+                     "failed": app[PREFETCHER].failed, "plan": dict(app[PREFETCHER].plan_counts)},
+        # What each job's readers (x-shardcache-job) read, by where it came from (jobstats.py).
+        "jobs": app[JOBS].snapshot(),
+        # The lease master this node reports to (--master; masterlink.py), None without one.
+        "master": app[MASTERLINK].describe() if MASTERLINK in app else None,
         # How far the cached bytes are vouched for (sidecar/daemon/checksums.py, claims.py).
         "verification": {
             "fills": {result: fill_results.get(result, 0.0) for result in ("verified", "unverified", "failed")},

@@ -17,6 +17,10 @@ goes on to the node daemon's handle socket with the pod's own proof added
 sidecar closes its copy. A proof or session the app sends is dropped, as on HTTP. No node daemon
 is a 503: the client reads over HTTP (the standalone cache).
 
+A request may name the reader's job (``"job"``, checked as the ``x-shardcache-job`` header is):
+the descriptor's entry counts for it whole when it is handed out, under where its bytes came from
+(a hit: this node's cache; :mod:`sidecar.daemon.jobstats`). The sidecar relays it.
+
 Threads, not the event loop: a thread per connection (at most :data:`MAX_CONNECTIONS`) on
 blocking sockets with timeouts; what is asynchronous (the authorizer, the fill, the proof) runs
 on the daemon's loop through ``run_coroutine_threadsafe``, and the store's open in its executor,
@@ -52,6 +56,7 @@ from sidecar.errors import BadRequest, OriginUnavailable, SidecarError, s3_error
 from wire.errors import WireError
 from wire.handles import MAX_REQUEST, NOT_CACHED, HandleProtocolError, exchange, recv_message, send_message
 from wire.names import DAEMON_PORT, parse_connect, parse_listen, validate_bucket, validate_key, validate_xxh3_128
+from wire.nodeplan import job_name
 
 __all__ = ["MAX_CONNECTIONS", "REQUEST_TIMEOUT_S", "HandleRequest", "HandleServer", "HandleService", "NotCached",
            "error_reply", "parse_request", "set_socket_access", "start_handles"]
@@ -102,6 +107,9 @@ class HandleRequest:
     recheck: bool = False
     session: str | None = None
     proof: str | None = None
+    job: str = ""
+    """The reader's job (``"job"``, as ``x-shardcache-job`` over HTTP): the descriptor's bytes
+    count for it (:mod:`sidecar.daemon.jobstats`)."""
 
     def to_json(self) -> dict[str, Any]:
         """The request as the node daemon reads it, without session and proof (added by the sidecar)."""
@@ -110,6 +118,8 @@ class HandleRequest:
             message["xxh3_128"] = self.claim
         if self.recheck:
             message["recheck"] = True
+        if self.job:
+            message["job"] = self.job
         return message
 
 
@@ -133,7 +143,13 @@ def parse_request(message: dict[str, Any]) -> HandleRequest:
     session, proof = message.get("session"), message.get("proof")
     if not isinstance(session, str | None) or not isinstance(proof, str | None):
         raise BadRequest("session and proof must be strings (the pod's sidecar adds them)")
-    return HandleRequest(bucket, key, claim, recheck, session, proof)
+    job = message.get("job")
+    if job is not None:
+        try:
+            job = job_name(job, "job")
+        except WireError as exc:
+            raise BadRequest(str(exc)) from None
+    return HandleRequest(bucket, key, claim, recheck, session, proof, job or "")
 
 
 def error_reply(exc: BaseException) -> dict[str, Any]:
@@ -407,7 +423,7 @@ class NodeHandles:
             tenant = session.tenant
         reads = app[READS]
         ctx = ReadContext(request.bucket, request.key, caller=caller, tenant=tenant, claim=request.claim,
-                          recheck=request.recheck)
+                          recheck=request.recheck, job=request.job)
         if reads.store is None or not ctx.cacheable:
             raise NotCached(f"{ctx.bucket}/{ctx.key} is never cached (the mutable index of its shards): read it over HTTP")
         result = await reads.read(ctx, for_others=True)

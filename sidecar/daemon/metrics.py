@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["LOOKUP_RESULTS", "NODE_SOURCES", "RANGE_FILL_OUTCOMES", "SERVED_SOURCES", "Metrics", "counter_value", "counter_by", "node_reads"]
+__all__ = ["LOOKUP_RESULTS", "MASTER_OUTCOMES", "NODE_SOURCES", "RANGE_FILL_OUTCOMES", "SERVED_SOURCES", "Metrics", "counter_value",
+           "counter_by", "node_reads"]
 
 LOOKUP_RESULTS = ("hit", "miss", "coalesced")
 """The ``result`` labels of ``shardcache_cache_lookups``."""
@@ -24,6 +25,13 @@ RANGE_FILL_OUTCOMES = ("started", "no_room", "busy")
 """The ``outcome`` labels of ``shardcache_range_fills``: what became of filling an object behind a
 range read straight from the origin (started; no free room, since it never evicts; enough of them
 running already)."""
+MASTER_OUTCOMES = ("ok", "resend", "unreachable", "server_error", "not_leader", "refused", "rejected", "bad_answer",
+                   "too_large", "error")
+"""The ``outcome`` labels of ``shardcache_master_reports`` (:mod:`sidecar.daemon.masterlink`): ok (a
+plan, applied), resend (the master asked for a full report), unreachable (no connection, or no
+answer in time), server_error (5xx), not_leader (a follower answered), refused (401/403: the
+token), rejected (another 4xx: the master refused the report), bad_answer (not a plan),
+too_large (an answer past ``MAX_PLAN_BYTES``), error (this daemon failed to build or apply one)."""
 NODE_SOURCES = ("local", "peer", "origin")
 """The ``source`` labels of ``shardcache_client_bytes`` and ``shardcache_client_reads``: where the
 bytes this daemon's own clients (never its peers) read came from. ``local``: this node's cache (a
@@ -221,6 +229,14 @@ class Metrics:
         )
         for outcome in RANGE_FILL_OUTCOMES:
             self.range_fills.labels(outcome=outcome)
+        self.master_reports = Counter(
+            "shardcache_master_reports",
+            "Reports to the lease master (--master), by outcome: ok, resend (a full report asked for), unreachable, "
+            "server_error, not_leader, refused (the token), rejected (the report), bad_answer (not a plan), "
+            "too_large, error",
+            ["outcome"], registry=r,
+        )
+        self.master_outcome = {outcome: self.master_reports.labels(outcome=outcome) for outcome in MASTER_OUTCOMES}
         self.prefetch_queued = Gauge(
             "shardcache_prefetch_queue_items", "Prefetches waiting, by priority", ["priority"], registry=r
         )

@@ -3,6 +3,14 @@
 Lease prefetches (a trainer's next shards) run before warm-ups; demand reads never queue here at
 all, they start their fill directly and their origin requests outrank every prefetch's
 (:mod:`sidecar.daemon.priority`).
+
+The lease master's plan (:mod:`sidecar.daemon.masterlink`) prefetches at lease priority too
+(:meth:`Prefetcher.submit_plan`), in the plan's order; each new plan withdraws what the last one
+queued and this one no longer lists. A plan's fill never evicts an entry the plan keeps: it starts
+only when the store has room counting what the plan does not keep as free
+(:meth:`cache.Store.plan_room`, for an object of the cache's mean size) and begins under
+:meth:`cache.Store.spare_kept` (under ``lru`` it evicts by LRU, under ``hold`` it fills free room
+only). The bytes it brings in count as the job's ``prefetch_bytes`` (:mod:`sidecar.daemon.jobstats`).
 """
 
 from __future__ import annotations
@@ -11,10 +19,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cache import Store
 from sidecar.daemon.metrics import Metrics
-from sidecar.daemon.priority import PRIORITIES
+from sidecar.daemon.priority import LEASE, PRIORITIES
 from sidecar.daemon.reads import ReadContext, ReadService
 from sidecar.errors import SidecarError
 
@@ -38,6 +48,10 @@ class PrefetchItem:
     tenant: str = ""
     """Whose request asked for it ("" without auth): the fill's entry counts against that
     tenant's quota. Last, so ``PrefetchItem(bucket, key)`` still reads as before."""
+    job: str = ""
+    """The job the lease master's plan prefetches it for ("" for a hint's or a warm-up's)."""
+    plan: bool = False
+    """Asked for by the lease master's plan: its fill evicts nothing the plan keeps."""
 
 
 class Prefetcher:
@@ -50,11 +64,16 @@ class Prefetcher:
         self.max_queued = max_queued
         self._queue: asyncio.PriorityQueue[tuple[int, int, PrefetchItem]] = asyncio.PriorityQueue()
         self._queued: dict[tuple[str, str], int] = {}
+        self._planned: set[tuple[str, str]] = set()  # queued by the last plan
         self._seq = itertools.count()
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
         self.done = 0
         self.failed = 0
+        self.plan_counts = {"queued": 0, "withdrawn": 0, "filled": 0, "filled_bytes": 0, "no_room": 0, "joined": 0}
+        """What became of the plan's prefetches: queued, withdrawn by a later plan before they ran,
+        filled (and their bytes), not started for lack of room the plan does not keep, joined to
+        a fill already running."""
 
     def start(self) -> None:
         self._tasks = [
@@ -69,11 +88,16 @@ class Prefetcher:
                 await task
         self._tasks = []
 
-    def submit(self, items: list[PrefetchItem], priority: int) -> int:
+    def submit(self, items: Sequence[PrefetchItem], priority: int) -> int:
         """Queue what is neither cached nor queued at this or a better priority; returns how many."""
         if len(self._queued) + len(items) > self.max_queued:
             raise QueueFull(f"prefetch queue holds {len(self._queued)} objects (max {self.max_queued})")
-        accepted = 0
+        accepted = len(self._enqueue(items, priority))
+        self._update_gauge()
+        return accepted
+
+    def _enqueue(self, items: Sequence[PrefetchItem], priority: int) -> list[tuple[str, str]]:
+        accepted: list[tuple[str, str]] = []
         for item in items:
             name = (item.bucket, item.key)
             if self.reads.cached(item.bucket, item.key):
@@ -83,12 +107,31 @@ class Prefetcher:
                 continue
             queued = self._queued.get(name)
             if queued is not None and queued <= priority:
+                if not item.plan:
+                    self._planned.discard(name)  # a reader's hint too: no later plan withdraws it
                 continue
             self._queued[name] = priority
             self._queue.put_nowait((priority, next(self._seq), item))
-            accepted += 1
-        self._update_gauge()
+            accepted.append(name)
         return accepted
+
+    def submit_plan(self, items: Sequence[PrefetchItem]) -> int:
+        """The lease master's prefetch list (``plan=True`` items), in the order they will be read:
+        queued at lease priority, skipping what is cached, filling or queued; what the last plan
+        queued and this one no longer lists is withdrawn. As many as the queue has room for (a
+        plan is a hint: never :class:`QueueFull`). Returns how many were queued."""
+        wanted = {(item.bucket, item.key) for item in items}
+        for name in self._planned - wanted:
+            if self._queued.get(name) == LEASE:
+                del self._queued[name]  # its worker skips it
+                self.plan_counts["withdrawn"] += 1
+        self._planned &= wanted
+        room = max(0, self.max_queued - len(self._queued))
+        accepted = self._enqueue(items[:room], LEASE)
+        self._planned.update(accepted)
+        self.plan_counts["queued"] += len(accepted)
+        self._update_gauge()
+        return len(accepted)
 
     def queued(self) -> dict[str, int]:
         counts = {name: 0 for name in PRIORITIES}
@@ -120,10 +163,16 @@ class Prefetcher:
             if self._queued.get(name) != priority:
                 continue  # superseded by a better-priority submission
             del self._queued[name]
+            self._planned.discard(name)
             self._update_gauge()
             try:
                 await self._yield_to_demand()
-                fill = self.reads.prefetch(ReadContext(item.bucket, item.key, tenant=item.tenant, priority=priority))
+                ctx = ReadContext(item.bucket, item.key, tenant=item.tenant, priority=priority)
+                store = self.reads.store
+                if item.plan and store is not None:
+                    await self._plan_fill(store, item, ctx)
+                    continue
+                fill = self.reads.prefetch(ctx)
                 if fill is None:
                     continue  # cached meanwhile, or never cached
                 await fill.wait_done()
@@ -133,3 +182,39 @@ class Prefetcher:
             except Exception as exc:
                 self.failed += 1
                 log.warning("prefetch of %s/%s failed: %s", item.bucket, item.key, exc)
+
+    async def _plan_fill(self, store: Store, item: PrefetchItem, ctx: ReadContext) -> None:
+        """A fill the plan asked for: only with room that evicts nothing the plan keeps."""
+        name = (item.bucket, item.key)
+        if name in self.fetcher.inflight or self.reads.cached(item.bucket, item.key):
+            if self.reads.prefetch(ctx) is not None:  # promotes a running fill; the reader counts its bytes
+                self.plan_counts["joined"] += 1
+            return
+        if not await asyncio.to_thread(_room_for_plan, store):
+            self.plan_counts["no_room"] += 1
+            return
+        if name in self.fetcher.inflight or self.reads.cached(item.bucket, item.key):
+            return  # started or cached while the room was looked at: a reader's, not the plan's
+        self.reads.plan_fills.add(name)
+        try:
+            with store.spare_kept(item.bucket, item.key):
+                fill = self.reads.prefetch(ctx)
+                if fill is None:
+                    return  # never cached
+                entry = await fill.wait_done()
+        finally:
+            self.reads.plan_fills.discard(name)
+        self.done += 1
+        if entry is None:
+            self.plan_counts["no_room"] += 1  # the store refused it at its begin: no room the plan does not keep
+            return
+        self.plan_counts["filled"] += 1
+        self.plan_counts["filled_bytes"] += entry.size
+        if item.job:
+            self.reads.jobs.count(item.job, "prefetch_bytes", entry.size)
+
+
+def _room_for_plan(store: Store) -> bool:
+    """Whether a plan's fill of an object of the cache's mean size could start (a worker thread)."""
+    _, used, items = store.usage()
+    return store.plan_room(used // items if items else 0)

@@ -37,7 +37,11 @@ only translate: the rules below are written once.
   (:meth:`cache.Store.has_room`; ``begin(evict=False)``), a few such fills at a time: a random
   reader of a dataset larger than the cache fills what fits and reads the rest by ranges.
 - **Counting.** Every lookup is counted once (hit, miss, coalesced), every claim dispute by its
-  outcome; where bytes come from and how they are sent is counted by :class:`Tally`.
+  outcome; where bytes come from and how they are sent is counted by :class:`Tally`, and for the
+  job the reader named (``x-shardcache-job``) by :class:`~sidecar.daemon.jobstats.JobTally`.
+- **The plan's fills.** A fill the lease master's plan asked for (:mod:`sidecar.daemon.prefetch`)
+  evicts no entry the plan keeps (:meth:`cache.Store.spare_kept`) until a demand read joins it:
+  a trainer waiting for the object may evict as any demand read does.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from cache import CacheError, CorruptEntry, Entry, EntryNotFound, IntegrityError
 from sidecar.daemon.accounting import Tally, miss_source
 from sidecar.daemon.claims import Claims
 from sidecar.daemon.fills import Fetcher, Fill, RangeRead
+from sidecar.daemon.jobstats import JobStats, JobTally
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.priority import DEMAND, LEASE
@@ -108,6 +113,9 @@ class ReadContext:
     counted: bool = True
     """Whether the lookup counts in the cache's hit figures (``shardcache_cache_lookups``): a
     reader's does; a warm-up's, which only brings objects in, does not."""
+    job: str = ""
+    """The job the reader named (``x-shardcache-job``, checked), whose figures its bytes count in
+    too (:mod:`sidecar.daemon.jobstats`); "" for none."""
 
     @property
     def cacheable(self) -> bool:
@@ -186,7 +194,7 @@ class ReadService:
 
     def __init__(
         self, store: Store | None, fetcher: Fetcher, claims: Claims, metrics: Metrics, *,
-        direct_range_bytes: int = 0, fills_behind: int = 4,
+        direct_range_bytes: int = 0, fills_behind: int = 4, jobs: JobStats | None = None,
     ) -> None:
         self.store = store
         self.fetcher = fetcher
@@ -196,12 +204,18 @@ class ReadService:
         """Ranges up to this many bytes of objects not cached come straight from the origin (0: never)."""
         self.fills_behind = fills_behind
         """Fills started behind direct ranges that may run at once (more: the range only)."""
+        self.jobs = jobs if jobs is not None else JobStats()
+        """The per-job counters reads that name a job count in."""
+        self.plan_fills: set[tuple[str, str]] = set()
+        """Objects whose fill the plan asked for, in :meth:`cache.Store.spare_kept` (the prefetcher's)."""
         self._behind: dict[Fill, int] = {}  # fills started behind direct ranges, and their objects' sizes
         self._admitting = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     def tally(self, ctx: ReadContext) -> Tally:
-        """The byte counters of an answer to ``ctx``."""
+        """The byte counters of an answer to ``ctx`` (and of its job, if it names one)."""
+        if ctx.job:
+            return JobTally(self.metrics, ctx.peer is not None, self.jobs, ctx.job)
         return Tally(self.metrics, ctx.peer is not None)
 
     # -- what an object is (HEAD) -------------------------------------------------------------
@@ -285,6 +299,8 @@ class ReadService:
         fill, created = self.fetcher.start(
             ctx.bucket, ctx.key, ctx.priority, tenant=ctx.tenant, origin_only=ctx.origin_only
         )
+        if not created and ctx.priority == DEMAND and (ctx.bucket, ctx.key) in self.plan_fills:
+            store.unspare(ctx.bucket, ctx.key)  # a trainer waits for it: it may evict as a demand read
         state = "miss" if created else "coalesced"
         self._count(ctx, state)
         info = await fill.wait_info()

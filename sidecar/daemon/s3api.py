@@ -15,7 +15,9 @@ makes the daemon re-hash its file before answering, as rarely as a disagreeing c
 request signed by a peer daemon of the cluster (:func:`~sidecar.daemon.peers.http.peer_request`)
 is read for that peer: no tenant check (the asking daemon checked its caller), origin only.
 
-Bytes are counted by :class:`~sidecar.daemon.accounting.Tally`, as they are sent.
+Bytes are counted by :class:`~sidecar.daemon.accounting.Tally`, as they are sent, and for the job
+a reader names in ``x-shardcache-job`` (checked for every request by
+:func:`~sidecar.daemon.jobstats.job_header`) by its :class:`~sidecar.daemon.jobstats.JobTally`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from cache import CacheError, Entry, IntegrityError
 from sidecar.daemon.accounting import Tally
 from sidecar.daemon.auth.http import AUTH, listing_access, object_access
 from sidecar.daemon.claims import caller_of
+from sidecar.daemon.jobstats import request_job
 from sidecar.daemon.keys import ORIGIN, READS
 from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.peers.http import peer_request
@@ -169,6 +172,7 @@ async def s3_handler(request: web.Request) -> web.StreamResponse:
         bucket, key, caller=caller_of(request) if expected else "", tenant=tenant, claim=expected,
         recheck=request.headers.get("x-shardcache-recheck") == "1", peer=peer,
         if_cached=peer is not None and request.headers.get(IF_CACHED_HEADER) == "1",
+        job="" if peer is not None else request_job(request),
     )
     if request.method == "HEAD":
         return await _head(request, request.app[READS], ctx)

@@ -16,9 +16,44 @@ from wire.errors import InvalidName
 from wire.names import MAX_GID, parse_connect, parse_listen
 from wire.web import ConnectionLimits
 
-__all__ = ["ServeSettings", "MODES"]
+__all__ = ["ServeSettings", "MasterLinkSettings", "MODES"]
 
 MODES = ("node", "sidecar")
+
+
+@dataclass(frozen=True)
+class MasterLinkSettings:
+    """``--master``: the node daemon reports what it caches to a lease master and takes its plan
+    (:mod:`sidecar.daemon.masterlink`)."""
+
+    urls: tuple[str, ...]
+    """The master's URL, or several (its leader and followers: the leader answers reports, a
+    follower names it), tried in turn: ``http(s)://host:port[/base]`` or ``unix:///path.sock``."""
+
+    token: str | None = None
+    """The master's operator token (``--master-token-file``), sent as ``Authorization: Bearer``."""
+
+    first_interval_s: float = 2.0
+    """Seconds between reports until the first plan says otherwise (its ``interval_s``)."""
+
+    timeout_s: float = 10.0
+    """Seconds one report may take, sent and answered; a master slower than that counts as down."""
+
+    backoff_max_s: float = 60.0
+    """Longest wait before reporting again after failures (doubling from the interval)."""
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("--master needs a URL: http://master:8700 (several comma-separated: leader and followers)")
+        for url in self.urls:
+            try:
+                parse_connect(url, schemes=("http", "https"), base_path=True)
+            except InvalidName as exc:
+                raise ValueError(f"--master: {exc}") from None
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ValueError("--master-token-file: the token is one word, without spaces or line breaks inside")
+        if not (self.first_interval_s > 0 and self.timeout_s > 0 and self.backoff_max_s >= self.first_interval_s):
+            raise ValueError("the master link's interval, timeout and backoff must be positive seconds")
 
 
 @dataclass(frozen=True)
@@ -89,6 +124,11 @@ class ServeSettings:
     """``--node``/``SHARDCACHE_NODE``: the node's name (the chart sets ``spec.nodeName``), in
     ``/stats``, ``/readyz`` and ``/_shardcache/peers``."""
 
+    master: MasterLinkSettings | None = None
+    """``--master URL``: report what this node caches to a lease master and apply its plan
+    (prefetch what its trainers will read next; with ``--eviction planned``, evict by when they
+    will); needs ``node``, the name the master knows this node by. ``None``: no master."""
+
     socket_group: int | None = None
     """``--socket-group GID``: the unix sockets (``--listen unix://``, ``--handles``) are mode 0660
     and owned by this group, so only processes in it (the injected sidecars, given it as
@@ -113,6 +153,13 @@ class ServeSettings:
             raise ValueError(
                 "--auth sigv4 with peers needs --peer-secret-file: open peer links would let any pod read "
                 "through the peer path past the tenant checks"
+            )
+        if self.master is not None and self.mode != "node":
+            raise ValueError("--master is the node daemon's (--mode node): a sidecar reads through its node's daemon")
+        if self.master is not None and not self.node:
+            raise ValueError(
+                "--master needs --node NAME (SHARDCACHE_NODE; the chart sets spec.nodeName): the master plans per "
+                "node, by the name its trainers give in their leases"
             )
         if self.socket_group is not None and not 0 <= self.socket_group <= MAX_GID:
             raise ValueError(f"--socket-group must be a numeric group id from 0 to {MAX_GID}, not {self.socket_group}")

@@ -474,3 +474,17 @@ def test_epoch_through_a_pod_sidecar_relaying_handles(real_node: tuple[str, Writ
             reader.close()
     finally:
         proc.stop()
+
+
+def test_the_loader_names_its_job_in_handle_requests(origin: tuple[str, Written, str], handle_server: HandleServer,
+                                                     master: str) -> None:
+    # The daemon counts what a job's readers read (issue 32), by descriptor too: the job rides in
+    # each open request as it rides in x-shardcache-job over HTTP.
+    url, written, endpoint = origin
+    samples = list(ShardLoader(url, job="resnet-9", master=master, epochs=1, endpoint=endpoint,
+                               settings=_settings(handle_server.path)))
+    assert delivered(samples) == written.samples
+    opens = [r for r in handle_server.requests if r.get("op") == "open"]
+    assert len(opens) == len(written.keys) and all(r.get("job") == "resnet-9" for r in opens)
+    list(ShardLoader(url, endpoint=endpoint, seed=1, settings=_settings(handle_server.path)))  # no job: none named
+    assert all("job" not in r for r in handle_server.requests[len(opens):])

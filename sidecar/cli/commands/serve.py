@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cache.eviction import EVICTION_POLICIES
 from sidecar.cli.util import (
     EXIT_UNAVAILABLE,
     RawDefaultsFormatter,
@@ -54,8 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flag(parser, "--cache-size", default="100GiB", help="cache capacity, e.g. 200GiB")
     add_flag(parser, "--min-free", default="10%", help="keep this much of the file system free")
     add_flag(parser, "--max-items", default="1000000", help="maximum number of cached objects")
-    add_flag(parser, "--eviction", default="lru", choices=["lru", "hold"],
-             help="lru: evict least recently used; hold: admit until full, then serve misses uncached")
+    add_flag(parser, "--eviction", default="lru", choices=list(EVICTION_POLICIES),
+             help="lru: evict least recently used; hold: admit until full, then serve misses uncached; planned: "
+                  "by the --master's plan (what its trainers read last goes first: Belady's rule), as lru without one")
     add_flag(parser, "--tenant-quota", default=None, metavar="SIZE",
              help="bytes one authenticated tenant may bring into the cache, e.g. 50GiB; past it that "
                   "tenant's own least recently used entries are evicted first (default: no quota)")
@@ -120,6 +122,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                   "open, and --auth sigv4 refuses to start")
     add_flag(parser, "--node", default=None, metavar="NAME",
              help="this node's name, shown in /stats and /_shardcache/peers (the chart sets spec.nodeName)")
+    add_flag(parser, "--master", default=None, metavar="URL",
+             help="a lease master (shardcache master), or several comma-separated (leader and followers): report "
+                  "what this node caches to it every few seconds and apply its plan (prefetch what the node's "
+                  "trainers will read next; --eviction planned evicts by it). Needs --node (default: no master)")
+    add_flag(parser, "--master-token-file", default=None, metavar="PATH",
+             help="the master's operator token (its --token-file), sent with every report")
     add_connection_flags(parser, max_connections=1024)
     parser.set_defaults(func=run)
 
@@ -187,6 +195,7 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                         "the node daemon's descriptors")
     concurrency = _int(args.origin_concurrency, "--origin-concurrency", 2)
     auth = _auth_settings(args)
+    master = _master_settings(args)
     cluster = _cluster_settings(args, listen, auth.mode)
     try:
         store = StoreSettings(
@@ -225,8 +234,38 @@ def build_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         upstream_handles=upstream_handles,
         cluster=cluster,
         node=args.node or None,
+        master=master,
         socket_group=parse_gid(args.socket_group, "--socket-group"),
     )
+
+
+def _master_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from sidecar.daemon.settings import MasterLinkSettings
+
+    urls = tuple(url.strip() for url in (args.master or "").split(",") if url.strip())
+    if not urls:
+        if args.master_token_file:
+            raise UserError("--master-token-file is for a lease master: give --master http://master:8700 too")
+        return None
+    if args.mode != "node":
+        raise UserError("--master is the node daemon's (--mode node): a sidecar reads through its node's daemon")
+    if not args.node:
+        raise UserError("--master needs --node NAME (or SHARDCACHE_NODE; the chart sets spec.nodeName): the master "
+                        "plans per node, by the node name its trainers lease with")
+    token: str | None = None
+    if args.master_token_file:
+        try:
+            token = Path(args.master_token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise UserError(f"--master-token-file {args.master_token_file}: {reason}") from None
+        if not token:
+            raise UserError(f"--master-token-file {args.master_token_file} is empty: put the master's token in it "
+                            "(the file the master's --token-file reads)")
+    try:
+        return MasterLinkSettings(urls=urls, token=token)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _cluster_settings(args: argparse.Namespace, listen: tuple[str, ...], auth_mode: str):  # type: ignore[no-untyped-def]
