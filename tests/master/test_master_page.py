@@ -6,7 +6,16 @@ The page loads, shows a running job's trainers with their leases, updates as the
 (leases completed from the test: the progress changes within the page's 2 s refresh), shows a
 failed shard, renders a hostile trainer name as text, and with ``--token-file`` asks for the token,
 refuses a wrong one and then shows the job. ``STATUS_PAGE_SCREENSHOT=path`` also saves the
-screenshot of the running job there (how docs/status-page.png is made)."""
+screenshot of the running job there (how docs/status-page.png is made).
+
+The Cache panel (a job's ``cache`` section, which the master sums from node daemons' reports) is
+checked with sections the test adds to the real master's ``GET /v1/jobs`` answers in the browser,
+at the page's ``fetch`` (:data:`_INJECT_CACHE`), for the shapes a real master makes only with many
+daemons reporting, or not at all: nodes worst first, null and missing figures, no section (an
+older master), a job on 2,000 nodes in a scrolling table that keeps its place across refreshes.
+``STATUS_PAGE_CACHE_SCREENSHOT=path`` saves that job's screenshot there
+(docs/status-page-cache.png). Where the master takes node reports itself
+(``POST /v1/nodes/{node}/report``), a report posted to it shows in the panel with nothing added."""
 
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ import shutil
 import threading
 import time
 import urllib.request
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +39,7 @@ from loader.master.client import MasterClient
 from tests.support.masters import MasterProcess, http, job_spec
 from tests.support.processes import spawn, stop
 from tests.support.waits import wait_until
+from wire.nodeplan import NodeReport
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.slow,
@@ -344,4 +355,232 @@ def test_the_page_is_served_with_a_strict_policy(tmp_path: Path) -> None:
         with urllib.request.urlopen(master.url + "/page/page.css", timeout=5) as resp:
             assert resp.headers["Content-Type"].startswith("text/css")
     finally:
+        master.stop()
+
+
+# -- the Cache panel -------------------------------------------------------------------------------
+
+# Runs in the tab before the page's own script (Page.addScriptToEvaluateOnNewDocument, which the
+# page's CSP does not apply to): the real master's answers to GET v1/jobs, with the cache section
+# of each job named in window.__cacheSections set to the test's (null: none, as from a master older
+# than the section). Counts those answers, so a test can wait for the page's next refresh.
+_INJECT_CACHE = """
+(() => {
+  window.__cacheSections = %s;
+  window.__jobFetches = 0;
+  const realFetch = window.fetch.bind(window);
+  window.fetch = async (input, init) => {
+    const resp = await realFetch(input, init);
+    if (new URL(String(input), location.href).pathname !== "/v1/jobs" || !resp.ok) return resp;
+    const body = await resp.json();
+    for (const job of body.jobs || []) {
+      if (!Object.hasOwn(window.__cacheSections, job.name)) continue;
+      const section = window.__cacheSections[job.name];
+      if (section === null) delete job.cache; else job.cache = section;  // null: as from a master before it
+    }
+    window.__jobFetches += 1;
+    return new Response(JSON.stringify(body), { status: resp.status, headers: resp.headers });
+  };
+})();
+"""
+
+GiB = 1 << 30
+
+
+def _cache_node(node: str, **figures: Any) -> dict[str, Any]:
+    """One node of a cache section, as the master's job status gives it; ``figures`` override."""
+    row = {"node": node, "report_age_s": 1.2, "trainers": 2, "reads": 10, "hit_bytes": 1000, "origin_bytes": 100,
+           "peer_bytes": 0, "prefetch_bytes": 500, "hit_rate": 0.909, "held_shards": 12, "planned_shards": 20,
+           "prefetch_lead_shards": 5, "wait_fraction": 0.01}
+    row.update(figures)
+    return row
+
+
+def _cache_section(nodes: list[dict[str, Any]], **totals: Any) -> dict[str, Any]:
+    base = {"reads": 0, "hit_bytes": 0, "origin_bytes": 0, "peer_bytes": 0, "prefetch_bytes": 0, "hit_rate": None}
+    return {"reporting_nodes": len(nodes), "totals": {**base, **totals}, "nodes": nodes, "nodes_omitted": 0}
+
+
+def _inject_cache(tab: Tab, sections: dict[str, Any]) -> None:
+    """Add ``sections`` to the master's answers in the documents ``tab`` loads from now on."""
+    tab.send("Page.enable")  # without it, chromium keeps the script but runs it in no document
+    tab.send("Page.addScriptToEvaluateOnNewDocument", source=_INJECT_CACHE % json.dumps(sections))
+
+
+def _set_cache(tab: Tab, job: str, section: Any) -> None:
+    tab.evaluate(f"window.__cacheSections[{json.dumps(job)}] = {json.dumps(section)}; true")
+
+
+def _next_refresh(tab: Tab) -> None:
+    """Wait until the page has rendered an answer fetched after now (two answers on: the one in
+    flight may predate the change)."""
+    seen = int(tab.evaluate("window.__jobFetches"))
+    tab.wait_for(f"window.__jobFetches >= {seen + 2}", "the page's next refresh", timeout=10)
+    tab.wait_for("document.readyState === 'complete'", "a rendered page")
+
+
+def _cache_rows(tab: Tab, job: str) -> list[list[str]]:
+    return list(tab.evaluate(
+        f"[...document.querySelectorAll('[data-job={json.dumps(job)}] .cache-node')]"
+        ".map(r => [...r.cells].map(c => c.textContent))"
+    ))
+
+
+def _panel_text(tab: Tab, job: str, part: str) -> Any:
+    return tab.evaluate(f"document.querySelector('[data-job={json.dumps(job)}] .cache {part}')?.textContent ?? null")
+
+
+def test_the_cache_panel_shows_each_jobs_nodes_worst_first_and_follows_the_refresh(tmp_path: Path, tab: Tab) -> None:
+    master = _master(tmp_path).start()
+    client = MasterClient(master.url, retry_deadline_s=10)
+    try:
+        for name in ("resnet50", "older", "quiet"):
+            client.create_job(job_spec(name, n=16))
+        client.lease("resnet50", "trainer-1", "node-a", 2)
+        client.lease("resnet50", "trainer-2", "node-b", 2)
+        _report_wait(master, "resnet50", "trainer-1", 6.0, 20.0, [120, 40, 10, 10, 8, 8, 4, 0, 0])  # 30 % waited
+        nodes = [
+            _cache_node("node-a", hit_rate=0.2, wait_fraction=0.3, origin_bytes=3 * GiB, prefetch_bytes=None),
+            _cache_node("node-b"),  # the example's figures
+            _cache_node("node-c", hit_rate=None, wait_fraction=None, trainers=0, reads=0, report_age_s=125.0,
+                        held_shards=None),
+            _cache_node(HOSTILE, hit_rate=0.5, wait_fraction=0.01),
+        ]
+        # "older" has no section (a master before it); "quiet" one with no report yet.
+        _inject_cache(tab, {
+            "older": None,
+            "resnet50": _cache_section(nodes, reads=20, hit_bytes=2000, origin_bytes=3 * GiB + 200, prefetch_bytes=500,
+                                       hit_rate=0.2),
+            "quiet": _cache_section([]),
+        })
+        tab.navigate(master.url + "/")
+        tab.wait_for("document.querySelector('[data-job=\"resnet50\"] .cache-node')", "the Cache panel's nodes")
+
+        assert _panel_text(tab, "resnet50", "h3") == "Cache (4 nodes reporting)"
+        assert _panel_text(tab, "resnet50", ".cache-totals") == \
+            "hit rate 20.0 % · origin 3.0 GiB · peer 0 B · prefetched 500 B · 20 reads"
+        heads = tab.evaluate("[...document.querySelectorAll('[data-job=\"resnet50\"] .cache th')].map(h => h.textContent)")
+        assert heads == ["node", "trainers", "hit rate", "origin", "peer", "prefetched", "held / planned", "prefetch lead",
+                         "wait", "report age"]
+        # Worst first: the most waited, then (same wait) the lowest hit rate; unknown figures last.
+        assert _cache_rows(tab, "resnet50") == [
+            ["node-a", "2", "20.0 %", "3.0 GiB", "0 B", "–", "12 / 20", "5", "30.0 %", "1.2 s ago"],
+            [HOSTILE, "2", "50.0 %", "100 B", "0 B", "500 B", "12 / 20", "5", "1.0 %", "1.2 s ago"],
+            ["node-b", "2", "90.9 %", "100 B", "0 B", "500 B", "12 / 20", "5", "1.0 %", "1.2 s ago"],
+            ["node-c", "0", "–", "100 B", "0 B", "500 B", "– / 20", "5", "–", "125.0 s ago"],
+        ]
+        # The figures past the thresholds stand out; the job's head says why its trainers wait.
+        flagged = tab.evaluate("[...document.querySelectorAll('[data-job=\"resnet50\"] td.alert')].map(c => c.textContent)")
+        assert flagged == ["20.0 %", "30.0 %"], flagged
+        badge = tab.evaluate("document.querySelector('[data-job=\"resnet50\"] .cache-warn')?.textContent")
+        assert badge == "cache hit rate 20.0 % while trainers wait", badge
+        assert tab.evaluate("document.querySelectorAll('main img').length") == 0  # the hostile name is text
+        assert tab.evaluate("document.querySelector('[data-job=\"older\"] .cache')") is None
+        assert _panel_text(tab, "quiet", "h3") == "Cache (0 nodes reporting)"
+        assert _panel_text(tab, "quiet", ".cache-totals").startswith("no node reports yet")
+        assert tab.evaluate("document.querySelector('[data-job=\"quiet\"] .cache-warn')") is None
+
+        # The panel follows the page's refresh: a new section, and fields a report may leave out.
+        _set_cache(tab, "resnet50", {"reporting_nodes": 1, "totals": {"hit_rate": 0.95, "origin_bytes": 5 * GiB},
+                                     "nodes": [{"node": "node-a"}]})
+        tab.wait_for("document.querySelector('[data-job=\"resnet50\"] .cache-totals').textContent.startsWith('hit rate 95.0 %')",
+                     "the refreshed totals")
+        assert _panel_text(tab, "resnet50", ".cache-totals") == "hit rate 95.0 % · origin 5.0 GiB · peer – · prefetched – · – reads"
+        assert _cache_rows(tab, "resnet50") == [["node-a", "–", "–", "–", "–", "–", "– / –", "–", "–", "–"]]
+        assert tab.evaluate("document.querySelector('[data-job=\"resnet50\"] .cache-warn')") is None
+
+        # A job on 2,000 nodes: all of them, worst first, in a box that scrolls and keeps its place
+        # across the page's refreshes (each rebuilds the jobs).
+        many = [_cache_node(f"node-{i:04d}", wait_fraction=(i % 100) / 1000, hit_rate=0.5 + (i % 7) / 20) for i in range(2000)]
+        _set_cache(tab, "resnet50", {**_cache_section(many, hit_rate=0.6, origin_bytes=2000 * 100), "reporting_nodes": 2500,
+                                     "nodes_omitted": 500})
+        tab.wait_for("document.querySelectorAll('[data-job=\"resnet50\"] .cache-node').length === 2000", "2,000 node rows")
+        assert _panel_text(tab, "resnet50", "h3") == "Cache (2500 nodes reporting)"
+        # The master lists a job's nodes up to a cap: the rest are counted, in the totals.
+        assert _panel_text(tab, "resnet50", ".cache-omitted") == "500 more nodes not listed by the master (counted in the totals)"
+        rows = _cache_rows(tab, "resnet50")
+        waits = [float(r[8].removesuffix(" %")) for r in rows]
+        worst = min(many, key=lambda n: (-n["wait_fraction"], n["hit_rate"], n["node"]))
+        assert waits == sorted(waits, reverse=True) and rows[0][0] == worst["node"], rows[:3]
+        box = "document.querySelector('[data-job=\"resnet50\"] .cache-scroll')"
+        height, full = tab.evaluate(f"[{box}.clientHeight, {box}.scrollHeight]")
+        assert 100 < height < 400 < full, (height, full)
+        tab.evaluate(f"{box}.scrollTop = 5000; true")
+        _next_refresh(tab)
+        assert tab.evaluate(f"{box}.scrollTop") == 5000
+        assert tab.evaluate("document.querySelectorAll('[data-job=\"resnet50\"] .cache-node').length") == 2000
+        assert not tab.errors(), tab.errors()
+    finally:
+        client.close()
+        master.stop()
+
+
+def test_a_screenshot_of_a_job_with_its_cache_panel(tmp_path: Path, tab: Tab) -> None:
+    """A job mid-epoch on four nodes, with their cache figures: ``STATUS_PAGE_CACHE_SCREENSHOT=path``
+    saves it there (docs/status-page-cache.png)."""
+    master = _master(tmp_path).start()
+    client = MasterClient(master.url, retry_deadline_s=10)
+    try:
+        client.create_job(job_spec("resnet50", n=64, epochs=2))
+        for trainer, node, done in (("trainer-1", "node-a", 9), ("trainer-2", "node-b", 7), ("trainer-3", "node-c", 6),
+                                    ("trainer-4", "node-d", 5)):
+            for lease in client.lease("resnet50", trainer, node, done, epoch=0)["leases"]:
+                client.complete("resnet50", lease["lease"], trainer)
+            client.lease("resnet50", trainer, node, 2, epoch=0)
+        _report_wait(master, "resnet50", "trainer-4", 3.0, 20.0, [200, 60, 20, 10, 8, 2, 0, 0, 0])
+        _report_wait(master, "resnet50", "trainer-3", 0.6, 20.0, [280, 15, 5, 0, 0, 0, 0, 0, 0])
+        nodes = [
+            _cache_node("node-d", trainers=1, reads=412, hit_bytes=int(9.1 * GiB), origin_bytes=int(6.2 * GiB),
+                        peer_bytes=int(1.1 * GiB), prefetch_bytes=int(4.0 * GiB), hit_rate=0.555, held_shards=31,
+                        planned_shards=48, prefetch_lead_shards=1, wait_fraction=0.15, report_age_s=1.8),
+            _cache_node("node-c", trainers=1, reads=530, hit_bytes=int(17.5 * GiB), origin_bytes=int(1.4 * GiB),
+                        peer_bytes=int(0.6 * GiB), prefetch_bytes=int(7.2 * GiB), hit_rate=0.897, held_shards=44,
+                        planned_shards=48, prefetch_lead_shards=4, wait_fraction=0.03, report_age_s=0.7),
+            _cache_node("node-a", trainers=1, reads=611, hit_bytes=int(22.8 * GiB), origin_bytes=int(0.3 * GiB),
+                        peer_bytes=int(0.2 * GiB), prefetch_bytes=int(9.9 * GiB), hit_rate=0.978, held_shards=48,
+                        planned_shards=48, prefetch_lead_shards=8, wait_fraction=0.0, report_age_s=1.1),
+            _cache_node("node-b", trainers=1, reads=588, hit_bytes=int(21.0 * GiB), origin_bytes=int(0.5 * GiB),
+                        peer_bytes=int(0.4 * GiB), prefetch_bytes=int(8.8 * GiB), hit_rate=0.959, held_shards=47,
+                        planned_shards=48, prefetch_lead_shards=7, wait_fraction=None, report_age_s=2.4),
+        ]
+        totals = {key: sum(n[key] for n in nodes) for key in ("reads", "hit_bytes", "origin_bytes", "peer_bytes", "prefetch_bytes")}
+        totals["hit_rate"] = round(totals["hit_bytes"] / (totals["hit_bytes"] + totals["origin_bytes"] + totals["peer_bytes"]), 3)
+        _inject_cache(tab, {"resnet50": _cache_section(nodes, **totals)})
+        tab.navigate(master.url + "/")
+        tab.wait_for("document.querySelectorAll('[data-job=\"resnet50\"] .cache-node').length === 4", "the Cache panel")
+        tab.wait_for("document.querySelector('[data-trainer=\"trainer-4\"] .trainer-wait').textContent === '15.0 %'",
+                     "trainer-4's wait")
+        png = tab.screenshot(tmp_path / "status-page-cache.png")
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+        target = os.environ.get("STATUS_PAGE_CACHE_SCREENSHOT")
+        if target:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            Path(target).write_bytes(png)
+        assert not tab.errors(), tab.errors()
+    finally:
+        client.close()
+        master.stop()
+
+
+def test_the_cache_panel_from_a_node_report_to_the_master(tmp_path: Path, tab: Tab) -> None:
+    """End to end, nothing added: a node daemon's report (wire/nodeplan.py) posted to the master
+    shows in the job's Cache panel."""
+    master = _master(tmp_path).start()
+    client = MasterClient(master.url, retry_deadline_s=10)
+    try:
+        client.create_job(job_spec("resnet50", n=16))
+        client.lease("resnet50", "trainer-1", "node-a", 2)
+        counters = {"reads": 10, "hit_bytes": 1000, "origin_bytes": 100, "peer_bytes": 0, "prefetch_bytes": 500}
+        report = NodeReport(daemon="daemon-a", seq=1, base=None, held=array("Q"), dropped=array("Q"),
+                            capacity_bytes=GiB, used_bytes=1100, mean_entry_bytes=1100, jobs={"resnet50": counters})
+        status, body = http("POST", f"{master.url}/v1/nodes/node-a/report", report.to_json())
+        assert status == 200, (status, body)
+        tab.navigate(master.url + "/")
+        tab.wait_for("document.querySelector('[data-job=\"resnet50\"] .cache-node[data-node=\"node-a\"]')", "node-a's cache row")
+        (row,) = _cache_rows(tab, "resnet50")
+        assert row[0] == "node-a" and row[3] == "100 B" and row[5] == "500 B", row
+        assert "origin 100 B" in _panel_text(tab, "resnet50", ".cache-totals")
+        assert not tab.errors(), tab.errors()
+    finally:
+        client.close()
         master.stop()

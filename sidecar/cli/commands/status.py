@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,8 @@ from sidecar.cli.util import (
 )
 
 __all__ = [
-    "MEMBER_TIMEOUT_S", "checkpoint_line", "cluster_lines", "cluster_nodes", "daemon_report", "locality_line", "master_report", "node_rows",
+    "CACHE_NODE_ROWS", "MEMBER_TIMEOUT_S", "cache_line", "cache_node_lines", "cache_nodes_worst_first", "cache_warnings",
+    "checkpoint_line", "cluster_lines", "cluster_nodes", "daemon_report", "locality_line", "master_report", "node_rows",
     "register", "run",
     "tenant_lines", "trainer_rows", "wait_warnings",
 ]
@@ -44,6 +46,14 @@ over --interval), warm-ups; for masters each job's epoch, shard progress, traine
 and each trainer's wait for data: the share of the last 60 s its training loop spent waiting for
 its next sample or batch (WAIT 60S), and the median and 99th percentile of single waits. A job whose
 trainers waited more than --warn-wait of the last 60 s gets a WARNING line.
+
+A job's cache line sums what the node daemons started with --master report to the master about it:
+its hit rate (bytes served from the node's cache), the bytes read from the object store (origin)
+and from other nodes (peer), what was prefetched, and how many nodes report. With --job, a table
+of those nodes, the ones whose trainers waited most (then the lowest hit rate) first: their
+trainers, hit rate, bytes, shards held of those planned for them, how many shards prefetch is
+ahead of the leases (LEAD), the trainers' wait and the report's age. A job whose trainers wait
+(--warn-wait) while its hit rate is under --warn-hit-rate gets a WARNING line too.
 
 A daemon in a cluster (serve --peer/--peers-dns) adds a table of every member of its ring, each
 asked for its own figures: what that node's clients read from its own cache (LOCAL), from other
@@ -71,6 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
              help="measure throughput over this long (0: averages since each daemon started)")
     add_flag(parser, "--warn-wait", default="10", metavar="PERCENT",
              help="warn about a job whose trainers waited more than this share of the last 60 s for data")
+    add_flag(parser, "--warn-hit-rate", default="50", metavar="PERCENT",
+             help="warn about a job whose trainers wait (--warn-wait) while its cache hit rate is under this")
     add_flag(parser, "--json", action="store_true", default=False, help="print one JSON document")
     parser.set_defaults(func=run)
 
@@ -275,14 +287,14 @@ def _master_urls(given: list[str] | None) -> list[str]:
         raise UserError(exc.message) from None
 
 
-def _warn_wait(raw: str) -> float:
-    """``--warn-wait`` as a fraction: a percentage, with or without its ``%``."""
+def _warn_percent(raw: str, flag: str = "--warn-wait", example: str = "10") -> float:
+    """A ``--warn-*`` threshold as a fraction: a percentage, with or without its ``%``."""
     try:
         percent = float(str(raw).strip().removesuffix("%"))
     except ValueError:
-        raise UserError(f"--warn-wait must be a percentage such as 10 or 10%, not {raw!r}") from None
+        raise UserError(f"{flag} must be a percentage such as {example} or {example}%, not {raw!r}") from None
     if not 0 <= percent <= 100:
-        raise UserError(f"--warn-wait must be between 0 and 100 (percent), not {raw!r}")
+        raise UserError(f"{flag} must be between 0 and 100 (percent), not {raw!r}")
     return percent / 100
 
 
@@ -293,7 +305,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--interval must be a number of seconds, not {args.interval!r}") from None
     if not 0 <= interval <= 60:
         raise UserError("--interval must be between 0 and 60 seconds")
-    warn_wait = _warn_wait(args.warn_wait)
+    warn_wait = _warn_percent(args.warn_wait)
+    warn_hit = _warn_percent(args.warn_hit_rate, "--warn-hit-rate", "50")
     masters = _master_urls(args.master)
     # `--master URL` alone asks about masters only; daemons are shown when named or configured.
     show_daemons = bool(args.daemon) or not masters or bool(os.environ.get("SHARDCACHE_ENDPOINT", "").strip())
@@ -305,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     master = master_report(masters, args.job) if masters else None
     if master is not None:
         master["wait_warnings"] = wait_warnings(master["jobs"], warn_wait)
+        master["cache_warnings"] = cache_warnings(master["jobs"], warn_wait, warn_hit)
     if args.json:
         doc: dict[str, Any] = {"daemons": reports, "master": master}
         if nodes is not None:
@@ -331,10 +345,14 @@ def run(args: argparse.Namespace) -> int:
 # -- printing -------------------------------------------------------------------------------------
 
 
-def _table(rows: list[list[str]]) -> None:
+def _table_lines(rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+    return ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+
+
+def _table(rows: list[list[str]]) -> None:
+    for line in _table_lines(rows):
+        print(line)
 
 
 def _print_daemons(reports: list[dict[str, Any]]) -> None:
@@ -623,6 +641,176 @@ def locality_line(job: dict[str, Any]) -> str | None:
     return text
 
 
+# -- the per-job cache view (the ``cache`` section node daemons' reports feed on the master) -------
+
+CACHE_NODE_ROWS = 50
+"""Nodes shown in the ``--job`` table; ``--json`` has them all."""
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a float; ``None`` for null, a missing field, a boolean, NaN or infinity
+    (Python's JSON reader takes those) or anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _bytes(value: Any) -> str:
+    number = _number(value)
+    return "-" if number is None else format_bytes(number)
+
+
+def _whole(value: Any) -> str:
+    number = _number(value)
+    return "-" if number is None else str(int(number))
+
+
+def _age(value: Any) -> str:
+    """A report's age: seconds under a minute, then minutes, then hours (a stale node stands out)."""
+    seconds = _number(value)
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _cache(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's ``cache`` section; ``None`` from a master older than it (the output stays as it was)."""
+    cache = job.get("cache")
+    return cache if isinstance(cache, dict) else None
+
+
+def _cache_nodes(cache: dict[str, Any]) -> list[dict[str, Any]]:
+    nodes = cache.get("nodes")
+    return [n for n in nodes if isinstance(n, dict)] if isinstance(nodes, list) else []
+
+
+def _cache_totals(cache: dict[str, Any]) -> dict[str, Any]:
+    totals = cache.get("totals")
+    return totals if isinstance(totals, dict) else {}
+
+
+def cache_nodes_worst_first(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Nodes whose trainers waited most first, then the lowest hit rate (unknown ones after the
+    known ones in both), then by name: the nodes to look at come first, as the status page orders them."""
+
+    def key(node: dict[str, Any]) -> tuple[bool, float, bool, float, str]:
+        wait, hit = _number(node.get("wait_fraction")), _number(node.get("hit_rate"))
+        return (wait is None, -(wait or 0.0), hit is None, hit or 0.0, str(node.get("node")))
+
+    return sorted(nodes, key=key)
+
+
+def cache_line(job: dict[str, Any]) -> str | None:
+    """One line of the job's cache figures (summed over the nodes that report); ``None`` when the
+    master has no ``cache`` section."""
+    cache = _cache(job)
+    if cache is None:
+        return None
+    name = _printable(job.get("name"))
+    reporting = _number(cache.get("reporting_nodes"))
+    if not reporting and not _cache_nodes(cache):
+        return (f"{name}: cache: no node reports yet (node daemons started with --master report what their "
+                "trainers read every few seconds)")
+    totals = _cache_totals(cache)
+    return (f"{name}: cache hit rate {_percent(totals.get('hit_rate'), 1)}, origin {_bytes(totals.get('origin_bytes'))}, "
+            f"peer {_bytes(totals.get('peer_bytes'))}, prefetched {_bytes(totals.get('prefetch_bytes'))}, "
+            f"{_whole(totals.get('reads'))} reads; {_whole(reporting)} node(s) reporting")
+
+
+CACHE_NODE_HEADER = ["NODE", "TRAINERS", "HIT RATE", "ORIGIN", "PEER", "PREFETCHED", "HELD/PLANNED", "LEAD", "WAIT",
+                     "REPORT AGE"]
+
+
+def _cache_node_row(node: dict[str, Any]) -> list[str]:
+    return [
+        _printable(node.get("node") or "-"), _whole(node.get("trainers")), _percent(node.get("hit_rate"), 1),
+        _bytes(node.get("origin_bytes")), _bytes(node.get("peer_bytes")), _bytes(node.get("prefetch_bytes")),
+        f"{_whole(node.get('held_shards'))}/{_whole(node.get('planned_shards'))}", _whole(node.get("prefetch_lead_shards")),
+        _percent(node.get("wait_fraction"), 1), _age(node.get("report_age_s")),
+    ]
+
+
+def cache_node_lines(job: dict[str, Any], limit: int = CACHE_NODE_ROWS) -> list[str]:
+    """The ``--job`` table of the nodes reporting on the job, worst first, at most ``limit`` rows
+    and a line counting the rest; nothing without a ``cache`` section or a node in it."""
+    cache = _cache(job)
+    if cache is None:
+        return []
+    nodes = cache_nodes_worst_first(_cache_nodes(cache))
+    if not nodes:
+        return []
+    lines = _table_lines([CACHE_NODE_HEADER, *(_cache_node_row(n) for n in nodes[:limit])])
+    more = _more_nodes(_printable(job.get("name")), max(0, len(nodes) - limit), int(_number(cache.get("nodes_omitted")) or 0))
+    return lines + ([more] if more else [])
+
+
+def _more_nodes(name: str, hidden: int, omitted: int) -> str | None:
+    """The line counting the nodes not in the table: ``hidden`` past its rows (in ``--json``), and
+    ``omitted`` ones the master itself does not list (it caps ``cache.nodes``; their figures are
+    in the totals all the same)."""
+    if not hidden and not omitted:
+        return None
+    if not omitted:
+        return f"... and {hidden} more nodes (shardcache status --job {name} --json lists them all)"
+    where = f"{hidden} in shardcache status --job {name} --json, " if hidden else ""
+    return f"... and {hidden + omitted} more nodes ({where}{omitted} not listed by the master, counted in the totals)"
+
+
+def _cache_advice(cache: dict[str, Any], slow: list[dict[str, Any]]) -> str:
+    """What to do about a job's low hit rate, from what its nodes report."""
+    behind = [n for n in slow if (_number(n.get("held_shards")) or 0) < (_number(n.get("planned_shards")) or 0)]
+    advice = []
+    if not _number(_cache_totals(cache).get("prefetch_bytes")):
+        advice.append("Nothing was prefetched for it: start the node daemons with --master (shardcache serve --master URL --node NAME) "
+                      "so they fetch the shards their trainers will be leased")
+    if behind:
+        n = behind[0]
+        advice.append(f"{len(behind)} node(s) hold fewer shards than planned for them ({_printable(n.get('node'))}: "
+                      f"{_whole(n.get('held_shards'))}/{_whole(n.get('planned_shards'))}): prefetch is behind or the cache "
+                      "is too small for the job (shardcache serve --cache-size)")
+    advice.append("Warm the cache before the epoch (shardcache warmup)")
+    return ". ".join(advice)
+
+
+def _below(value: Any, threshold: float) -> bool:
+    number = _number(value)
+    return number is not None and number < threshold
+
+
+def cache_warnings(jobs: list[dict[str, Any]], wait_threshold: float, hit_threshold: float) -> list[str]:
+    """A WARNING line for each job whose trainers waited more than ``wait_threshold`` of the last
+    60 s while its cache hit rate is under ``hit_threshold`` (fractions): the reads that miss the
+    cache are then the likely reason the trainers wait. It names the worst nodes and what to do."""
+    lines = []
+    for job in jobs:
+        cache = _cache(job)
+        if cache is None:
+            continue
+        totals = _cache_totals(cache)
+        hit = _number(totals.get("hit_rate"))
+        wait = job.get("wait")
+        share = _number(wait.get("fraction_60s")) if isinstance(wait, dict) else None
+        if hit is None or share is None or hit >= hit_threshold or share <= wait_threshold:
+            continue
+        # The nodes that miss: those with a known hit rate under the threshold, worst first.
+        slow = [n for n in cache_nodes_worst_first(_cache_nodes(cache)) if _below(n.get("hit_rate"), hit_threshold)]
+        named = ", ".join(f"{_printable(n.get('node'))} hit {_percent(n.get('hit_rate'), 1)} wait {_percent(n.get('wait_fraction'), 1)}"
+                          for n in slow[:8])
+        if len(slow) > 8:
+            named += f", +{len(slow) - 8} more"
+        lines.append(
+            f"WARNING job {_printable(job.get('name'))}: cache hit rate {_percent(hit, 1)} while trainers waited "
+            f"{_percent(share)} of the last 60 s for data (origin {_bytes(totals.get('origin_bytes'))}, "
+            f"peer {_bytes(totals.get('peer_bytes'))}" + (f"; {named}" if named else "") + "): "
+            "the trainers read what the node caches do not hold. " + _cache_advice(cache, slow)
+        )
+    return lines
+
+
 def _print_master(master: dict[str, Any], *, all_trainers: bool = False) -> None:
     print()
     _table([["MASTER", "ROLE", "LEADER"]] + [
@@ -662,12 +850,18 @@ def _print_master(master: dict[str, Any], *, all_trainers: bool = False) -> None
         _table([["JOB", "TRAINER", "NODE", "LEASES", "WAIT 60S", "WAITED", "P50", "P99"], *trainers])
         for line in hidden:
             print(line)
-    for line in master.get("wait_warnings") or []:
+    for line in [*(master.get("wait_warnings") or []), *(master.get("cache_warnings") or [])]:
         print(line)
     for job in master["jobs"]:
-        for extra in (locality_line(job), checkpoint_line(job)):
+        for extra in (cache_line(job), locality_line(job), checkpoint_line(job)):
             if extra:
                 print(extra)
+    if all_trainers:  # --job: the nodes behind the job's cache line
+        for job in master["jobs"]:
+            table = cache_node_lines(job)
+            if table:
+                print()
+                print("\n".join(table))
     for job in master["jobs"]:
         for shard in job.get("failed_shards") or []:
             print(f"FAILED shard {job['name']}/{shard.get('key')} (epoch {_epoch(job)}, "

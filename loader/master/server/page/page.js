@@ -5,6 +5,7 @@
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "shardcache-master-token";
 const WARN_WAIT = 0.10; // as `shardcache status --warn-wait`'s default
+const WARN_HIT = 0.50; // as `shardcache status --warn-hit-rate`'s default
 
 // el("td", {className: "num"}, "text", childNode...): text arguments become text nodes.
 function el(tag, props, ...children) {
@@ -23,6 +24,19 @@ function el(tag, props, ...children) {
 const dash = "–";
 const num = (v, digits = 1) => (typeof v === "number" && isFinite(v) ? v.toFixed(digits) : dash);
 const pct = (v) => (typeof v === "number" && isFinite(v) ? (100 * v).toFixed(1) + " %" : dash);
+const isNum = (v) => typeof v === "number" && isFinite(v);
+const whole = (v) => (isNum(v) ? String(Math.trunc(v)) : dash);
+const UNITS = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+// 1536 -> "1.5 KiB": IEC units, as `shardcache status` prints them.
+function bytes(v) {
+  if (!isNum(v)) return dash;
+  let value = v;
+  for (const unit of UNITS) {
+    if (Math.abs(value) < 1024 || unit === UNITS[UNITS.length - 1]) return unit === "B" ? `${value.toFixed(0)} B` : `${value.toFixed(1)} ${unit}`;
+    value /= 1024;
+  }
+  return dash;
+}
 const secs = (v) => (typeof v === "number" && isFinite(v) ? (v < 1 ? (1000 * v).toFixed(1) + " ms" : v.toFixed(2) + " s") : dash);
 
 function bar(counts) {
@@ -85,6 +99,74 @@ function localitySpan(loc) {
     `local leases ${pct(loc.local_share)} (window ${loc.window}, ${loc.ring ? loc.ring.nodes : 0} nodes)${moved}`)];
 }
 
+// The job's cache as the node daemons started with --master report it (the status's `cache`
+// section; none from a master older than it). Nodes whose trainers waited most come first, then
+// the lowest hit rate, unknown figures after known ones: the nodes to look at on top, as
+// `shardcache status --job` lists them.
+function worstFirst(nodes) {
+  const key = (n) => [isNum(n.wait_fraction) ? 0 : 1, isNum(n.wait_fraction) ? -n.wait_fraction : 0,
+    isNum(n.hit_rate) ? 0 : 1, isNum(n.hit_rate) ? n.hit_rate : 0];
+  return nodes.map((n) => [key(n), n]).sort((a, b) => {
+    for (let i = 0; i < a[0].length; i++) if (a[0][i] !== b[0][i]) return a[0][i] - b[0][i];
+    return String(a[1].node).localeCompare(String(b[1].node));
+  }).map(([, n]) => n);
+}
+
+function cacheNodesTable(job, nodes) {
+  const heads = ["node", "trainers", "hit rate", "origin", "peer", "prefetched", "held / planned", "prefetch lead",
+    "wait", "report age"];
+  const head = el("tr", {}, ...heads.map((h, i) => el("th", { className: i ? "num" : "" }, h)));
+  const rows = worstFirst(nodes).map((n) => el("tr", { className: "cache-node", dataset: { node: String(n.node) } },
+    el("td", { className: "cache-node-name" }, n.node || dash),
+    el("td", { className: "num" }, whole(n.trainers)),
+    el("td", { className: "num cache-hit" + (isNum(n.hit_rate) && n.hit_rate < WARN_HIT ? " alert" : "") }, pct(n.hit_rate)),
+    el("td", { className: "num" }, bytes(n.origin_bytes)),
+    el("td", { className: "num" }, bytes(n.peer_bytes)),
+    el("td", { className: "num" }, bytes(n.prefetch_bytes)),
+    el("td", { className: "num" }, `${whole(n.held_shards)} / ${whole(n.planned_shards)}`),
+    el("td", { className: "num" }, whole(n.prefetch_lead_shards)),
+    el("td", { className: "num cache-wait" + (isNum(n.wait_fraction) && n.wait_fraction > WARN_WAIT ? " alert" : "") },
+      pct(n.wait_fraction)),
+    el("td", { className: "num" }, isNum(n.report_age_s) ? `${num(n.report_age_s)} s ago` : dash)));
+  // A scrolling box of its own: a job on hundreds of nodes keeps the rest of the page in view.
+  return el("div", { className: "cache-scroll", dataset: { job: job.name } },
+    el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
+}
+
+function cachePanel(job) {
+  const cache = job.cache;
+  if (!cache || typeof cache !== "object") return null;
+  const nodes = Array.isArray(cache.nodes) ? cache.nodes.filter((n) => n && typeof n === "object") : [];
+  const reporting = isNum(cache.reporting_nodes) ? cache.reporting_nodes : nodes.length;
+  const t = cache.totals || {};
+  const title = el("h3", {}, `Cache (${reporting} ${reporting === 1 ? "node" : "nodes"} reporting)`);
+  if (!reporting && !nodes.length) {
+    return el("div", { className: "cache" }, title, el("p", { className: "muted cache-totals" },
+      "no node reports yet: node daemons started with --master report what this job's trainers read every few seconds"));
+  }
+  return el("div", { className: "cache" }, title,
+    el("p", { className: "cache-totals" },
+      `hit rate ${pct(t.hit_rate)} · origin ${bytes(t.origin_bytes)} · peer ${bytes(t.peer_bytes)} · ` +
+      `prefetched ${bytes(t.prefetch_bytes)} · ${whole(t.reads)} reads`),
+    nodes.length ? cacheNodesTable(job, nodes) : null,
+    omittedNote(cache.nodes_omitted));
+}
+
+// The master lists a job's nodes up to a cap; the rest are in the totals only.
+function omittedNote(omitted) {
+  if (!isNum(omitted) || omitted <= 0) return null;
+  return el("p", { className: "muted cache-omitted" },
+    `${whole(omitted)} more ${omitted === 1 ? "node" : "nodes"} not listed by the master (counted in the totals)`);
+}
+
+// Low hit rate while the trainers wait: the reads that miss the cache are the likely reason.
+function cacheBadge(job) {
+  const hit = job.cache && job.cache.totals ? job.cache.totals.hit_rate : null;
+  const wait = (job.wait || {}).fraction_60s;
+  if (!isNum(hit) || !isNum(wait) || hit >= WARN_HIT || wait <= WARN_WAIT) return null;
+  return el("span", { className: "badge warn cache-warn" }, `cache hit rate ${pct(hit)} while trainers wait`);
+}
+
 function jobCard(job) {
   const wait = job.wait || {};
   const epochs = job.epochs === null || job.epochs === undefined ? "epochs unbounded" : `${job.epochs} epochs`;
@@ -93,6 +175,8 @@ function jobCard(job) {
   if (typeof wait.fraction_60s === "number" && wait.fraction_60s > WARN_WAIT) {
     badges.push(el("span", { className: "badge warn" }, `trainers waited ${pct(wait.fraction_60s)} of the last 60 s for data`));
   }
+  const cacheWarn = cacheBadge(job);
+  if (cacheWarn) badges.push(cacheWarn);
   const open = job.open_epochs && job.open_epochs.length ? job.open_epochs
     : [{ epoch: job.epoch, ...job.shards }];
   const totals = job.totals || {};
@@ -110,6 +194,7 @@ function jobCard(job) {
     ...open.map(epochRow),
     el("h3", {}, `Trainers (${(job.trainers || []).length})`),
     trainersTable(job.trainers || []),
+    cachePanel(job),
     failedTable("Failed shards (this epoch)", job.failed_shards),
     failedTable("Failed shards (previous epoch)", job.failed_previous_epoch),
     el("p", { className: "muted" },
@@ -128,6 +213,19 @@ function askToken(message) {
   show("token-error", message);
   document.getElementById("jobs").replaceChildren();
   document.getElementById("token").focus();
+}
+
+// Every refresh rebuilds the jobs: where the user scrolled each Cache table to is kept across it.
+function cacheScrolls() {
+  const at = new Map();
+  for (const box of document.querySelectorAll(".cache-scroll")) at.set(box.dataset.job, box.scrollTop);
+  return at;
+}
+
+function restoreCacheScrolls(at) {
+  for (const box of document.querySelectorAll(".cache-scroll")) {
+    if (at.has(box.dataset.job)) box.scrollTop = at.get(box.dataset.job);
+  }
 }
 
 let timer = null;
@@ -152,8 +250,10 @@ async function refresh() {
     document.getElementById("token-form").hidden = true;
     show("error", "");
     const jobs = body.jobs || [];
+    const scrolled = cacheScrolls();
     document.getElementById("jobs").replaceChildren(
       ...(jobs.length ? jobs.map(jobCard) : [el("p", { className: "muted" }, "no jobs")]));
+    restoreCacheScrolls(scrolled);
     show("updated", `updated ${new Date().toLocaleTimeString()}`);
   } catch (err) {
     show("error", `refresh failed: ${err.message || err}`);
