@@ -249,7 +249,7 @@ def test_a_report_is_answered_with_its_plan_and_a_delta_on_an_unknown_base_with_
     status, answer = post(inproc_master, node, report(seq=5, base=4))
     assert status == 200 and answer["resend"] == "full" and answer["prefetch"] == [] and answer["seq"] == 5
     plan = parse_plan(answer)
-    assert plan.interval_s >= 2
+    assert plan.interval_s >= 1
     status, answer = post(inproc_master, node, report(seq=6, held=(key_hash(3), 999)))
     assert status == 200 and answer["resend"] is None, answer
     plan = parse_plan(answer)
@@ -257,7 +257,8 @@ def test_a_report_is_answered_with_its_plan_and_a_delta_on_an_unknown_base_with_
     assert 0 < len(plan.prefetch) + len(plan.keep) <= 9
     assert all(item.job == job and item.bucket == "bucket" and item.key.startswith("train/train-") for item in plan.prefetch)
     assert [i.next_use for i in plan.prefetch] == sorted(i.next_use for i in plan.prefetch)
-    assert first["shard"] not in {int(i.key[-10:-4]) for i in plan.prefetch}  # handed out: needed next epoch only
+    # handed out: needed next epoch only (the plan reaches into it: the window's shards are not fetched ahead)
+    assert all(i.next_use >= 16 for i in plan.prefetch if int(i.key[-10:-4]) == first["shard"])
     # A delta on it applies; one on a report it never saw (a lost one) asks for a full report.
     status, answer = post(inproc_master, node, report(seq=7, base=6, held=(key_hash(4),)))
     assert status == 200 and answer["resend"] is None

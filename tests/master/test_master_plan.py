@@ -86,20 +86,29 @@ def keep_of(plan: NodePlan) -> list[int]:
     return [by_hash[h] for h in plan.keep]
 
 
-def reference(cluster: Cluster, job: str, node: str, assigned: dict[int, str], slots: int, held: set[int]) -> list[tuple[int, int]]:
-    """The brief's rule, naively: (next use, shard) of the ``slots`` soonest among the node's held and
+def reference(cluster: Cluster, job: str, node: str, assigned: dict[int, str], slots: int, held: set[int],
+              ring: bool = False) -> list[tuple[int, int]]:
+    """The rule, naively: (next use, shard) of the ``slots`` soonest among the node's held and
     assigned shards; next use = this epoch's position if not handed out yet in it, else the next
-    epoch's."""
+    epoch's. Without a ring (per-node caches) an assigned shard another node holds, or one inside
+    the window now, is not this node's to fetch."""
     state = cluster.state.jobs[job]
     n, s = state.n, state.spec
     epoch = state.epoch if state.open and next(iter(state.open.values())).cursor < n else state.next_epoch
     now, after = EpochOrder(n, s.seed, epoch, s.shuffle), EpochOrder(n, s.seed, epoch + 1, s.shuffle)
     handed = cluster.handed.get(job, {}).get(epoch, set())
+    open_ep = state.open.get(epoch)
+    near = epoch * n + (open_ep.cursor if open_ep is not None else 0) + s.locality_window
+    assert state.locality is not None
     uses = {}
     for shard in range(n):
         if assigned.get(shard) != node and shard not in held:
             continue
-        uses[shard] = epoch * n + now.index(shard) if shard not in handed else (epoch + 1) * n + after.index(shard)
+        use = epoch * n + now.index(shard) if shard not in handed else (epoch + 1) * n + after.index(shard)
+        holder = state.locality.readers.get(shard)
+        if not ring and shard not in held and ((holder is not None and holder != node) or use < near):
+            continue
+        uses[shard] = use
     return sorted((use, shard) for shard, use in uses.items())[:slots]
 
 
@@ -183,7 +192,7 @@ def test_with_a_ring_shards_are_assigned_to_their_owners_node() -> None:
     cluster.lease("job", "n1")
     owners = {i: dict(members)[owner([m for m, _ in members], f"bucket/{key(i)}") or ""] for i in range(n)}
     plan = cluster.report("n1", capacity=5 * SIZE)
-    assert [(i.next_use, int(i.key[-9:-4])) for i in plan.prefetch] == reference(cluster, "job", "n1", owners, 5, set())
+    assert [(i.next_use, int(i.key[-9:-4])) for i in plan.prefetch] == reference(cluster, "job", "n1", owners, 5, set(), ring=True)
     assert {owners[s] for s in shards_of(plan)} == {"n1"}
 
 
@@ -224,7 +233,7 @@ def test_a_spent_budget_makes_a_plan_shorter_never_wrong() -> None:
 
 
 def test_the_report_interval_grows_with_the_reporting_nodes() -> None:
-    assert plan_interval(1) == plan_interval(200) == 2.0
+    assert plan_interval(1) == plan_interval(100) == 1.0 and plan_interval(200) == 2.0
     assert plan_interval(1000) == 10.0 and plan_interval(10**9) == 3600.0
 
 
@@ -234,7 +243,8 @@ def test_prefetch_is_bounded() -> None:
     cluster.lease("job", "n1")
     plan = cluster.report("n1", capacity=n * SIZE)
     assert len(plan.prefetch) == MAX_PREFETCH and len(plan.keep) == 0
-    assert cluster.record("n1").planned["job"][0] == n - 1 + 1  # every shard, the leased one next epoch
+    # every shard but the window's 4 (about to be leased: fetched by whoever gets them), the leased one next epoch
+    assert cluster.record("n1").planned["job"][0] == n - 4
 
 
 # -- what a plan costs ---------------------------------------------------------------------------

@@ -385,9 +385,9 @@ def _counters(values: list[int]) -> dict[str, Any]:
 
 
 def plan_interval(nodes: int) -> float:
-    """Seconds until a node's next report: 2, or one per 100 reporting nodes past 200, so the
+    """Seconds until a node's next report: 1, or one per 100 reporting nodes past 100, so the
     master plans ~100 reports a second at most."""
-    return float(min(3600.0, max(2.0, nodes / 100)))
+    return float(min(3600.0, max(1.0, nodes / 100)))
 
 
 # -- the plan ----------------------------------------------------------------------------------------
@@ -539,7 +539,21 @@ class _JobPlanner:
         cursor = ep.cursor if ep is not None else 0
         ahead = ep.window.ahead if ep is not None and ep.window is not None else _NO_AHEAD
         version, k, assign = self.assigner(state, loc, nodes)
-        limit = min(4 * slots * max(1, k), (2 if has_next else 1) * n)
+        # Per-node caches (no ring): a shard another node holds is that node's to keep and its
+        # trainers' to be leased (leases prefer holders), so this node neither fetches it nor keeps
+        # a place for it: the nodes keep what they hold and divide only what nobody holds, with no
+        # reshuffle of what is cached. A shard inside the window now is about to be leased to
+        # whoever asks first: fetched ahead here it would be read from the origin twice.
+        per_node = version[0] == "nodes"
+        near = epoch * n + cursor + loc.window
+        readers = loc.readers
+
+        def elsewhere(shard: int, use: int) -> bool:
+            if not per_node or (held is not None and shard in held):
+                return False
+            holder = readers.get(shard)
+            return (holder is not None and holder != node) or use < near
+        limit = min(4 * slots * max(1, k) + (loc.window if version[0] == "nodes" else 0), (2 if has_next else 1) * n)
         here = self.layout(epoch)
         here.retarget(version, cursor)
         here.extend(node, cursor, slots + min(len(ahead), slots), min(n, cursor + limit), assign, budget)
@@ -551,7 +565,9 @@ class _JobPlanner:
                 p = mine[i]
                 i += 1
                 if p not in ahead:
-                    best[here.shard(p)] = epoch * n + p
+                    shard = here.shard(p)
+                    if not elsewhere(shard, epoch * n + p):
+                        best[shard] = epoch * n + p
         after: _Layout | None = None
         if len(best) < slots and has_next and here.frontier >= n and limit > n - cursor:
             # The next epoch's order: of the node's positions there, only shards handed out in
@@ -571,7 +587,8 @@ class _JobPlanner:
                     q = here.known(s, cursor)
                     if q is not None and q >= cursor and q not in ahead:
                         continue  # still to come in this epoch: counted there
-                    best.setdefault(s, (epoch + 1) * n + p)
+                    if not elsewhere(s, (epoch + 1) * n + p):
+                        best.setdefault(s, (epoch + 1) * n + p)
         if held is not None:
             for s in held.shards:
                 at = here.known(s, cursor)
