@@ -362,14 +362,15 @@ class Cluster:
     def daemon_args(self, host: Host, cache_size: str, peers: bool, secret_file: Path | None,
                     extra: Sequence[str] = (), name: str = "daemon") -> list[str]:
         """``shardcache serve`` for ``host``: its own cache dir (``<role>/<name>-cache``), the
-        origin, and with ``peers`` every other node as ``--peer``, itself as ``--advertise-url``."""
+        origin, its node's name (``--node``: the role), and with ``peers`` every other node as ``--peer``,
+        itself as ``--advertise-url``."""
         url = f"http://{host.address}:{DAEMON_PORT}"
         args = [sys.executable, "-m", "sidecar.cli", "serve", "--listen", f"tcp://{host.address}:{DAEMON_PORT}",
                 "--cache-dir", str(self.workdir / host.role / f"{name}-cache"), "--cache-size", cache_size,
                 "--min-free", "0%", "--origin", "s3", "--s3-endpoint", self.endpoint_for(host),
-                "--s3-region", "us-east-1"]
+                "--s3-region", "us-east-1", "--node", host.role]
         if peers:
-            args += ["--advertise-url", url, "--node", host.role]
+            args += ["--advertise-url", url]
             for other in self.hosts:
                 if other is not host:
                     args += ["--peer", f"http://{other.address}:{DAEMON_PORT}"]

@@ -1,0 +1,57 @@
+"""``python -m bench.capacity_bench``: the bound it reports beside the figures, and ``--quick`` end
+to end on the test bed (root): a dataset twice the cluster cache, real trainers of one job on two
+nodes, daemons reporting to the master and taking its plan; every sample delivered exactly once
+per epoch (the bench fails otherwise), the master's per-node cache view filled from the reports,
+and the daemons' plan prefetches counted for the job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.capacity_bench import MODES, bound, markdown_table
+from bench.clusterbed import ClusterUnavailable, check_available
+from tests.support.processes import REPO
+
+
+def test_the_bound_is_what_the_caches_cannot_hold() -> None:
+    assert bound(50, 100) == 0.5 and bound(100, 100) == 0.0 and bound(300, 100) == 0.0
+    assert {m.policy for m in MODES.values()} == {"lru", "hold", "planned"}
+    assert {m.peers for m in MODES.values()} == {False, True}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_the_quick_capacity_bench_runs_with_the_masters_plan(tmp_path: Path) -> None:
+    try:
+        check_available()
+    except ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "capacity.json"
+    done = subprocess.run([sys.executable, "-m", "bench.capacity_bench", "--quick", "--modes", "cluster_lru,cluster_planned",
+                           "--out", str(out), "--workdir", str(tmp_path / "work")],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert "| caches, policy | epoch |" in done.stdout and out.with_suffix(".png").stat().st_size > 0
+    assert markdown_table(results).startswith("2 nodes")
+    setup, modes = results["setup"], results["modes"]
+    assert setup["nodes"] == 2 and setup["trainers"] == 4 and setup["dataset_over_cache"] == 2
+    for name, mode in modes.items():
+        assert mode["bound"] == pytest.approx(0.5, abs=0.01)  # the cluster cache holds half the dataset
+        for ep in mode["epochs"]:
+            check = ep["check"]  # every sample's bytes checked, each delivered once per epoch
+            assert check["samples"] == check["expected"] == setup["samples"], (name, check)
+            assert check["bad_bytes"] == check["missing"] == check["duplicated"] == 0, (name, check)
+            assert ep["locality"]["window"] == 16 and ep["locality"]["order"]["max_displacement"] < 16 * 4
+    planned = modes["cluster_planned"]["epochs"][-1]["cache_view"]
+    assert planned["reporting_nodes"] == 2
+    assert planned["totals"]["reads"] > 0 and planned["totals"]["hit_bytes"] + planned["totals"]["origin_bytes"] > 0
+    assert planned["totals"]["prefetch_bytes"] > 0  # the plan's prefetches, counted for the job
+    after_first = modes["cluster_planned"]["epochs"][0]["cache_view"]  # the last epoch is still to come: planned
+    assert len(after_first["nodes"]) == 2 and all(node["planned_shards"] > 0 for node in after_first["nodes"])
+    assert modes["cluster_lru"]["epochs"][-1]["cache_view"]["reporting_nodes"] == 0  # no --master: no reports
