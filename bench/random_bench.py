@@ -3,8 +3,9 @@ would pick instead, in one run.
 
 One dataset of WebDataset shards on a moto S3 server behind the latency proxy (20 ms per request,
 as the suite), read in one seeded random order of sample indices (a shuffled sampler's), twice:
-cold (nothing cached anywhere) and warm (the same order again). Readers, each in a process of its
-own, with its own empty cache:
+cold (nothing cached anywhere) and warm (the same order again, ten times over, or as many times as
+take 30 s when fewer: ``WARM_REPEATS``, ``WARM_ENOUGH_S``). Readers, each in a process of its own,
+with its own empty cache:
 
 - ``shardcache``: ``loader.ShardIndex`` (what ``ShardMapDataset`` reads by) through a node daemon
   with short-circuit by handle, the dataset's manifest with sample counts, one sample at a time;
@@ -20,14 +21,28 @@ own, with its own empty cache:
 - ``wids``: webdataset's ``wids.ShardListDataset`` with its local cache, on the wids shard index
   ``shardcache index --wids`` wrote (its shards fetched with curl over HTTP through the proxy);
 - ``streaming``: mosaicml-streaming ``StreamingDataset.__getitem__`` on the same samples
-  converted to MDS with its ``MDSWriter``, its local cache.
+  converted to MDS with its ``MDSWriter``, its local cache;
+- ``litdata``: LitData's ``StreamingDataset.__getitem__`` on the same samples converted with its
+  ``optimize`` (dicts of the key, jpg and cls bytes, chunks of the tar shards' size), read through
+  the proxy with ``storage_options={"endpoint_url": ...}``, whole chunks into its local cache.
+  Two things of LitData 0.2.76 are set for that, both private: ``_on_demand_bytes = False``, and
+  ``allow_http`` in the options of its obstore client. Left alone, an int index of a remote dataset
+  reads the sample's bytes by range at the offsets of the chunk's item table, which ``optimize``
+  leaves empty (every offset the table's end) when samples are dicts of str/bytes and pyarrow is
+  installed: the rows are in an Arrow footer, so every item read that way is 0 bytes (the "empty
+  items" of a first try, not the endpoint). And its obstore client for chunk downloads is built
+  from the boto3 client's endpoint without ``allow_http``, so every chunk GET to an ``http://``
+  endpoint fails (``BadScheme``). Whole chunks are what its iteration and slices read; against S3
+  itself (https) the same code runs without the second setting.
+
+A peer whose package is not installed is skipped, the reason in the results (``skipped``). After
+the timed passes every sample of the order is read once more, untimed, and compared with the
+generator's bytes (key, jpg, cls): a reader that returns wrong or empty samples fails the run.
 
 Figures per pass: samples/s, time to the first sample (cold: against one ranged GET of a sample's
 size through the proxy, measured in the same run), CPU seconds per GB of samples (the reader's
 process, plus the daemon's for shardcache), and bytes fetched from the origin per sample (the
-daemon's origin reads; the peers' downloaded files). LitData is not in the run
-yet: it installs here, and its ``optimize`` converts the samples, but in a first try its
-``StreamingDataset`` read empty items back from this S3 endpoint (moto, with ``endpoint_url``).
+daemon's origin reads; the peers' downloaded files).
 
 Writes ``bench/results/random.json`` (``random-quick.json`` with ``--quick``) and prints a table.
 """
@@ -36,6 +51,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
+import importlib.util
+import io
 import json
 import os
 import random
@@ -45,11 +63,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.common import (
     RESULTS_DIR,
+    TEST_CREDENTIALS,
     fmt_size,
     log_line,
     machine_facts,
@@ -66,10 +86,21 @@ from bench.servers import MotoServer, ServeProcess
 BUCKET = "bench"
 PREFIX = "random/"
 MDS_PREFIX = "random-mds/"
+LITDATA_PREFIX = "random-litdata/"
 READERS = ("shardcache", "shardcache_whole", "shardcache_batched", "shardcache_batched_per_sample", "shardcache_zero_copy",
-           "wids", "streaming")
+           "wids", "streaming", "litdata")
+PEER_PACKAGES = {"wids": ("wids", "wids"), "streaming": ("streaming", "mosaicml-streaming"), "litdata": ("litdata", "litdata")}
+"""Peer reader -> (module it imports, its distribution): a reader whose module is missing is skipped."""
+LITDATA_CACHE_SIZE = "4GB"
+"""LitData's ``max_cache_size``, about the daemon's ``--cache-size 4GiB``: the dataset fits (its
+default is 75% of the free disk, which on a full disk could be less than the dataset and delete
+chunks it reads again)."""
 WARM_REPEATS = 10
-"""Warm passes are the order read this many times over (one takes 0.05-0.15 s: too short to time)."""
+"""Warm passes are the order read this many times over (one takes 0.05-0.15 s: too short to time)..."""
+WARM_ENOUGH_S = 30.0
+"""... or fewer times, as many as have taken this long: one of LitData's takes minutes on the full
+dataset (it reads a whole chunk each time the next sample is in another chunk), ten would take
+half an hour and time no better. The pass's ``repeats`` says how many."""
 BATCH = 64
 """Samples per batch of the ``shardcache_batched`` reader: ``ShardIndex.samples`` (what
 ``ShardMapDataset.__getitems__`` calls with a DataLoader's batch)."""
@@ -95,11 +126,25 @@ def _dir_bytes(root: str) -> int:
     return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file() and not p.name.endswith((".lock", ".db")))
 
 
+def _chunk_bytes(root: str) -> int:
+    """The chunk files LitData downloaded under ``root`` (not its index, locks or counters)."""
+    return sum(p.stat().st_size for p in Path(root).rglob("chunk-*.bin") if p.is_file())
+
+
+def _unavailable(reader: str) -> str | None:
+    """Why ``reader`` cannot run here, or None."""
+    module, dist = PEER_PACKAGES.get(reader, (None, None))
+    if module is not None and importlib.util.find_spec(module) is None:
+        return f"{dist} is not installed (pip install -c constraints.txt -e '.[bench]')"
+    return None
+
+
 # -- the reader processes ---------------------------------------------------------------------------
 
 
-def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
-    """(lookup of sample i -> its payload bytes, origin bytes so far)."""
+def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(lookup of sample i -> its payload bytes, origin bytes so far, samples of indices -> their
+    dicts as the reader returns them, for the check)."""
     kind = spec["reader"]
     if kind.startswith("shardcache"):
         from loader import LoaderSettings, ShardIndex
@@ -123,14 +168,15 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
 
         if kind.startswith("shardcache_batched"):
             return (lambda batch: sum(len(v) for sample in index.samples(batch) for k, v in sample.items()
-                                      if not k.startswith("__"))), origin_bytes
-        return (lambda i: sum(len(v) for k, v in index.sample(i).items() if not k.startswith("__"))), origin_bytes
+                                      if not k.startswith("__"))), origin_bytes, index.samples
+        return ((lambda i: sum(len(v) for k, v in index.sample(i).items() if not k.startswith("__"))), origin_bytes,
+                lambda indices: [index.sample(i) for i in indices])
     if kind == "wids":
         import wids
 
         ds = wids.ShardListDataset(spec["wids_index"], cache_dir=spec["cache"], transformations=[], lru_size=64)
         return (lambda i: sum(len(v.getvalue()) for k, v in ds[i].items() if k.startswith("."))), (
-            lambda: (_dir_bytes(spec["cache"]), 0))
+            lambda: (_dir_bytes(spec["cache"]), 0)), lambda indices: [ds[i] for i in indices]
     if kind == "streaming":
         os.environ.update(env_for_streaming(spec["endpoint"]))
         streaming = import_streaming()
@@ -139,17 +185,81 @@ def _open_reader(spec: dict[str, Any]) -> tuple[Any, Any]:
         clean_stale_shared_memory()
         ds = streaming.StreamingDataset(remote=f"s3://{BUCKET}/{MDS_PREFIX}", local=spec["cache"], shuffle=False,
                                         batch_size=1)
-        return (lambda i: _mds_bytes(ds[i])), (lambda: (_dir_bytes(spec["cache"]), 0))
+        return (lambda i: _mds_bytes(ds[i])), (lambda: (_dir_bytes(spec["cache"]), 0)), lambda indices: [ds[i] for i in indices]
+    if kind == "litdata":
+        ds = _litdata_dataset(spec)
+        return (lambda i: _mds_bytes(ds[i])), (lambda: (_chunk_bytes(spec["cache"]), 0)), lambda indices: [ds[i] for i in indices]
     raise ValueError(f"unknown reader {kind!r}")
+
+
+def _litdata_dataset(spec: dict[str, Any]) -> Any:
+    """LitData's ``StreamingDataset`` on the converted samples, through the proxy, whole chunks into
+    ``spec["cache"]`` (the module docstring says why the two private settings)."""
+    import litdata
+    import litdata.streaming.downloader as downloader
+
+    if spec["endpoint"].startswith("http://"):
+        # Chunk GETs go through obstore, built from the boto3 client's endpoint with these client
+        # options (downloader.py, _build_obstore_s3_store): without allow_http an http:// endpoint
+        # is refused before any request (reqwest BadScheme).
+        downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": True}
+    storage_options = {"endpoint_url": spec["endpoint"], "aws_access_key_id": TEST_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                       "aws_secret_access_key": TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                       "region_name": TEST_CREDENTIALS["AWS_DEFAULT_REGION"]}
+    ds = litdata.StreamingDataset(f"s3://{BUCKET}/{LITDATA_PREFIX}", cache_dir=spec["cache"],
+                                  storage_options=storage_options, max_cache_size=LITDATA_CACHE_SIZE)
+    # An int index of a remote dataset otherwise reads the item by range at the offsets of the
+    # chunk's item table (reader.py, read_item_bytes), empty in chunks with an Arrow footer: whole
+    # chunks, as its iteration and slices read them. Set before the first read creates the cache.
+    ds._on_demand_bytes = False
+    return ds
 
 
 def _mds_bytes(sample: dict[str, Any]) -> int:
     return len(sample["jpg"]) + len(sample["cls"])
 
 
+def _fields(sample: dict[str, Any]) -> tuple[str, bytes, bytes]:
+    """(key, jpg, cls) of a sample as any reader returns it: fields named ``jpg`` or ``.jpg``, bytes,
+    views or wids' BytesIO."""
+    named = {k.removeprefix("."): v for k, v in sample.items()}
+
+    def raw(value: Any) -> bytes:
+        return value.getvalue() if isinstance(value, io.BytesIO) else bytes(value)
+
+    key = named["__key__"]
+    return (key if isinstance(key, str) else raw(key).decode()), raw(named["jpg"]), raw(named["cls"])
+
+
+def _check(fetch: Any, order: list[int], size: int, seed: int) -> int:
+    """Every sample of ``order`` read once more (ascending, in batches of ``BATCH``) and compared with
+    the generator's; returns how many. Raises on the first one that differs."""
+    wanted = sorted(set(order))
+    got: dict[int, tuple[str, bytes, bytes]] = {}
+    checked = 0
+    pending = iter(wanted)
+    for n, sample in enumerate(make_samples(size, seed)):
+        if not got:
+            batch = [i for _, i in zip(range(BATCH), pending, strict=False)]
+            if not batch:
+                break
+            got = {i: _fields(s) for i, s in zip(batch, fetch(batch), strict=True)}
+        if n not in got:
+            continue
+        key, jpg, cls = got.pop(n)
+        if (key, jpg, cls) != (sample.key, sample.jpg, sample.cls):
+            raise RuntimeError(f"sample {n} differs from the generator's: key {key!r} (want {sample.key!r}), "
+                               f"jpg {len(jpg)} bytes (want {len(sample.jpg)}, equal: {jpg == sample.jpg}), "
+                               f"cls {cls!r} (want {sample.cls!r})")
+        checked += 1
+    if checked != len(wanted):
+        raise RuntimeError(f"checked {checked} samples of {len(wanted)}: the dataset ended first")
+    return checked
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     order = spec["order"]
-    lookup, origin_bytes = _open_reader(spec)
+    lookup, origin_bytes, fetch = _open_reader(spec)
     passes = {}
     for name, repeats in (("cold", 1), ("warm", WARM_REPEATS)):
         before_origin, before_ranges = origin_bytes()
@@ -158,30 +268,80 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         first = None
         payload = 0
         steps = [order[i : i + BATCH] for i in range(0, len(order), BATCH)] if "_batched" in spec["reader"] else order
-        for _ in range(repeats):
+        done = 0
+        while done < repeats:
             for i in steps:
                 payload += lookup(i)
                 if first is None:
                     first = time.perf_counter() - started
+            done += 1
+            if time.perf_counter() - started >= WARM_ENOUGH_S:
+                break
         wall = time.perf_counter() - started
         cpu = _cpu_s() - cpu0 + _proc_cpu_s(spec.get("daemon_pid")) - daemon0
         after_origin, after_ranges = origin_bytes()
         fetched, ranged = after_origin - before_origin, after_ranges - before_ranges
         passes[name] = {
-            "samples": len(order), "repeats": repeats, "seconds": round(wall, 3),
-            "samples_per_s": round(repeats * len(order) / wall, 1),
+            "samples": len(order), "repeats": done, "seconds": round(wall, 3),
+            "samples_per_s": round(done * len(order) / wall, 1),
             "first_sample_s": round(first or 0.0, 4), "payload_bytes": payload,
             "cpu_s_per_gb": round(cpu / (payload / 1e9), 2) if payload else None,
-            "origin_bytes_per_sample": round(fetched / (repeats * len(order))),
+            "origin_bytes_per_sample": round(fetched / (done * len(order))),
             "origin_range_bytes": ranged,
         }
-    return passes
+    return {"passes": passes, "verified_samples": _check(fetch, order, spec["size"], spec["seed"])}
 
 
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def _build(workdir: Path, store: MotoServer, size: int, shard_bytes: int, seed: int) -> dict[str, Any]:
+def _litdata_samples(job: tuple[int, int]) -> Iterator[dict[str, Any]]:
+    """``optimize``'s function: the generator's samples, as dicts of the fields the shards hold."""
+    size, seed = job
+    for sample in make_samples(size, seed):
+        yield {"__key__": sample.key, "jpg": sample.jpg, "cls": sample.cls}
+
+
+def convert_to_litdata(size: int, seed: int, chunk_bytes: int, out: Path, log: Path) -> dict[str, Any]:
+    """The samples written with LitData's ``optimize`` into ``out``: one worker (the samples in the
+    generator's order, sample i at index i), chunks of at most ``chunk_bytes``, no compression.
+    Its worker process and its intermediate folders stay in ``out``'s parent; what it prints goes
+    to ``log``."""
+    import litdata
+
+    env = {"DATA_OPTIMIZER_CACHE_FOLDER": str(out.parent / "litdata-chunks"),
+           "DATA_OPTIMIZER_DATA_CACHE_FOLDER": str(out.parent / "litdata-data")}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Its worker is a process of its own: its output is redirected where it is written, the
+    # descriptors, not sys.stdout.
+    kept = [os.dup(1), os.dup(2)]
+    try:
+        with open(log, "wb") as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            litdata.optimize(fn=_litdata_samples, inputs=[(size, seed)], output_dir=str(out), chunk_bytes=chunk_bytes,
+                             num_workers=1, verbose=False)
+            sys.stdout.flush()
+            sys.stderr.flush()
+    finally:
+        os.dup2(kept[0], 1)
+        os.dup2(kept[1], 2)
+        for fd in kept:
+            os.close(fd)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    chunks = json.loads((out / "index.json").read_text())["chunks"]
+    return {"samples": sum(c["chunk_size"] for c in chunks), "files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+
+
+def _build(workdir: Path, store: MotoServer, size: int, shard_bytes: int, seed: int, readers: list[str]) -> dict[str, Any]:
     client = store.client()
     client.create_bucket(Bucket=BUCKET)
     # wids fetches its shards with curl, unsigned: the shards are public to read (a public dataset).
@@ -193,16 +353,25 @@ def _build(workdir: Path, store: MotoServer, size: int, shard_bytes: int, seed: 
         keys.append(name)
         counts.append(count)
         total += len(data)
-    mds_dir = workdir / "mds-out"
-    mds = convert_to_mds(make_samples(size, seed), mds_dir)
-    upload_dir(client, BUCKET, MDS_PREFIX, mds_dir)
-    shutil.rmtree(mds_dir, ignore_errors=True)
+    converted: dict[str, Any] = {}
+    if "streaming" in readers:
+        mds_dir = workdir / "mds-out"
+        converted["mds"] = convert_to_mds(make_samples(size, seed), mds_dir)
+        upload_dir(client, BUCKET, MDS_PREFIX, mds_dir)
+        shutil.rmtree(mds_dir, ignore_errors=True)
+    if "litdata" in readers:
+        # Chunks of the shards' size (MDS keeps its writer's default, 64 MB), written here and
+        # uploaded as the MDS files are.
+        litdata_dir = workdir / "litdata-out"
+        converted["litdata"] = convert_to_litdata(size, seed, shard_bytes, litdata_dir, workdir / "litdata-optimize.log")
+        upload_dir(client, BUCKET, LITDATA_PREFIX, litdata_dir)
+        shutil.rmtree(litdata_dir, ignore_errors=True)
     log = workdir / "index.log"
     proc = spawn([sys.executable, "-m", "sidecar.cli", "index", f"s3://{BUCKET}/{PREFIX}", "--s3-endpoint",
                   store.endpoint, "--wids", WIDS_INDEX, "--members", "--quiet", "--json"], log)
     if proc.wait(timeout=600) != 0:
         raise RuntimeError(f"shardcache index failed: {log.read_text()[-2000:]}")
-    return {"keys": keys, "samples": sum(counts), "bytes": total, "mds": mds}
+    return {"keys": keys, "samples": sum(counts), "bytes": total, **converted}
 
 
 def _ranged_get_s(endpoint: str, key: str, length: int) -> float:
@@ -233,12 +402,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shard_bytes = parse_size(args.shard_size or ("8MiB" if args.quick else "64MiB"))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="shardcache-random-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    readers = [r for r in (args.readers.split(",") if args.readers else READERS)]
-    result: dict[str, Any] = {"benchmark": "random", "machine": machine_facts(), "readers": {}}
+    wanted = [r for r in (args.readers.split(",") if args.readers else READERS)]
+    unknown = [r for r in wanted if r not in READERS]
+    if unknown:
+        raise SystemExit(f"unknown readers {unknown}: choose from {','.join(READERS)}")
+    result: dict[str, Any] = {"benchmark": "random", "machine": machine_facts(), "readers": {}, "skipped": {},
+                              "verified_samples": {}}
+    for reader in wanted:
+        reason = _unavailable(reader)
+        if reason is not None:
+            result["skipped"][reader] = reason
+            log_line(f"reader {reader} skipped: {reason}")
+    readers = [r for r in wanted if r not in result["skipped"]]
+    # The peers' versions, and what LitData's chunks depend on: obstore downloads them, pyarrow
+    # decides their layout (rows in an Arrow footer).
+    for dist in [d for _, d in PEER_PACKAGES.values()] + ["obstore", "pyarrow"]:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            result["machine"]["packages"][dist] = importlib.metadata.version(dist)
     try:
         with contextlib.ExitStack() as stack:
             store = stack.enter_context(MotoServer(workdir))
-            dataset = _build(workdir, store, size, shard_bytes, args.seed)
+            dataset = _build(workdir, store, size, shard_bytes, args.seed, readers)
             log_line(f"dataset: {len(dataset['keys'])} shards, {fmt_size(dataset['bytes'])}, {dataset['samples']} samples")
             proxy = stack.enter_context(LatencyProxy(store.endpoint, args.delay_ms, None, workdir / "proxy.log"))
             # wids reads its index as a local file, and its shards by URL through the proxy (curl).
@@ -256,7 +440,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log_line(f"reader: {reader}")
                 cache = workdir / f"cache-{reader}"
                 spec: dict[str, Any] = {"reader": reader, "order": order, "endpoint": proxy.endpoint, "cache": str(cache),
-                                        "wids_index": str(workdir / WIDS_INDEX)}
+                                        "wids_index": str(workdir / WIDS_INDEX), "size": size, "seed": args.seed}
                 daemon = None
                 if reader.startswith("shardcache"):
                     sockets = workdir / "sockets"
@@ -268,15 +452,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     daemon.start()
                     spec.update(daemon=daemon.url, handles=f"unix://{sockets}/handles.sock", daemon_pid=daemon.pid)
                 try:
-                    result["readers"][reader] = _run_child(spec, workdir / f"{reader}.log")
+                    ran = _run_child(spec, workdir / f"{reader}.log")
                 finally:
                     if daemon is not None:
                         daemon.stop()
+                result["readers"][reader] = ran["passes"]
+                result["verified_samples"][reader] = ran["verified_samples"]
                 for name, figures in result["readers"][reader].items():
                     log_line(f"  {name}: {figures['samples_per_s']} samples/s, first {figures['first_sample_s']} s, "
                              f"{figures['cpu_s_per_gb']} CPU s/GB, {figures['origin_bytes_per_sample']} origin B/sample")
+                log_line(f"  {ran['verified_samples']} samples equal to the generator's")
         result["dataset"] = {"shards": len(dataset["keys"]), "bytes": dataset["bytes"], "samples": dataset["samples"],
-                             "mean_sample_bytes": mean_sample, "order_samples": len(order), "delay_ms": args.delay_ms}
+                             "mean_sample_bytes": mean_sample, "order_samples": len(order), "delay_ms": args.delay_ms,
+                             "converted": {k: dataset[k] for k in ("mds", "litdata") if k in dataset}}
         result["targets"] = _targets(result)
         return result
     finally:
@@ -313,6 +501,8 @@ def print_table(result: dict[str, Any]) -> None:
         for name, f in passes.items():
             print(f"{reader:<12} {name:<5} {f['samples_per_s']:>10.1f} {f['first_sample_s']:>8.3f} "
                   f"{f['cpu_s_per_gb'] or 0:>9.2f} {f['origin_bytes_per_sample']:>16}")
+    for reader, reason in result.get("skipped", {}).items():
+        print(f"{reader:<12} skipped: {reason}")
     for name, target in result.get("targets", {}).items():
         print(f"{name}: {target}")
 
