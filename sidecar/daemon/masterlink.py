@@ -51,6 +51,7 @@ from sidecar.daemon.jobstats import JobStats
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.prefetch import Prefetcher, PrefetchItem
 from sidecar.daemon.settings import MasterLinkSettings
+from sidecar.errors import SidecarError
 from wire import jsontext
 from wire.errors import WireError
 from wire.names import Address, parse_connect, validate_bucket, validate_key
@@ -167,7 +168,9 @@ class _Built:
     delta: tuple[array[int], array[int]] | None
 
 
-class _Failure(Exception):
+class _Failure(SidecarError):
+    """A report the master did not take (``outcome``: the metric's label), never seen outside the link."""
+
     def __init__(self, outcome: str, message: str, leader: str | None = None) -> None:
         super().__init__(message)
         self.outcome = outcome
