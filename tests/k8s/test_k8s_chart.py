@@ -676,3 +676,29 @@ def test_schema_describes_every_value(renderer: Renderer) -> None:
             assert part in node.get("properties", {}), f"values.schema.json does not describe {key}"
             node = node["properties"][part]
     renderer.chart.validate_schema(values)
+
+
+def test_daemons_report_to_the_master_when_asked(renderer: Renderer) -> None:
+    """node.master.report: every daemon reports to this release's master with its token, the
+    master's NetworkPolicy admits them, and the args parse with the real serve command; off by
+    default (the defaults render no --master)."""
+    from sidecar.cli import build_parser
+
+    assert "--master" not in container(find(renderer.objects({}), "DaemonSet", "-node"))["args"]
+    objects = renderer.objects({"node": {"master": {"report": True}, "cache": {"eviction": "planned"}},
+                                "networkPolicy": {"enabled": True}})
+    daemonset = find(objects, "DaemonSet", "-node")
+    c = container(daemonset)
+    args = c["args"]
+    assert arg_after(args, "--master") == "http://sc-shardcache-master.shardcache.svc:8700"
+    assert arg_after(args, "--master-token-file") == "/etc/shardcache/master-token/token"
+    assert arg_after(args, "--eviction") == "planned"
+    assert {"name": "master-token", "mountPath": "/etc/shardcache/master-token", "readOnly": True} in c["volumeMounts"]
+    volume = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}["master-token"]
+    assert volume["secret"]["secretName"] == find(objects, "Secret", "-master-token")["metadata"]["name"]
+    parsed = build_parser().parse_args(args)
+    assert parsed.command == "serve" and parsed.master
+    policy = find(objects, "NetworkPolicy", "-master")
+    node_labels = daemonset["spec"]["selector"]["matchLabels"]
+    assert any(peer.get("podSelector", {}).get("matchLabels") == node_labels
+               for rule in policy["spec"]["ingress"] for peer in rule["from"])
