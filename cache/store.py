@@ -756,6 +756,11 @@ class Store:
             self._plan_ranks = ranks
         return figures
 
+    def plan_figures(self) -> dict[str, int]:
+        """The policy's figures of the plan it holds now (what :meth:`set_plan` returns)."""
+        with self._lock:
+            return self._policy.describe()
+
     @contextlib.contextmanager
     def spare_kept(self, bucket: str, key: str) -> Iterator[None]:
         """While in the block, a fill of ``bucket/key`` begun (:meth:`begin`) is the plan's own (a

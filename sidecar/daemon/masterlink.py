@@ -214,6 +214,9 @@ class MasterLink:
         self.reports = {"full": 0, "delta": 0}
         self.last_report: dict[str, Any] | None = None
         self.plan: dict[str, Any] | None = None
+        # The order last handed to the store (start() hands it the empty one): a plan that ranks
+        # alike is not handed again.
+        self._ranked: array[int] = array("Q")
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -401,9 +404,13 @@ class MasterLink:
         if self.ranks:
             # The prefetches after the kept objects: ranked, so not evicted by the next plan
             # prefetch before the master has them in its order.
-            keep = plan.keep
-            planned = [name_hash(item.bucket, item.key) for item in items]
-            figures = await asyncio.to_thread(self.store.set_plan, [*keep, *planned], name_hash)
+            order = array("Q", plan.keep)
+            order.extend(name_hash(item.bucket, item.key) for item in items)
+            if order != self._ranked:
+                figures = await asyncio.to_thread(self.store.set_plan, order, name_hash)
+                self._ranked = order
+            else:  # a plan like the last (most, between leases) changes no rank: only its figures
+                figures = self.store.plan_figures()
         queued = self.prefetcher.submit_plan(items)
         self.plan = {
             "seq": plan.seq, "interval_s": plan.interval_s, "prefetch": len(plan.prefetch), "keep": len(plan.keep),

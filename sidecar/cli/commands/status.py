@@ -581,6 +581,12 @@ def trainer_rows(job: dict[str, Any], limit: int | None = _TRAINER_ROWS) -> list
     return rows
 
 
+def _named(items: list[str], limit: int = 8) -> str:
+    """The first ``limit`` of a warning's names, and how many more there are."""
+    named = ", ".join(items[:limit])
+    return named + (f", +{len(items) - limit} more" if len(items) > limit else "")
+
+
 def wait_warnings(jobs: list[dict[str, Any]], threshold: float) -> list[str]:
     """A WARNING line for each job whose trainers waited more than ``threshold`` (a fraction) of
     the last 60 s for data, naming the trainers that waited most and what to do about it."""
@@ -590,10 +596,7 @@ def wait_warnings(jobs: list[dict[str, Any]], threshold: float) -> list[str]:
         if not isinstance(share, (int, float)) or isinstance(share, bool) or share <= threshold:
             continue
         reported = [t for t in _by_wait(job) if _trainer_wait(t).get("fraction_60s") is not None]
-        named = ", ".join(f"{_printable(t.get('trainer'))} {_percent(_trainer_wait(t)['fraction_60s'])}"
-                          for t in reported[:8])
-        if len(reported) > 8:
-            named += f", +{len(reported) - 8} more"
+        named = _named([f"{_printable(t.get('trainer'))} {_percent(_trainer_wait(t)['fraction_60s'])}" for t in reported])
         lines.append(
             f"WARNING job {_printable(job.get('name'))}: trainers waited {_percent(share)} of the last 60 s for data "
             f"({named}): reading does not keep up with training. Warm the cache before the epoch "
@@ -798,10 +801,8 @@ def cache_warnings(jobs: list[dict[str, Any]], wait_threshold: float, hit_thresh
             continue
         # The nodes that miss: those with a known hit rate under the threshold, worst first.
         slow = [n for n in cache_nodes_worst_first(_cache_nodes(cache)) if _below(n.get("hit_rate"), hit_threshold)]
-        named = ", ".join(f"{_printable(n.get('node'))} hit {_percent(n.get('hit_rate'), 1)} wait {_percent(n.get('wait_fraction'), 1)}"
-                          for n in slow[:8])
-        if len(slow) > 8:
-            named += f", +{len(slow) - 8} more"
+        named = _named([f"{_printable(n.get('node'))} hit {_percent(n.get('hit_rate'), 1)} wait "
+                        f"{_percent(n.get('wait_fraction'), 1)}" for n in slow])
         lines.append(
             f"WARNING job {_printable(job.get('name'))}: cache hit rate {_percent(hit, 1)} while trainers waited "
             f"{_percent(share)} of the last 60 s for data (origin {_bytes(totals.get('origin_bytes'))}, "
