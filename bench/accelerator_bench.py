@@ -100,6 +100,9 @@ class AccelConfig:
     readers: tuple[str, ...] = tuple(READERS)
     seed: int = 0
     quick: bool = False
+    stock_moto: bool = False
+    """moto as shipped (every ranged GET copies the whole object); False: a range costs the range,
+    as on S3 and in the suite (``bench.servers.S3_LIKE_MOTO``)."""
     timeout_s: float = 120.0
     """Bound on one trial process."""
     note: str = ""
@@ -345,7 +348,7 @@ def run(cfg: AccelConfig, out: Path) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     try:
         with contextlib.ExitStack() as stack:
-            store = stack.enter_context(store_server("moto", workdir))
+            store = stack.enter_context(store_server("moto", workdir, s3_like=not cfg.stock_moto))
             scfg = SuiteConfig(size=cfg.size, shard_bytes=cfg.shard_bytes, delay_ms=cfg.delay_ms, seed=cfg.seed)
             dataset = build_dataset(scfg, store, workdir)
             proxy = stack.enter_context(LatencyProxy(store.endpoint, cfg.delay_ms, None, workdir / "proxy.log"))
@@ -408,7 +411,9 @@ def run(cfg: AccelConfig, out: Path) -> dict[str, Any]:
         "config": asdict(cfg) | {"readers": list(cfg.readers)},
         "dataset": {"shards": len(dataset.keys), "bytes": dataset.bytes, "samples": dataset.samples,
                     "mean_sample_bytes": round(dataset.bytes / max(1, dataset.samples)),
-                    "origin": f"moto S3 server behind bench.latency_proxy ({cfg.delay_ms:g} ms per request)"},
+                    "origin": f"moto S3 server behind bench.latency_proxy ({cfg.delay_ms:g} ms per request)"
+                              + ("; stock moto: every GET copies the whole object" if cfg.stock_moto
+                                 else "; a ranged GET costing the range as on S3 (bench.servers.S3_LIKE_MOTO)")},
         "au_target": AU_TARGET,
         "note": cfg.note,
         "rows": rows,
@@ -442,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-n", type=int, default=None, help="largest N tried (default 64, quick 2)")
     parser.add_argument("--readers", default=",".join(READERS), help=f"comma-separated of: {','.join(READERS)}")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "accelerators.json", help="result JSON (.png beside)")
+    parser.add_argument("--stock-moto", action="store_true",
+                        help="moto as shipped (every ranged GET copies the whole object); default: a range costs the range")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (kept in the JSON)")
     parser.add_argument("--trial", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -461,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         shard_bytes=parse_size(args.shard_size or ("8MiB" if args.quick else "32MiB")),
         delay_ms=args.delay_ms, trial_s=args.trial_s or (1.0 if args.quick else 5.0),
         min_steps=2 if args.quick else 4, max_n=args.max_n or (2 if args.quick else 64),
-        readers=readers, quick=args.quick, timeout_s=60.0 if args.quick else 120.0, note=args.note,
+        readers=readers, quick=args.quick, stock_moto=args.stock_moto, timeout_s=60.0 if args.quick else 120.0,
+        note=args.note,
     )
     run(cfg, args.out)
     return 0

@@ -30,9 +30,18 @@ Methods (MB/s = 10^6 bytes per second, payload bytes over wall time, single read
   the measurement behind the daemon's choice of S3 client; ``daemon_cold_no_md5`` (the same
   daemon with ``--verify-etag-md5 off``): the benchmark uploads without additional checksums, so
   the default daemon verifies every fill against the ETag as an MD5 and this one verifies none,
-  the measurement behind that setting's default; ``origin_get_object_x4`` and ``daemon_cold_x4``:
+  the measurement behind that setting's default; ``daemon_cold_buffered`` (``--direct-writes
+  off``: fills written through the page cache, as streamed fills were until 2026-12-07), the
+  measurement behind that one's; ``origin_get_object_x4`` and ``daemon_cold_x4``:
   four threads reading a quarter of the shards each, straight from the store and through a fresh
-  daemon (several trainers of a node starting cold together).
+  daemon (several trainers of a node starting cold together); ``relay_x4``: the same four readers
+  through ``bench.splice_relay``, a process that only moves the bytes (``splice``, no copy into
+  user space): the least any process of its own on the read path costs, so its ratio to
+  ``origin_get_object_x4`` bounds ``daemon_cold_x4``'s on the machine.
+
+moto's objects are each read once before the first measurement: ``bench.servers.S3_LIKE_MOTO``
+keeps an object's bytes from its first GET on, which would otherwise charge that copy to whichever
+reader came first.
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ from bench.common import (
 )
 from bench.latency_proxy import LatencyProxy
 from bench.servers import STORE_DESCRIPTIONS, STORES, S3Server, ServeProcess, ServerProcess, store_server
+from bench.splice_relay import SpliceRelay
 from cache import aligned_buffer
 
 BUCKET = "bench"
@@ -82,8 +92,9 @@ RSS_LIMIT_MB = 150.0
 
 WARM_METHODS = ("raw", "short_circuit", "boto3", "aiohttp", "socket", "tcp_ceiling")
 COLD_METHODS = ("origin_get_object", "origin_download_fileobj", "daemon_cold", "daemon_cold_boto3", "daemon_cold_no_md5",
-                "origin_get_object_x4", "daemon_cold_x4")
+                "daemon_cold_buffered", "origin_get_object_x4", "daemon_cold_x4", "relay_x4")
 _COLD_FLAGS = {"daemon_cold": [], "daemon_cold_boto3": ["--s3-client", "boto3"], "daemon_cold_no_md5": ["--verify-etag-md5", "off"],
+               "daemon_cold_buffered": ["--direct-writes", "off"],
                "daemon_cold_x4": []}
 CONCURRENT_READERS = 4
 """Readers of the ``_x4`` methods: threads of one process, each reading every fourth shard."""
@@ -480,6 +491,15 @@ class Bench:
             result.add(timed(method, layout.total,
                              lambda: read_boto3_concurrently(s3_client(self.origin_endpoint), keys, None), origin))
             return None
+        if method == "relay_x4":
+            # The same four readers through bench.splice_relay: the least any process of its own on
+            # the read path costs, the bound of daemon_cold_x4 on this machine.
+            with SpliceRelay(self.origin_endpoint.removeprefix("http://"), self.workdir / "relay.log") as relay:
+                self.cold_start()
+                result.add(timed(method, layout.total,
+                                 lambda: read_boto3_concurrently(s3_client(relay.endpoint), keys, None),
+                                 {**origin, "relay": relay.pid}))
+            return None
         if method == "origin_download_fileobj":
             self.cold_start()
             result.add(timed(method, layout.total, lambda: read_download_fileobj(self.origin_client, keys), origin))
@@ -592,8 +612,12 @@ def summarize(result: LayoutResult) -> dict[str, Any]:
             med("daemon_cold_boto3"), med("origin_download_fileobj")),
         "daemon_cold_no_md5/origin_get_object": ratio(med("daemon_cold_no_md5"), med("origin_get_object")),
         "daemon_cold/daemon_cold_no_md5": ratio(med("daemon_cold"), med("daemon_cold_no_md5")),
+        "daemon_cold_buffered/origin_get_object": ratio(med("daemon_cold_buffered"), med("origin_get_object")),
+        "daemon_cold/daemon_cold_buffered": ratio(med("daemon_cold"), med("daemon_cold_buffered")),
         "daemon_cold_x4/origin_get_object_x4": ratio(med("daemon_cold_x4"), med("origin_get_object_x4")),
         "daemon_cold_x4/daemon_cold": ratio(med("daemon_cold_x4"), med("daemon_cold")),
+        "relay_x4/origin_get_object_x4": ratio(med("relay_x4"), med("origin_get_object_x4")),
+        "daemon_cold_x4/relay_x4": ratio(med("daemon_cold_x4"), med("relay_x4")),
     }
     values = {
         "short_circuit": med("short_circuit"), "raw": raw,
@@ -608,6 +632,9 @@ def summarize(result: LayoutResult) -> dict[str, Any]:
         targets[name] = {"ratio": value, "target": minimum, "met": value is not None and value >= minimum,
                          "measured": measured if measured != "best_tcp_client" else best_tcp,
                          "baseline": baseline if baseline != "best_plain_boto3" else best_plain}
+    if "relay_x4" in methods:
+        # What a process of its own between the readers and the store allows here at most.
+        targets["daemon_cold_x4_vs_plain_boto3_x4"]["bound"] = ratios["relay_x4/origin_get_object_x4"]
     peak = max((r["vmhwm_mb"] for r in result.rss), default=None)
     sampled = max((r["max_vmrss_mb"] for r in result.rss), default=None)
     targets["daemon_rss_under_150mb"] = {"peak_vmhwm_mb": round(peak, 1) if peak else None,
@@ -633,7 +660,7 @@ def print_table(summaries: dict[str, dict[str, Any]]) -> None:
             vs, ratio = "", ""
             if method in ("short_circuit", "boto3", "aiohttp", "socket", "tcp_ceiling"):
                 vs, ratio = "raw", ratios[f"{method}/raw"]
-            elif method == "daemon_cold_x4":
+            elif method in ("daemon_cold_x4", "relay_x4"):
                 vs, ratio = "get_object_x4", ratios[f"{method}/origin_get_object_x4"]
             elif method.startswith("daemon_cold"):
                 vs, ratio = "get_object", ratios[f"{method}/origin_get_object"]
@@ -691,6 +718,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="and cap each origin connection at this many MB/s (AWS: 85-90 MB/s per request)")
     parser.add_argument("--store", choices=STORES, default="moto",
                         help="the S3 server: moto (objects in RAM) or s3rver (objects in files; needs node and npm)")
+    parser.add_argument("--stock-moto", action="store_true",
+                        help="moto as shipped (every ranged GET copies the whole object); default: ranges cost the "
+                             "range, as on S3 and as in the suite (bench.servers.S3_LIKE_MOTO)")
     parser.add_argument("--cold-only", action="store_true", help="measure the cold methods only")
     parser.add_argument("--upload-checksum", choices=["crc64nvme", "crc32", "none"], default="crc64nvme",
                         help="additional checksum stored with each shard: crc64nvme (default: what S3 stores for every "
@@ -724,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries: dict[str, dict[str, Any]] = {}
     bench: Bench | None = None
     try:
-        with store_server(args.store, workdir) as store, contextlib.ExitStack() as stack:
+        with store_server(args.store, workdir, s3_like=not args.stock_moto) as store, contextlib.ExitStack() as stack:
             origin: ServerProcess = store
             origin_pids = {"origin": store.pid}
             if args.origin_delay_ms > 0 or args.origin_stream_mbps:
@@ -740,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
                 bench.say(f"uploaded {len(layout.keys)} shards of ~{fmt_size(shard_bytes)} "
                           f"({fmt_size(layout.total)}, {layout.samples} samples) in {time.perf_counter() - t0:.1f}s")
                 layouts.append(layout)
+            for layout in layouts:  # see the module's docstring: no reader pays moto's first copy
+                for key in layout.keys:
+                    bench.upload_client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
             with RssSampler(store.pid) as store_rss:
                 for layout in layouts:
                     summaries[layout.label] = summarize(bench.run_layout(layout))
@@ -758,13 +791,16 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"dataset_bytes": args.size, "shard_sizes": args.shard_sizes, "repeats": args.repeats,
                    "quick": args.quick, "seed": args.seed, "read_chunk_bytes": READ_CHUNK,
                    "origin": STORE_DESCRIPTIONS[args.store] + (
+                       "" if args.store != "moto" else ", stock: every GET copies the whole object" if args.stock_moto
+                       else ", a ranged GET costing the range as on S3 (bench.servers.S3_LIKE_MOTO)") + (
                        f" behind bench.latency_proxy: {args.origin_delay_ms:g} ms per request"
                        + (f", {args.origin_stream_mbps:g} MB/s per connection" if args.origin_stream_mbps else "")
                        if args.origin_delay_ms > 0 or args.origin_stream_mbps else ""),
                    "origin_delay_ms": args.origin_delay_ms, "origin_stream_mbps": args.origin_stream_mbps,
                    "cold_only": args.cold_only, "upload_checksum": args.upload_checksum,
                    "daemon": "python -m sidecar.cli serve",
-                   "page_cache": page_cache, "store": args.store, "store_peak_rss_mb": round(store_rss.hwm_kib / 1024, 1),
+                   "page_cache": page_cache, "store": args.store, "stock_moto": args.stock_moto,
+                   "store_peak_rss_mb": round(store_rss.hwm_kib / 1024, 1),
                    "mb": "10^6 bytes", "statistic": "median of repeats; ratios of medians"},
         "layouts": summaries,
         "all_targets_met": all_met,

@@ -58,9 +58,10 @@ class StoreSettings:
     the writeback that copy causes later. Measured on the suite's cold epoch (two cores, moto
     behind a 20 ms proxy): the daemon's CPU per filled GB fell from 0.9-1.9 s to 0.56-0.95 s, the
     kernel's copy into the page cache having been 38% of it (perf). Bytes a reader streams from a
-    fill in progress (over HTTP, by ``sendfile`` from the temp file) still go through the page cache
-    (:meth:`cache.Writer.writev_at` ``direct=False``). The price: a short-circuit reader of a fresh
-    fill reads it from the disk instead of memory, so on a disk slower than the origin (network
+    fill in progress (over HTTP, by ``sendfile`` from the temp file) are written the same way and
+    read back from the disk (they went through the page cache until 2026-12-07: 1.5-2.8 CPU-s/GB
+    of the daemon's against 1.1-1.4, ``bench.daemon_bench``'s ``daemon_cold_buffered``). The
+    price: a reader of a fresh fill reads it from the disk instead of memory, so on a disk slower than the origin (network
     block storage such as EBS gp3 at 125 MB/s) turn it off (``--direct-writes off``)."""
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ def test_quick_random_bench_reads_every_sample_once_per_pass(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((results / "random-quick.json").read_text())
     dataset = result["dataset"]
-    readers = {"shardcache", "shardcache_whole", "shardcache_batched", "shardcache_batched_per_sample",
+    readers = {"limit", "shardcache", "shardcache_whole", "shardcache_batched", "shardcache_batched_per_sample",
                "shardcache_zero_copy", "wids", "streaming"}
     if LITDATA:
         readers.add("litdata")
@@ -56,6 +56,9 @@ def test_quick_random_bench_reads_every_sample_once_per_pass(tmp_path: Path) -> 
         for name, figures in passes.items():
             assert figures["samples"] == dataset["order_samples"] == dataset["samples"], (reader, name)
             assert figures["samples_per_s"] > 0 and figures["payload_bytes"] > 0, (reader, name)
+        if reader == "limit":  # local copies: it never reads the origin
+            assert passes["cold"]["origin_bytes_per_sample"] == passes["warm"]["origin_bytes_per_sample"] == 0
+            continue
         # Cold: the dataset's bytes come from the origin once (wids, streaming and litdata keep
         # whole files, MDS's and LitData's chunks differ a little in size), besides the samples
         # read by range before their shard was in (shardcache's, from member indexes); warm: nothing.
@@ -64,6 +67,9 @@ def test_quick_random_bench_reads_every_sample_once_per_pass(tmp_path: Path) -> 
         assert passes["warm"]["origin_bytes_per_sample"] == 0, reader
     assert result["ranged_get_s"] > 0 and set(result["targets"]) == {
         "warm_vs_fastest_peer", "cold_first_sample_vs_ranged_get", "origin_bytes_per_epoch_over_dataset"}
+    warm = result["targets"]["warm_vs_fastest_peer"]
+    assert warm["peer"] in {"wids", "streaming", "litdata"}
+    assert warm["copy_limit_ratio"] > 0 and warm["of_copy_limit"] > 0 and warm["zero_copy_ratio"] > 0
 
 
 @pytest.mark.timeout(120)
