@@ -17,14 +17,25 @@ bytes; what it runs for real is the lease master's state machine.
   shard at the node's stated rate (+/-10% per shard, seeded, so the trainers drift apart as real
   ones do); an epoch is ``dataset / (nodes x rate)`` and replacements (``--churn-per-hour``) land
   at their times in it. Reads are consumption-bound: no link or origin cap slows a read.
+- **The master's plan** (issue 32; ``per_node_planned``, ``cluster_planned``: bench/cluster_plan.py):
+  every daemon reports what it holds every ``interval_s`` the master answers (``plan_interval``:
+  1 s at 4 nodes, 10 s at 1,000), through the master's own report path (``NodeBook``,
+  ``resolve_report``, a ``Holdings`` event on the same ``MasterState``, ``Planner.plan``), and
+  applies the plan: its ranks to the real ``PlannedPolicy``, its prefetches in order into room
+  that evicts nothing the plan keeps. A prefetch completes at once (consumption-bound, as reads):
+  on bytes the model is the policy's best case, and its origin figure what the policy itself costs,
+  apart from timing. Each epoch's origin bytes stand beside the bound, ``max(0, 1 - the caches'
+  total / dataset)``; planned rows run only where their reports fit ``--plan-reports``.
 
-    python -m bench.cluster_sim               # ImageNet-1k and 10 TB at 1,000 nodes, and the 4-node bed (minutes)
+    python -m bench.cluster_sim               # ImageNet-1k, 10 TB and 2x the cluster cache at 1,000 nodes, the bed (minutes)
     python -m bench.cluster_sim --quick       # the CI smoke: smaller sweep, two epochs (< 20 s)
-    python -m bench.cluster_sim --nodes 4     # the test bed's configuration only, and the model vs its figures
+    python -m bench.cluster_sim --nodes 4     # the test bed's configurations only, and the model vs their figures
 
 Results: ``bench/results/cluster_sim.json`` (machine facts, every figure, the assumptions) and
 ``cluster_sim.png``; with ``--quick`` none unless ``--out`` is given. ``compare`` sets the 4-node
-model against ``bench/results/locality.json`` (``python -m bench.locality_bench``) when it exists.
+model against ``bench/results/locality.json`` (``python -m bench.locality_bench``) and
+``compare_capacity`` against ``bench/results/capacity.json`` (``python -m bench.capacity_bench``:
+its sizes, the ``capacity`` scenario) when they exist.
 """
 
 from __future__ import annotations
@@ -45,11 +56,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.capacity_bench import MODES as CAPACITY_MODES
+from bench.cluster_plan import DaemonLink, PlannedCache, PlanService, plan_reports
 from bench.common import REPO, RESULTS_DIR, machine_facts, write_results
 from bench.locality_bench import MODES as BED_MODES
 from loader.master.server.events import Complete, CreateJob, Lease, Placement, Release
+from loader.master.server.holdings import plan_interval
 from loader.master.server.spec import JobSpec
 from loader.master.server.state import MasterState
+from wire.nodeplan import NodePlan, name_hash
 from wire.rendezvous import best, prefixed, score
 
 __all__ = [
@@ -60,11 +75,15 @@ __all__ = [
     "Simulation",
     "lease",
     "policies_for",
+    "planned_policies",
     "scenarios",
+    "over_scenario",
     "bed_scenario",
+    "capacity_scenario",
     "simulate",
     "run",
     "compare",
+    "compare_capacity",
     "markdown",
     "plot",
     "main",
@@ -76,6 +95,13 @@ MIB = 2**20
 JOB = "sim"
 BUCKET = "sim-data"
 DEFAULT_LOCALITY = RESULTS_DIR / "locality.json"
+DEFAULT_CAPACITY = RESULTS_DIR / "capacity.json"
+BED_READ_MB_S = 2 * 4.48
+"""The bed's read rate per node, MB/s: two trainers of 4.48 MB/s each (batch x mean sample / compute
+step: ``trainer_demand_mb_per_s`` of locality.json; capacity.json's 35.82 MB/s over 4 nodes)."""
+PLAN_REPORTS_BUDGET = 100_000
+"""Most node reports a planned policy may take in one scenario (:func:`plan_reports`'s estimate):
+each costs the real master's report path and plan, ~1 ms here; past it the planned rows are left out."""
 COMPARE_SEEDS = 8
 """The 4-node model is one random draw of orders; the figures set against the bed average this many seeds."""
 
@@ -119,6 +145,15 @@ class Scenario:
         return self.dataset_bytes / (self.nodes * self.read_mb_s * MB)
 
     @property
+    def bound(self) -> float:
+        """The least origin bytes an epoch can cost, over the dataset: what the caches together cannot
+        hold (``bench.capacity_bench.bound``). The cluster cache holds ``nodes x cache``; per-node
+        caches of one job count together too, since each shard is read once an epoch across the
+        nodes and leases may go where it is cached. Whole shards, as the model caches them."""
+        held = self.nodes * (self.cache_bytes // self.shard_bytes) * self.shard_bytes
+        return max(0.0, 1.0 - held / self.dataset_bytes)
+
+    @property
     def replacements_per_s(self) -> float:
         if self.replace_per_epoch is not None:
             return self.replace_per_epoch / self.epoch_s
@@ -141,6 +176,9 @@ class Scenario:
             "cluster_churn_origin_over_dataset_per_epoch_expected": round(
                 self.replacements_per_s * self.epoch_s / self.nodes, 6),
             "windows": list(self.windows), "seed": self.seed,
+            "bound_over_dataset": round(self.bound, 4),
+            "plan_interval_s": plan_interval(self.nodes),
+            "plan_reports_expected": plan_reports(self.nodes, self.epochs, self.epoch_s),
         }
 
 
@@ -152,21 +190,36 @@ class Policy:
     window: int
     """The job's ``locality_window``; 0: the plain seeded order."""
     label: str
+    planned: bool = False
+    """The master's plan (issue 32): daemons report their holdings and take its plan, prefetching
+    and evicting by it (``--eviction planned --master``); needs a window (the plan is for windowed jobs)."""
 
 
-def policies_for(scenario: Scenario) -> list[Policy]:
-    """Per-node caches, the cluster cache, the cluster cache with each window of the sweep, and
-    per-node caches with the widest window (the "cached on" preference alone)."""
+def policies_for(scenario: Scenario, plan_budget: int = PLAN_REPORTS_BUDGET) -> list[Policy]:
+    """Per-node caches, the cluster cache, the cluster cache with each window of the sweep,
+    per-node caches with the widest window (the "cached on" preference alone), and both with the
+    master's plan when the reports they take fit ``plan_budget``."""
     out = [Policy("per_node", False, 0, "per-node caches (no peers)"),
            Policy("cluster", True, 0, "cluster cache")]
     out += [Policy(f"cluster_aware_w{w}", True, w, f"cluster cache, cache-aware leases W={w}") for w in scenario.windows]
     w = scenario.windows[-1]
     out.append(Policy(f"per_node_aware_w{w}", False, w, f"per-node caches, cache-aware leases W={w}"))
+    if plan_reports(scenario.nodes, scenario.epochs, scenario.epoch_s) <= plan_budget:
+        out += planned_policies(scenario)
     return out
 
 
+def planned_policies(scenario: Scenario) -> list[Policy]:
+    """Per-node caches and the cluster cache with the master's plan, at the widest window of the
+    sweep (the one the per-node row uses; the bed's 16)."""
+    w = scenario.windows[-1]
+    return [Policy("per_node_planned", False, w, f"per-node caches, the master's plan W={w}", planned=True),
+            Policy("cluster_planned", True, w, f"cluster cache, the master's plan W={w}", planned=True)]
+
+
 def scenarios(nodes: int = 1000, quick: bool = False) -> list[Scenario]:
-    """ImageNet-1k and a 10 TB dataset on ``nodes`` nodes with 2 TB of cache each."""
+    """ImageNet-1k and a 10 TB dataset on ``nodes`` nodes with 2 TB of cache each; without
+    ``quick``, also a dataset twice the cluster cache (:func:`over_scenario`)."""
     epochs = 2 if quick else 4
     return [
         Scenario(
@@ -180,17 +233,52 @@ def scenarios(nodes: int = 1000, quick: bool = False) -> list[Scenario]:
             "per node",
             (256,) if quick else (16, 256, 1024, 4096),
         ),
+        *([] if quick else [over_scenario(nodes)]),
     ]
 
 
+def over_scenario(nodes: int = 1000, epochs: int = 3) -> Scenario:
+    """The capacity bench's ratios at ``nodes`` nodes: 12 shards of cache a node, a dataset twice
+    the cluster cache, two trainers a node, each reading a shard in half the master's report
+    interval (at 1,000 nodes 10 s: 5 s a 1 GB shard), as on the bed (0.47 s a shard, 1 s)."""
+    shard = GB
+    read_s = plan_interval(nodes) / 2
+    return Scenario(
+        "over", "dataset 2x the cluster cache", nodes, 24 * nodes, shard, 12 * shard, epochs,
+        round(2 * shard / MB / read_s, 3),
+        "the bed's pace against the master's reports (two shard reads a trainer per report interval); the "
+        "shard and cache sizes stand for their ratio only (12 shards a node, as the capacity bench's)",
+        # A cache-aware lease finds a local shard when its window spans several shards of every node:
+        # W/nodes as on the bed (16/4) needs the sweep's widest window here.
+        (256, 4096), trainers_per_node=2,
+    )
+
+
 def bed_scenario(epochs: int = 3, window: int = 16, trainers_per_node: int = 2, shards: int = 96,
-                 shard_bytes: int = 2 * MIB, cache_bytes: int = 96 * MIB, nodes: int = 4, seed: int = 0) -> Scenario:
+                 shard_bytes: int = 2 * MIB, cache_bytes: int = 96 * MIB, nodes: int = 4, seed: int = 0,
+                 read_mb_s: float = BED_READ_MB_S) -> Scenario:
     """The multi-host test bed (``bench.locality_bench``): 4 nodes, 2 trainers each, a dataset
     twice one node's cache and half the cluster's, no churn."""
     return Scenario(
-        "bed", "4-node test bed", nodes, shards, shard_bytes, cache_bytes, epochs, 100.0,
-        "any: the bed's epochs are too short for churn, and the model's figures do not depend on the rate",
+        "bed", "4-node test bed", nodes, shards, shard_bytes, cache_bytes, epochs, read_mb_s,
+        "the bed's trainers; only the planned rows depend on it (shards read per report), the others "
+        "on no rate",
         tuple(sorted({4, window})), churn_per_hour=0.0, trainers_per_node=trainers_per_node, seed=seed, timed=False,
+    )
+
+
+def capacity_scenario(epochs: int = 3, window: int = 16, trainers_per_node: int = 2, shards: int = 101,
+                      dataset_bytes: int = 205_271_040, over: float = 2.0, nodes: int = 4, peers: bool = True,
+                      read_mb_s: float = BED_READ_MB_S, seed: int = 0) -> Scenario:
+    """The bed as ``bench.capacity_bench`` sizes it: 101 shards of ~2 MB, the dataset ``over`` x
+    the cluster's cache (``peers``: 12 shards a node) or x one node's (per-node caches: 50)."""
+    # capacity_bench._cache_bytes: the dataset over `over`, split across the nodes with peers.
+    cache = int(dataset_bytes / over / nodes) if peers else int(dataset_bytes / over)
+    return Scenario(
+        "capacity" if peers else "capacity_per_node", "4-node bed, capacity bench sizes", nodes, shards,
+        dataset_bytes // shards, cache, epochs, read_mb_s,
+        "the bed's trainers; only the planned rows depend on it (shards read per report)",
+        (window,), churn_per_hour=0.0, trainers_per_node=trainers_per_node, seed=seed, timed=False,
     )
 
 
@@ -407,8 +495,10 @@ def member_of(i: int) -> str:
 class Node:
     name: str
     member: str
-    cache: NodeCache
+    cache: NodeCache | PlannedCache
     alive: bool = True
+    link: DaemonLink | None = None
+    """Its reports to the master (planned policies only)."""
 
 
 @dataclass(slots=True)
@@ -432,6 +522,17 @@ class EpochStats:
     peer_bytes: int = 0
     completions: int = 0
     replacements: int = 0
+    reports: int = 0
+    prefetches: int = 0
+    prefetch_bytes: int = 0
+    no_room: int = 0
+    """Plan items not fetched: no room but what the plan keeps."""
+    prefetch_read: int = 0
+    """Plan fills read (by a trainer, or a peer from the owner) since the last epoch closed."""
+    prefetch_wasted: int = 0
+    """Plan fills evicted unread (or lost with a replaced node) since the last epoch closed."""
+    displaced: int = 0
+    """Entries already read that plan fills evicted since the last epoch closed."""
     started: float | None = None
     ended: float | None = None
     master: dict[str, Any] = field(default_factory=dict)
@@ -439,9 +540,13 @@ class EpochStats:
 
 class Simulation:
     """One scenario under one policy: trainers lease, read and complete through the master;
-    nodes are replaced at their times; every read is classified local / peer / origin."""
+    nodes are replaced at their times; every read is classified local / peer / origin. Under a
+    planned policy each node also reports to the master every ``interval_s`` its plan says, and
+    applies the plan it gets (:meth:`_report`)."""
 
     def __init__(self, scenario: Scenario, policy: Policy, ring: Ring | None = None) -> None:
+        if policy.planned and not policy.window:
+            raise ValueError("the master plans only for a job with a locality_window")
         self.sc = scenario
         self.policy = policy
         rate = scenario.read_mb_s * MB / scenario.trainers_per_node
@@ -449,6 +554,12 @@ class Simulation:
         ttl = min(86400.0, max(30.0, math.ceil(4 * self.read_s)))
         self.master = Master(scenario, policy, ttl)
         capacity = scenario.cache_bytes // scenario.shard_bytes
+        self.keys = [f"{scenario.name}/{key}" for key in shard_keys(scenario.shards)]
+        """Each shard's object key in BUCKET: the names daemons hash and plans list."""
+        self.shard_of_key = {key: i for i, key in enumerate(self.keys)}
+        self.plans = PlanService(self.master.state) if policy.planned else None
+        self.on_node: dict[str, set[str]] = {}
+        """node -> its live trainers: the service's ``_trainer_nodes`` for the one job."""
         self.nodes: list[Node] = []
         self.by_member: dict[str, Node] = {}
         self.trainers: list[Trainer] = []
@@ -462,6 +573,10 @@ class Simulation:
         self.churn = random.Random(f"churn:{scenario.seed}")
         self.heap: list[tuple[float, int, int]] = []
         self._seq = 0
+        self._wakes = 0
+        """Trainer wake-ups in the heap (reports and replacements never end)."""
+        self._plan_seen = (0, 0, 0)
+        """(read, wasted, displaced) summed over the planned caches at the last epoch close."""
         self.parked: list[int] = []
         self.epochs = [EpochStats() for _ in range(scenario.epochs)]
         self.completed: list[bytearray] = [bytearray(scenario.shards) for _ in range(scenario.epochs)]
@@ -474,13 +589,20 @@ class Simulation:
     # -- setup and churn --
 
     def _new_node(self, i: int, capacity: int) -> Node:
-        node = Node(f"node-{i:04d}", member_of(i), NodeCache(capacity))
+        name = f"node-{i:04d}"
+        if self.plans is not None:
+            cache = PlannedCache(capacity, BUCKET, self.keys, self.sc.shard_bytes)
+            node = Node(name, member_of(i), cache, link=DaemonLink(name, f"daemon{i}", cache))
+        else:
+            node = Node(name, member_of(i), NodeCache(capacity))
         self.nodes.append(node)
         self.by_member[node.member] = node
+        on = self.on_node[node.name] = set()
         for k in range(self.sc.trainers_per_node):
             name = f"{node.name}.t{k}"
             seed = zlib.crc32(name.encode()) ^ (self.sc.seed * 0x9E3779B1 & 0xFFFFFFFF)
             self.trainers.append(Trainer(name, node, random.Random(seed)))
+            on.add(name)
         return node
 
     def _placement(self) -> None:
@@ -488,14 +610,19 @@ class Simulation:
             self.master.placement([(n.member, n.name) for n in self.nodes if n.alive], self.now)
 
     def _push(self, at: float, what: int) -> None:
-        """``what`` >= 0: a trainer's index wakes; -1: the next replacement."""
+        """``what`` >= 0: a trainer's index wakes; -1: the next replacement; -2 - i: node ``i`` reports."""
         self._seq += 1
+        self._wakes += what >= 0
         heapq.heappush(self.heap, (at, self._seq, what))
 
     def _replace(self) -> None:
         live = [n for n in self.nodes if n.alive]
         victim = live[self.churn.randrange(len(live))]
         victim.alive = False
+        self.on_node.pop(victim.name, None)
+        if isinstance(victim.cache, PlannedCache):  # its plan fills not read yet go with it
+            victim.cache.wasted += len(victim.cache.unread)
+            victim.cache.unread.clear()
         epoch = min(self.master.job.epoch, self.sc.epochs - 1)
         self.epochs[epoch].replacements += 1
         for t in self.trainers:
@@ -518,6 +645,8 @@ class Simulation:
         for i in range(first, len(self.trainers)):
             self.trainers[i].epoch = self.master.job.epoch
             self._push(self.now, i)
+        if fresh.link is not None:
+            self._push(self.now, -1 - len(self.nodes))  # its daemon reports as it starts
         self._unpark()
 
     def _unpark(self) -> None:
@@ -550,26 +679,98 @@ class Simulation:
             self._owner_fill(owner, shard, stats)
         node.cache.put(shard, True)
 
-    def _owner_fill(self, owner: Node, shard: int, stats: EpochStats) -> None:
-        """The owner's miss: a hand-off (sidecar/daemon/peers/origin.py) from the member ranked
-        next when that one holds it (it owned it before this owner joined), else the origin."""
+    def _owner_fill(self, owner: Node, shard: int, stats: EpochStats, read: bool = True) -> None:
+        """The owner's miss, filled: a demand fill (a trainer's read, or a peer's plan fill, waits on it)."""
+        self._owner_source(owner, shard, stats, read)
+        owner.cache.put(shard, False)
+
+    def _owner_source(self, owner: Node, shard: int, stats: EpochStats, read: bool) -> None:
+        """Where the owner's miss comes from, counted: a hand-off (sidecar/daemon/peers/origin.py)
+        from the member ranked next when that one holds it (it owned it before this owner joined),
+        else the origin. ``read``: a trainer's read waits on it (classified peer or origin)."""
         size = self.sc.shard_bytes
         if any(shard in other.cache for other in self.by_member.values() if other is not owner):
             second = self.by_member.get(self.ring.runner_up(shard)) if self.ring is not None else None
             if second is not None and second.cache.hit(shard):
                 stats.peer_bytes += size
-                stats.peer_hit += 1
-                owner.cache.put(shard, False)
+                stats.peer_hit += read
                 return
-        stats.origin += 1
+        stats.origin += read
         stats.origin_bytes += size
-        owner.cache.put(shard, False)
+
+    # -- the master's plan (planned policies) --
+
+    def _report(self, index: int) -> None:
+        """Node ``index``'s daemon reports (a full report first, then deltas) and applies the
+        plan the master answers; its next report comes when the plan says."""
+        node = self.nodes[index]
+        if not node.alive or node.link is None or self.plans is None:
+            return
+        report = node.link.build()
+        plan = self.plans.report(node.name, report, {JOB: self.on_node}, self.now)
+        self._stats_now().reports += 1
+        delay = node.link.answered(report, plan)
+        if plan.resend is None:
+            self._apply_plan(node, plan)
+        self._push(self.now + delay, -2 - index)
+
+    def _stats_now(self) -> EpochStats:
+        """The epoch bytes moved now count in: the oldest one not complete."""
+        return self.epochs[min(self.master.job.epoch, self.sc.epochs - 1)]
+
+    def _apply_plan(self, node: Node, plan: NodePlan) -> None:
+        """``MasterLink.apply`` and the prefetcher (sidecar/daemon/masterlink.py, prefetch.py): the
+        plan's keep, then its prefetches, ranked for eviction; then each prefetch in order, skipped
+        when cached, fetched only while ``plan_room`` holds, filled under ``spare_kept`` (evicting
+        nothing the plan ranks). Fills complete at once (the model is consumption-bound)."""
+        cache = node.cache
+        assert isinstance(cache, PlannedCache)
+        cache.set_plan([*plan.keep, *(name_hash(item.bucket, item.key) for item in plan.prefetch)])
+        stats = self._stats_now()
+        for item in plan.prefetch:
+            shard = self.shard_of_key.get(item.key)
+            if shard is None or shard in cache:
+                continue
+            if not cache.plan_room():
+                stats.no_room += 1
+                continue
+            borrowed = self._plan_source(node, shard, stats)
+            if not cache.plan_fill(shard, borrowed):  # plan_room held and nothing is pinned: it fits
+                raise RuntimeError(f"{node.name}: a plan fill of shard {shard} was refused after plan_room")
+            stats.prefetches += 1
+            stats.prefetch_bytes += self.sc.shard_bytes
+
+    def _plan_source(self, node: Node, shard: int, stats: EpochStats) -> bool:
+        """Where a plan fill of ``shard`` on ``node`` comes from, counted as a read's would be (a
+        prefetch goes through the daemon's read path, peers included); whether the copy is borrowed."""
+        if self.ring is None:
+            stats.origin_bytes += self.sc.shard_bytes
+            return False
+        owner = self.by_member[self.ring.owner[shard]]
+        if owner is node:
+            self._owner_source(owner, shard, stats, read=False)
+            return False
+        stats.peer_bytes += self.sc.shard_bytes
+        if not owner.cache.hit(shard):
+            self._owner_fill(owner, shard, stats, read=False)
+        return True
+
+    def _plan_tally(self, stats: EpochStats) -> None:
+        """What became of plan fills since the last epoch close: read, or evicted unread."""
+        caches = [n.cache for n in self.nodes if isinstance(n.cache, PlannedCache)]
+        now = (sum(c.used for c in caches), sum(c.wasted for c in caches), sum(c.displaced for c in caches))
+        stats.prefetch_read += now[0] - self._plan_seen[0]
+        stats.prefetch_wasted += now[1] - self._plan_seen[1]
+        stats.displaced += now[2] - self._plan_seen[2]
+        self._plan_seen = now
 
     # -- the event loop --
 
     def _epoch_closed(self, epoch: int) -> None:
         stats = self.epochs[epoch]
         stats.ended = self.now
+        if self.plans is not None:
+            self._plan_tally(stats)
         loc = self.master.status(self.now).get("locality")
         if loc:
             kinds = dict(loc.get("leases") or {})
@@ -628,15 +829,26 @@ class Simulation:
         self._placement()
         for i in range(len(self.trainers)):
             self._push(0.0, i)
+        if self.plans is not None:
+            # Daemons start independently: each one's first report at a seeded point of the first
+            # interval, then every interval_s its plans say (plan_interval: 1 s at the bed's size,
+            # 10 s at 1,000 nodes).
+            phase = random.Random(f"reports:{self.sc.seed}")
+            first = plan_interval(len(self.nodes))
+            for i in range(len(self.nodes)):
+                self._push(phase.uniform(0.0, first), -2 - i)
         rate = self.sc.replacements_per_s
         if rate > 0:
             self._push(1.0 / rate, -1)
-        while self.heap and not self.master.job.finished:
+        while self.heap and not self.master.job.finished and (self._wakes or rate > 0):
             self.now, _, what = heapq.heappop(self.heap)
             if what == -1:
                 self._replace()
                 self._push(self.now + 1.0 / rate, -1)
+            elif what <= -2:
+                self._report(-2 - what)
             else:
+                self._wakes -= 1
                 self._wake(what)
         if not self.master.job.finished:
             raise RuntimeError(f"{self.sc.name}/{self.policy.name}: every trainer waits and nothing is in flight "
@@ -658,20 +870,40 @@ class Simulation:
                 "peer_bytes": s.peer_bytes, "peer_over_dataset": round(s.peer_bytes / data, 4),
                 "local_hit_rate": round(s.local / reads, 4), "peer_hit_rate": round(s.peer_hit / reads, 4),
                 "origin_rate": round(s.origin / reads, 4),
+                "bound_over_dataset": round(self.sc.bound, 4),
                 "every_shard_once": all(c == 1 for c in self.completed[i]),
                 **({"master": s.master} if s.master else {}),
+                **({"plan": {"reports": s.reports, "prefetches": s.prefetches,
+                             "prefetch_over_dataset": round(s.prefetch_bytes / data, 4), "no_room": s.no_room,
+                             "prefetches_read": s.prefetch_read, "prefetches_evicted_unread": s.prefetch_wasted,
+                             "read_entries_evicted_by_plan_fills": s.displaced}}
+                   if self.plans is not None else {}),
             })
         loc = self.master.status(self.now).get("locality")
         steady = self.epochs[1:] or self.epochs
         per_hour = statistics.fmean(s.origin_bytes for s in steady) * 3600 / self.sc.epoch_s
         return {
             "label": self.policy.label, "peers": self.policy.peers, "window": self.policy.window,
+            "planned": self.policy.planned,
             "epochs": epochs,
+            **({"plan": self._plan_summary()} if self.plans is not None else {}),
             "origin_bytes_per_hour_after_epoch1": round(per_hour) if self.sc.timed else None,
             "replacements": self.replacements,
             "evictions": sum(n.cache.evictions for n in self.nodes),
             "master_cost": self.master.costs(),
             **({"locality": {k: loc[k] for k in ("leases", "local_share") if k in loc}} if loc else {}),
+        }
+
+
+    def _plan_summary(self) -> dict[str, Any]:
+        assert self.plans is not None
+        links = [n.link for n in self.nodes if n.link is not None]
+        caches = [n.cache for n in self.nodes if isinstance(n.cache, PlannedCache) and n.alive]
+        return {
+            "reports": sum(link.reports for link in links), "resends": sum(link.resends for link in links),
+            "holdings_events": self.plans.holdings,
+            "prefetches_unread_at_end": sum(len(c.unread) for c in caches),
+            "interval_s_last": plan_interval(self.plans.book.reporting(self.now)),
         }
 
 
@@ -728,6 +960,7 @@ def compare(path: Path = DEFAULT_LOCALITY, seeds: int = COMPARE_SEEDS) -> dict[s
         shard_bytes=(int(setup["dataset_bytes"]) // int(setup["shards"])
                      if setup.get("dataset_bytes") and setup.get("shards") else 2 * MIB),
         cache_bytes=int(setup.get("cache_bytes") or 96 * MIB), nodes=int(setup.get("nodes") or 4),
+        read_mb_s=_bed_rate(setup),
     )
     out: dict[str, Any] = {"source": _shown(path), "model_seeds": seeds, "window": window, "setup": base.setup(), "modes": {}}
     worst = 0.0
@@ -738,24 +971,82 @@ def compare(path: Path = DEFAULT_LOCALITY, seeds: int = COMPARE_SEEDS) -> dict[s
         w = int(row.get("locality_window") if row.get("locality_window") is not None else (window if bed.aware else 0))
         policy = Policy(bed.name, bed.peers, w, bed.name)
         runs = [simulate(dataclasses.replace(base, seed=s), policy)["epochs"] for s in range(seeds)]
-        epochs: list[dict[str, Any]] = []
-        for m in row["epochs"]:
-            e = int(m.get("epoch") or len(epochs) + 1)
-            if e > base.epochs:
-                break
-            entry: dict[str, Any] = {"epoch": e}
-            for key in ("origin_over_dataset", "peer_over_dataset"):
-                values = [r[e - 1][key] for r in runs]
-                model = round(statistics.fmean(values), 4)
-                got = m.get(key)
-                entry[key] = {"model": model, "model_sd": round(statistics.pstdev(values), 4), "measured": got,
-                              "abs_diff": round(abs(model - float(got)), 4) if got is not None else None}
-                if got is not None:
-                    worst = max(worst, abs(model - float(got)))
-            epochs.append(entry)
+        epochs, diff = _beside(runs, row["epochs"], base.epochs)
+        worst = max(worst, diff)
         out["modes"][mode] = {"epochs": epochs}
     out["max_abs_diff"] = round(worst, 4)
     return out
+
+
+def compare_capacity(path: Path = DEFAULT_CAPACITY, seeds: int = COMPARE_SEEDS) -> dict[str, Any]:
+    """The model at ``bench.capacity_bench``'s sizes next to its measured figures
+    (``bench/results/capacity.json``), as :func:`compare` does, per mode the model has: ``lru``
+    (the daemons' LRU, borrowed copies first) and ``planned`` (the master's plan), each with the
+    bed's cache-aware leases; ``hold`` is not modelled. Each epoch also carries the bound, the
+    model's (whole shards) and the bed's."""
+    if not path.exists():
+        return {"skipped": f"{_shown(path)} not found: run the bed (sudo python -m bench.capacity_bench) first"}
+    measured = json.loads(path.read_text())
+    setup = measured.get("setup") or {}
+    window = int(setup.get("window") or 16)
+    sizes: dict[str, Any] = {
+        "epochs": int(setup.get("epochs") or 3), "window": window,
+        "trainers_per_node": int(setup.get("trainers_per_node") or 2), "shards": int(setup.get("shards") or 101),
+        "dataset_bytes": int(setup.get("dataset_bytes") or 205_271_040), "over": float(setup.get("dataset_over_cache") or 2.0),
+        "nodes": int(setup.get("nodes") or 4), "read_mb_s": _bed_rate(setup),
+    }
+    out: dict[str, Any] = {"source": _shown(path), "model_seeds": seeds, "window": window, "modes": {}}
+    worst = 0.0
+    for mode, row in (measured.get("modes") or {}).items():
+        bed = CAPACITY_MODES.get(mode)
+        if bed is None or not row.get("epochs"):
+            continue
+        if bed.policy not in ("lru", "planned"):
+            out["modes"][mode] = {"skipped": f"{bed.policy} is not modelled"}
+            continue
+        base = capacity_scenario(**sizes, peers=bed.peers)
+        policy = Policy(mode, bed.peers, window, bed.label, planned=bed.policy == "planned")
+        runs = [simulate(dataclasses.replace(base, seed=s), policy)["epochs"] for s in range(seeds)]
+        epochs, diff = _beside(runs, row["epochs"], base.epochs)
+        for entry, m in zip(epochs, row["epochs"], strict=False):
+            entry["bound"] = {"model": round(base.bound, 4), "measured": m.get("bound")}
+            entry["local_hit_rate_model"] = round(statistics.fmean(r[entry["epoch"] - 1]["local_hit_rate"] for r in runs), 4)
+        worst = max(worst, diff)
+        out["modes"][mode] = {"setup": base.setup(), "epochs": epochs}
+    out["max_abs_diff"] = round(worst, 4)
+    return out
+
+
+def _beside(runs: list[list[dict[str, Any]]], rows: list[dict[str, Any]], epochs: int) -> tuple[list[dict[str, Any]], float]:
+    """Per measured epoch (up to ``epochs``): origin and peer bytes over the dataset, the model's
+    mean and sd over ``runs`` (one per seed), the measured figure and their difference; and the
+    largest difference."""
+    out: list[dict[str, Any]] = []
+    worst = 0.0
+    for m in rows:
+        e = int(m.get("epoch") or len(out) + 1)
+        if e > epochs:
+            break
+        entry: dict[str, Any] = {"epoch": e}
+        for key in ("origin_over_dataset", "peer_over_dataset"):
+            values = [r[e - 1][key] for r in runs]
+            model = round(statistics.fmean(values), 4)
+            got = m.get(key)
+            entry[key] = {"model": model, "model_sd": round(statistics.pstdev(values), 4), "measured": got,
+                          "abs_diff": round(abs(model - float(got)), 4) if got is not None else None}
+            if got is not None:
+                worst = max(worst, abs(model - float(got)))
+        out.append(entry)
+    return out, worst
+
+
+def _bed_rate(setup: dict[str, Any]) -> float:
+    """A node's read rate on the bed, MB/s, from its results' setup (either bench's way of saying it)."""
+    if setup.get("trainer_demand_mb_per_s") and setup.get("trainers_per_node"):
+        return float(setup["trainer_demand_mb_per_s"]) * int(setup["trainers_per_node"])
+    if setup.get("demand_mb_per_s") and setup.get("nodes"):
+        return float(setup["demand_mb_per_s"]) / int(setup["nodes"])
+    return BED_READ_MB_S
 
 
 def _shown(path: Path) -> str:
@@ -782,6 +1073,16 @@ ASSUMPTIONS = [
     "name; the master learns the new ring at once (the real one polls every few seconds).",
     "Peer bytes: every byte a node reads from another node (including those the owner streams while filling). "
     "Hit rates are shares of reads (equal sizes: of bytes too): local + peer + origin = 1.",
+    "Planned rows (issue 32): every daemon reports to the master every interval_s its plan says (plan_interval: "
+    "1 s at 4 nodes, 10 s at 1,000), first at a seeded point of the first interval, a full report and then deltas "
+    "(the real HeldNames); the master takes each as Service.node_report does (NodeBook, resolve_report, a Holdings "
+    "event on the same MasterState, Planner.plan without its time budget) and the daemon applies the plan as "
+    "MasterLink.apply does: keep + prefetch ranked in the real PlannedPolicy, prefetches in order into room that "
+    "evicts nothing the plan ranks. Prefetches complete at once and count as origin (and peer) bytes of the epoch "
+    "open then: the policy's best case on bytes, apart from timing. Skipped where the reports would pass the "
+    "report budget (plan_reports_expected in the setup).",
+    "Bound: max(0, 1 - nodes x cache / dataset) in whole shards, for the cluster cache and for per-node caches "
+    "(one job reads each shard once an epoch across its nodes).",
 ]
 
 
@@ -801,7 +1102,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             f"**{s['title']}**: {s['shards']:,} shards x {_size(s['shard_bytes'])} = {_size(s['dataset_bytes'])} "
             f"on {s['nodes']:,} nodes x {s['trainers_per_node']} trainer(s), {_size(s['cache_bytes_per_node'])} of cache "
-            f"each; {timing}.",
+            f"each; {timing}; bound {s['bound_over_dataset']:.3f} of the dataset an epoch.",
             "",
             "| policy | origin / dataset, per epoch | peer / dataset, per epoch | local hit rate, last epoch "
             "| local leases (master) | mean displacement / spearman | origin per hour after epoch 1 "
@@ -823,6 +1124,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {'–' if share is None else f'{share * 100:.1f}%'} | {order} | {_per_hour(row['origin_bytes_per_hour_after_epoch1'])} "
                 f"| {cost.get('mean', 0):.0f}, {cost.get('p99', 0):.0f}, {row['master_cost']['first_lease_us'] or 0:,.0f} |")
         lines.append("")
+        lines += _plan_lines(sc)
     lines += [
         "Origin and peer bytes over the dataset's size, per epoch; hit rates are shares of reads; local leases: the "
         "master's count of leases whose shard's owner or last reader was the trainer's node (last epoch; – for the "
@@ -847,7 +1149,47 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"Largest absolute difference: {cmp_['max_abs_diff']:.3f} of the dataset.", ""]
     elif cmp_.get("skipped"):
         lines += [f"Model vs the bed: skipped ({cmp_['skipped']}).", ""]
+    lines += _capacity_lines(result.get("compare_capacity") or {})
     return "\n".join(lines)
+
+
+def _plan_lines(sc: dict[str, Any]) -> list[str]:
+    """What the plan did, per planned row and epoch (none when the scenario ran no planned row)."""
+    rows = {name: row for name, row in sc["policies"].items() if row.get("planned")}
+    if not rows:
+        why = sc["setup"].get("plan_reports_expected")
+        return [f"Planned rows: not run (~{why:,} reports expected, past the budget).", ""] if why is not None else []
+    lines = ["| planned row | prefetched / dataset | prefetches read | evicted unread | read entries evicted by plan "
+             "fills | reports |", "|---|---|---|---|---|---|"]
+    for row in rows.values():
+        plans = [e["plan"] for e in row["epochs"]]
+        lines.append(f"| {row['label']} | {_fmt_list(p['prefetch_over_dataset'] for p in plans)} "
+                     f"| {_fmt_list((p['prefetches_read'] for p in plans), 'd')} "
+                     f"| {_fmt_list((p['prefetches_evicted_unread'] for p in plans), 'd')} "
+                     f"| {_fmt_list((p['read_entries_evicted_by_plan_fills'] for p in plans), 'd')} "
+                     f"| {_fmt_list((p['reports'] for p in plans), 'd')} |")
+    return [*lines, ""]
+
+
+def _capacity_lines(cmp_: dict[str, Any]) -> list[str]:
+    if cmp_.get("skipped"):
+        return [f"Model vs the capacity bench: skipped ({cmp_['skipped']}).", ""]
+    if not cmp_.get("modes"):
+        return []
+    lines = [f"**Model vs the capacity bench** (4 nodes, its sizes; model: mean of {cmp_['model_seeds']} seeds; "
+             f"measured: `{cmp_['source']}`):", "",
+             "| mode | epoch | origin / dataset: model (sd), measured | bound: model, bed | peer / dataset: model, "
+             "measured | local hit rate (model) |", "|---|---|---|---|---|---|"]
+    for mode, row in cmp_["modes"].items():
+        if row.get("skipped"):
+            lines.append(f"| {mode} | – | {row['skipped']} | | | |")
+            continue
+        for e in row["epochs"]:
+            o, p, b = e["origin_over_dataset"], e["peer_over_dataset"], e["bound"]
+            lines.append(f"| {mode} | {e['epoch']} | {o['model']:.3f} ({o['model_sd']:.3f}), {_opt(o['measured'])} "
+                         f"| {b['model']:.3f}, {_opt(b['measured'])} | {p['model']:.3f}, {_opt(p['measured'])} "
+                         f"| {e['local_hit_rate_model'] * 100:.1f}% |")
+    return [*lines, "", f"Largest absolute difference: {cmp_['max_abs_diff']:.3f} of the dataset.", ""]
 
 
 def _size(n: int) -> str:
@@ -905,7 +1247,10 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def run(chosen: Sequence[Scenario], locality: Path | None, command: str) -> dict[str, Any]:
+def run(chosen: Sequence[Scenario], locality: Path | None, command: str, capacity: Path | None = None,
+        plan_budget: int = PLAN_REPORTS_BUDGET) -> dict[str, Any]:
+    """Every scenario under its policies (:func:`policies_for`), and the model set beside the bed's
+    figures (``locality``: bench.locality_bench's; ``capacity``: bench.capacity_bench's; None: not)."""
     started = time.perf_counter()
     result: dict[str, Any] = {
         "benchmark": "cluster_sim", "command": command, "machine": machine_facts(("xxhash", "shardcache")),
@@ -913,7 +1258,7 @@ def run(chosen: Sequence[Scenario], locality: Path | None, command: str) -> dict
         "assumptions": ASSUMPTIONS, "scenarios": {},
     }
     for scenario in chosen:
-        result["scenarios"][scenario.name] = run_scenario(scenario, policies_for(scenario))
+        result["scenarios"][scenario.name] = run_scenario(scenario, policies_for(scenario, plan_budget))
     result["summary"] = {
         name: {pol: {"origin_over_dataset": [e["origin_over_dataset"] for e in row["epochs"]],
                      "peer_over_dataset": [e["peer_over_dataset"] for e in row["epochs"]],
@@ -923,6 +1268,8 @@ def run(chosen: Sequence[Scenario], locality: Path | None, command: str) -> dict
         for name, sc in result["scenarios"].items()
     }
     result["compare"] = compare(locality) if locality is not None else {"skipped": "not asked (--no-compare)"}
+    result["compare_capacity"] = (compare_capacity(capacity) if capacity is not None
+                                  else {"skipped": "not asked (--no-compare, or not the bed's size)"})
     result["elapsed_s"] = round(time.perf_counter() - started, 2)
     return result
 
@@ -941,16 +1288,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-mb-s", type=float, default=None, help="per-node read rate, MB/s (default per scenario)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--locality", type=Path, default=DEFAULT_LOCALITY, help="the bed's results to compare with")
+    parser.add_argument("--capacity", type=Path, default=DEFAULT_CAPACITY,
+                        help="the capacity bench's results to compare with (not with --quick)")
     parser.add_argument("--no-compare", action="store_true")
+    parser.add_argument("--plan-reports", type=int, default=PLAN_REPORTS_BUDGET,
+                        help=f"most node reports a planned row may take (default {PLAN_REPORTS_BUDGET:,}); "
+                             "scenarios past it run no planned rows")
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON (default bench/results/cluster_sim.json; with --quick or --nodes none unless given)")
     args = parser.parse_args(argv)
     if args.nodes < 2 or (args.epochs is not None and args.epochs < 2):
         parser.error("--nodes must be >= 2 and --epochs >= 2")
     if args.nodes == 4:
-        chosen = [bed_scenario()]
+        chosen = [bed_scenario(), capacity_scenario()]
     else:
-        chosen = [*scenarios(args.nodes, args.quick), bed_scenario(epochs=2 if args.quick else 3)]
+        chosen = [*scenarios(args.nodes, args.quick), bed_scenario(epochs=2 if args.quick else 3),
+                  *([] if args.quick else [capacity_scenario()])]
     if args.scenarios:
         wanted = {s.strip() for s in args.scenarios.split(",") if s.strip()}
         unknown = wanted - {s.name for s in chosen}
@@ -969,11 +1322,12 @@ def main(argv: list[str] | None = None) -> int:
             changes["windows"] = tuple(sorted({int(w) for w in args.windows.split(",")}))
         except ValueError:
             parser.error("--windows takes integers, e.g. 16,256,4096")
-    chosen = [dataclasses.replace(s, **changes, **({"epochs": args.epochs} if args.epochs and s.name != "bed" else {}))
+    chosen = [dataclasses.replace(s, **changes, **({"epochs": args.epochs} if args.epochs and s.timed else {}))
               for s in chosen]
     command = "python -m bench.cluster_sim" + ("" if not (argv if argv is not None else sys.argv[1:]) else " " + " ".join(
         argv if argv is not None else sys.argv[1:]))
-    result = run(chosen, None if args.no_compare else args.locality, command)
+    result = run(chosen, None if args.no_compare else args.locality, command,
+                 None if args.no_compare or args.quick else args.capacity, args.plan_reports)
     table = markdown(result)
     out = args.out or (None if args.quick or args.nodes != 1000 or args.scenarios else RESULTS_DIR / "cluster_sim.json")
     if out is not None:

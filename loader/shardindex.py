@@ -79,12 +79,20 @@ RANGE_READERS = 16
 """Ranged reads a process has in flight at once for one batch (each waits one origin round trip)."""
 
 
+_PROCESS = [os.getpid()]
+"""This process's id, kept current in forked children: the warm path compares it without a
+system call per sample."""
+if hasattr(os, "register_at_fork"):  # where there is no fork, no child to tell
+    os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, os.getpid()))
+
+
 @dataclass
 class _Open:
     shard: Shard
     buf: Any  # mmap.mmap of the shard's file, or its bytes
     table: TarIndex
     reader: Reader | None
+    url: str = ""  # the shard's URL, each sample's __url__ (made once, not per sample)
 
 
 class ShardIndex:
@@ -179,6 +187,9 @@ class ShardIndex:
         """The shard holding sample ``i`` and the sample's position in it (negative ``i`` counts
         from the end, as a sequence's)."""
         n = len(self)
+        if type(i) is int and 0 <= i < n:  # the common case, checked in one step
+            s = bisect.bisect_right(self._ends, i)
+            return self.shards[s], i - (self._ends[s - 1] if s else 0)
         if isinstance(i, bool) or not isinstance(i, int):
             raise TypeError(f"sample indices are integers, not {type(i).__name__}")
         if i < 0:
@@ -190,8 +201,18 @@ class ShardIndex:
 
     def sample(self, i: int) -> dict[str, Any]:
         shard, j = self.locate(i)
-        with self._lock:
-            opened = self._open.get(shard.index)
+        # A warm sample takes 9-14 us, most of it the copy: the lookup takes no lock (one dict
+        # read is atomic under the GIL), no system call (the process id is kept at fork), and
+        # marks the shard used only as a hint (a close on another thread may have dropped it
+        # meanwhile; its mapping stays valid while held). 95-103k samples/s before, 111-115k
+        # after (110 KB samples, local file, this VM).
+        opened = self._open.get(shard.index)
+        if opened is not None and self._pid == _PROCESS[0]:
+            try:
+                self._open.move_to_end(shard.index)
+            except KeyError:
+                pass
+            return self._read(opened, j)
         if opened is None:
             ranged = self._ranged([(shard, [j])]).get(shard.index)
             if ranged is not None:
@@ -360,7 +381,7 @@ class ShardIndex:
             table = INDEXES.get(identity)
             if table is not None and (table.checked_xxh3_128 == shard.xxh3_128 or not verify):
                 _random_access(buf)
-                return _Open(shard, buf, table, reader)
+                return _Open(shard, buf, table, reader, url)
         else:
             buf = _read_all(reader)
             reader.close()
@@ -387,7 +408,7 @@ class ShardIndex:
             # fresh shard the cache wrote past the page cache, --direct-writes, was read a page
             # per fault: 0.69 s for 64 MiB after a 0.24 s fill, measured.)
             _random_access(buf)
-        return _Open(shard, buf, table, reader)
+        return _Open(shard, buf, table, reader, url)
 
     def _read(self, opened: _Open, j: int) -> dict[str, Any]:
         table, buf = opened.table, opened.buf
@@ -398,7 +419,7 @@ class ShardIndex:
         # else bytes (slices of a mapping or of bytes are), which a caller may keep after the
         # shard is closed.
         data = memoryview(buf) if self.settings.zero_copy and isinstance(buf, mmap.mmap) else buf
-        return table.sample(j, data, self.location.object_url(opened.shard.key))
+        return table.sample(j, data, opened.url or self.location.object_url(opened.shard.key))
 
     def __repr__(self) -> str:
         return f"ShardIndex({self.location.url!r}, {len(self)} samples in {len(self.shards)} shards)"

@@ -119,6 +119,14 @@ class HeldNames:
             self._added, self._dropped = set(), set()
             return array("Q", self._versions)
 
+    def take(self, full: bool) -> tuple[bool, array[int], array[int]]:
+        """(full, held, dropped) for the next report: a delta unless ``full`` is asked for or no
+        delta is kept, else every name held (dropped empty)."""
+        delta = None if full else self.take_delta()
+        if delta is None:
+            return True, self.take_full(), array("Q")
+        return False, delta[0], delta[1]
+
     def take_delta(self) -> tuple[array[int], array[int]] | None:
         """The names cached and dropped since the last report taken, or ``None``: not kept (the
         next report must be full)."""
@@ -293,13 +301,7 @@ class MasterLink:
 
     def _build(self) -> _Built:
         """The next report (a worker thread: a full one packs every name held)."""
-        full = self._full_next or self._acked is None
-        delta = None if full else self.held.take_delta()
-        if delta is None:
-            full = True
-            held, dropped = self.held.take_full(), array("Q")
-        else:
-            held, dropped = delta
+        full, held, dropped = self.held.take(self._full_next or self._acked is None)
         self._seq += 1
         capacity, used, items = self.store.usage()
         report = NodeReport(
@@ -308,7 +310,7 @@ class MasterLink:
             jobs=self.jobs.snapshot(),
         )
         body = json.dumps(report.to_json(), separators=(",", ":")).encode()
-        return _Built(self._seq, full, body, len(held), len(dropped), delta)
+        return _Built(self._seq, full, body, len(held), len(dropped), None if full else (held, dropped))
 
     async def _send(self, built: _Built) -> NodePlan:
         """Post ``built`` to the masters in turn until one answers a plan; :class:`_Failure` with

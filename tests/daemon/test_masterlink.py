@@ -499,7 +499,7 @@ def test_against_a_real_master(tmp_path: Path, origin: Path):
 
             shards = [{"key": key, "size": SIZE + i, "samples": 1} for i, key in enumerate(KEYS)]
             client.create_job({"name": "train", "dataset": "s3://bkt/", "shards": shards, "seed": 3, "epochs": 2,
-                               "locality_window": 4})
+                               "locality_window": 1})
             lease = client.lease("train", "t1", "node-a", 1)["leases"][0]
             assert http_get(f"{daemon.url}/bkt/{lease['key']}", {JOB_HEADER: "train"})[0] == 200
             wait_until(lambda: stats()["jobs"].get("train", {}).get("prefetch_bytes", 0) > 0, timeout=30,

@@ -1,7 +1,8 @@
 """The plan a node's report is answered with (loader/master/server/holdings.py): each node is asked
-to prefetch the shards assigned to it (rendezvous over the job's trainer nodes, or the ring
-owner's node) and keep the shards it holds, the soonest needed first, as many as its capacity
-holds; checked against a naive reference that walks the seeded orders itself. Also the cost of a
+to prefetch the shards of its next few positions (those assigned to it: rendezvous over the job's
+trainer nodes, or the ring owner's node) and keep the shards it holds, the soonest needed first,
+as many as its capacity holds (Belady's rule with a short lead); checked against a naive
+reference that walks the seeded orders itself. Also the cost of a
 plan at 1,000 nodes and 100,000 shards (slow tier)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from loader.master.server.events import Complete, CreateJob, Holdings, Lease, Pl
 from loader.master.server.holdings import NodeBook, NodeRecord, Planner, plan_interval, resolve_report
 from loader.master.server.spec import JobSpec, ShardSpec
 from loader.master.server.state import MasterState
-from wire.nodeplan import MAX_PREFETCH, NodePlan, NodeReport, name_hash
+from wire.nodeplan import MAX_KEEP, MAX_PREFETCH, NodePlan, NodeReport, name_hash
 from wire.rendezvous import owner
 from wire.shuffle import EpochOrder
 
@@ -87,26 +88,36 @@ def keep_of(plan: NodePlan) -> list[int]:
 
 
 def reference(cluster: Cluster, job: str, node: str, assigned: dict[int, str], slots: int, held: set[int],
-              ring: bool = False) -> list[tuple[int, int]]:
-    """The rule, naively: (next use, shard) of the ``slots`` soonest among the node's held and
-    assigned shards; next use = this epoch's position if not handed out yet in it, else the next
-    epoch's. Without a ring (per-node caches) an assigned shard another node holds, or one inside
-    the window now, is not this node's to fetch."""
+              ring: bool = False, lead: int | None = None) -> list[tuple[int, int]]:
+    """The rule, naively: (next use, shard) of the ``slots`` soonest among the node's held shards
+    and the shards of its next ``lead`` positions it does not hold (default: as the planner sizes
+    it, 2 per trainer of the job on the node, at most half the slots); next use = this epoch's
+    position if not handed out yet in it, else the next epoch's. The node's positions: those of
+    the shards assigned to it not handed out yet this epoch, in order, then the next epoch's of
+    the others. Without a ring (per-node caches) a shard another node holds, or one inside the
+    window now, is not this node's to fetch (its position still counts)."""
     state = cluster.state.jobs[job]
     n, s = state.n, state.spec
+    if lead is None:
+        lead = max(1, min(slots // 2, 2 * len(cluster.trainers.get(job, {}).get(node, ()))))
     epoch = state.epoch if state.open and next(iter(state.open.values())).cursor < n else state.next_epoch
     now, after = EpochOrder(n, s.seed, epoch, s.shuffle), EpochOrder(n, s.seed, epoch + 1, s.shuffle)
     handed = cluster.handed.get(job, {}).get(epoch, set())
     open_ep = state.open.get(epoch)
     near = epoch * n + (open_ep.cursor if open_ep is not None else 0) + s.locality_window
     assert state.locality is not None
-    uses = {}
-    for shard in range(n):
-        if assigned.get(shard) != node and shard not in held:
-            continue
-        use = epoch * n + now.index(shard) if shard not in handed else (epoch + 1) * n + after.index(shard)
+
+    def use_of(shard: int) -> int:
+        return epoch * n + now.index(shard) if shard not in handed else (epoch + 1) * n + after.index(shard)
+
+    has_next = s.epochs is None or epoch + 1 < s.epochs
+    positions = [(epoch * n + p, now[p]) for p in range(n) if assigned.get(now[p]) == node and now[p] not in handed]
+    if has_next:
+        positions += [((epoch + 1) * n + p, after[p]) for p in range(n) if assigned.get(after[p]) == node and after[p] in handed]
+    uses = {shard: use_of(shard) for shard in held if shard not in handed or has_next}
+    for use, shard in positions[:lead]:
         holder = state.locality.readers.get(shard)
-        if not ring and shard not in held and ((holder is not None and holder != node) or use < near):
+        if shard in held or not ring and ((holder is not None and holder != node) or use < near):
             continue
         uses[shard] = use
     return sorted((use, shard) for shard, use in uses.items())[:slots]
@@ -120,22 +131,44 @@ def rendezvous(n: int, nodes: list[str]) -> dict[int, str]:
 
 
 def test_two_nodes_get_disjoint_plans_of_their_assigned_shards_soonest_first_bounded_by_slots() -> None:
-    cluster = Cluster(spec(n=40))
+    cluster = Cluster(spec(n=40, window=2))
     for _ in range(3):
-        cluster.lease("job", "n1")
-        cluster.lease("job", "n2")
+        for k in range(3):  # three trainers a node: a lead of 3 positions (half of 6 slots)
+            cluster.lease("job", "n1", f"t-n1-{k}")
+            cluster.lease("job", "n2", f"t-n2-{k}")
     assigned = rendezvous(40, ["n1", "n2"])
     plans = {node: cluster.report(node) for node in ("n1", "n2")}
     for node, plan in plans.items():
-        assert plan.resend is None and len(plan.keep) == 0
         expected = reference(cluster, "job", node, assigned, 6, set())
+        assert plan.resend is None and expected
         assert [(i.next_use, int(i.key[-9:-4])) for i in plan.prefetch] == expected
+        # Nothing held: what the plan keeps is what it fetches, ranked at its next use.
+        assert keep_of(plan) == shards_of(plan)
         assert all(assigned[s] == node for s in shards_of(plan))
         assert all(i.job == "job" and i.bucket == "bucket" for i in plan.prefetch)
-        assert cluster.record(node).planned == {"job": (6, 0)}
+        assert cluster.record(node).planned == {"job": (len(expected), 0)}
     assert not set(shards_of(plans["n1"])) & set(shards_of(plans["n2"]))
     # Handed out this epoch: not in the plan for it (leased shards are needed next epoch at the soonest).
     assert not set(shards_of(plans["n1"])) & cluster.handed["job"][0]
+
+
+def test_the_lead_is_of_positions_so_held_shards_needed_soon_keep_their_place() -> None:
+    # Belady's rule with a short lead: the plan fetches only what the node's next positions need,
+    # and keeps the held shards needed soonest with the rest of its slots. A plan that fetched the
+    # next shards not held, however far ahead, would have displaced every held shard already read
+    # (its next use is next epoch) for this epoch's.
+    n = 40
+    cluster = Cluster(spec(n=n, window=1))
+    cluster.lease("job", "n1")  # one trainer: a lead of 2 positions
+    assigned = {i: "n1" for i in range(n)}  # the only node: every shard its own
+    order = EpochOrder(n, 7, 0)
+    handed = cluster.handed["job"][0]
+    pending = [order[p] for p in range(n) if order[p] not in handed]
+    held = {pending[0], *handed}  # the next shard, and the one read (needed next epoch)
+    plan = cluster.report("n1", tuple(held), capacity=10 * SIZE)
+    expected = reference(cluster, "job", "n1", assigned, 10, held)
+    assert shards_of(plan) == [s for _, s in expected if s not in held] == [pending[1]]
+    assert keep_of(plan) == [s for _, s in expected] and set(keep_of(plan)) == held | {pending[1]}
 
 
 def test_keep_ranks_the_held_shards_the_order_needs_soonest_and_prefetch_skips_them() -> None:
@@ -155,11 +188,13 @@ def test_keep_ranks_the_held_shards_the_order_needs_soonest_and_prefetch_skips_t
     plan = cluster.report("n1", tuple(held))
     expected = reference(cluster, "job", "n1", assigned, 6, held)
     desired = [s for _, s in expected]
-    assert keep_of(plan) == [s for s in desired if s in held]
+    assert keep_of(plan) == desired and set(held) <= set(desired)  # room for all: soonest first
     assert shards_of(plan) == [s for s in desired if s not in held]
-    assert soon in keep_of(plan) and late not in keep_of(plan) and done not in keep_of(plan)
-    assert len(plan.prefetch) + len(plan.keep) == 6
-    assert cluster.record("n1").planned["job"] == (6, 1)  # one of this epoch's held: the lead
+    assert keep_of(plan).index(soon) < keep_of(plan).index(late) < keep_of(plan).index(done)
+    assert cluster.record("n1").planned["job"] == (len(desired), 2)  # this epoch's held: the lead
+    # Room for two: the one needed next epoch gives way (Belady's rule: the farthest next use).
+    tight = cluster.report("n1", tuple(held), capacity=2 * SIZE)
+    assert keep_of(tight) == [s for _, s in reference(cluster, "job", "n1", assigned, 2, held)] == [soon, late]
     # With room for everything the held ones all rank, soonest first.
     big = cluster.report("n1", tuple(held), capacity=1000 * SIZE)
     expected = reference(cluster, "job", "n1", assigned, 1000, held)
@@ -168,17 +203,18 @@ def test_keep_ranks_the_held_shards_the_order_needs_soonest_and_prefetch_skips_t
 
 def test_the_next_epoch_follows_when_this_one_runs_out() -> None:
     n = 24
-    cluster = Cluster(spec(n=n, window=4))
+    cluster = Cluster(spec(n=n, window=1))
+    k = 0
     while len(cluster.handed.get("job", {}).get(0, ())) < n - 3:
-        cluster.lease("job", "n1")
-        cluster.lease("job", "n2")
-    assigned = rendezvous(n, ["n1", "n2"])
+        cluster.lease("job", "n1", f"t-n1-{k % 4}")  # four trainers: a lead of 4 positions
+        k += 1
+    assigned = {i: "n1" for i in range(n)}  # the job's only node
     plan = cluster.report("n1", capacity=8 * SIZE)
     expected = reference(cluster, "job", "n1", assigned, 8, set())
     assert [(i.next_use, int(i.key[-9:-4])) for i in plan.prefetch] == expected
     assert any(i.next_use >= n for i in plan.prefetch)  # reaches into epoch 1
     # A job's last epoch has no next one: only what is left of it.
-    last = Cluster(spec(n=n, window=4, epochs=1))
+    last = Cluster(spec(n=n, window=1, epochs=1))
     while len(last.handed.get("job", {}).get(0, ())) < n - 3:
         last.lease("job", "n1")
     assert all(i.next_use < n for i in last.report("n1", capacity=8 * SIZE).prefetch)
@@ -197,39 +233,44 @@ def test_with_a_ring_shards_are_assigned_to_their_owners_node() -> None:
 
 
 def test_slots_are_split_between_jobs_by_their_trainers_on_the_node() -> None:
-    cluster = Cluster(spec("a", n=40), spec("b", n=40, seed=3))
+    cluster = Cluster(spec("a", n=40, window=1), spec("b", n=40, seed=3, window=1))
     for trainer in ("a0", "a1", "a2"):
         cluster.lease("a", "n1", trainer)
     cluster.lease("b", "n1", "b0")
-    plan = cluster.report("n1", capacity=8 * SIZE)
-    assert cluster.record("n1").planned == {"a": (6, 0), "b": (2, 0)}
-    jobs = [item.job for item in plan.prefetch]
-    assert jobs.count("a") == 6 and jobs.count("b") == 2
+    # The two jobs read the same dataset: the 20 shards held are both jobs' to rank.
+    plan = cluster.report("n1", tuple(range(20)), capacity=8 * SIZE)
+    planned = cluster.record("n1").planned
+    assert planned["a"][0] == 6 and planned["b"][0] == 2 and len(plan.keep) <= 8
+    assert plan.prefetch and {item.job for item in plan.prefetch} <= {"a", "b"}
     # Ranked by how far ahead of each job's own position they are needed.
     leads = [i.next_use - (40 * 0 + cluster.state.jobs[i.job].open[0].cursor) for i in plan.prefetch]
     assert leads == sorted(leads)
 
 
 def test_no_plan_without_trainers_on_the_node_capacity_or_a_window() -> None:
-    cluster = Cluster(spec(n=20), spec("plain", n=20, window=0))
+    cluster = Cluster(spec(n=20, window=1), spec("plain", n=20, window=0))
     cluster.lease("plain", "n1")
     assert cluster.report("n1") == NodePlan(1, interval_s=2.0)  # only a window-less job's trainers there
     cluster.lease("job", "n2")
     assert cluster.report("n3").prefetch == ()  # nobody trains on n3
     assert cluster.report("n2", capacity=0).prefetch == ()
-    assert len(cluster.report("n2").prefetch) == 6
+    assert cluster.report("n2").prefetch
 
 
 def test_a_spent_budget_makes_a_plan_shorter_never_wrong() -> None:
     n = 400
     full = Cluster(spec(n=n, window=16))
     starved = Cluster(spec(n=n, window=16), budget_s=0.0)
+    members = (("http://10.0.0.1:8600", "n1"), ("http://10.0.0.2:8600", "n2"), ("http://10.0.0.3:8600", "n3"))
     for cluster in (full, starved):
-        for node in ("n1", "n2", "n3"):
+        cluster.state.apply(Placement(members), cluster.now)  # owners: no position is another node's
+        for k in range(13):  # a lead of 25 positions (half of 50 slots)
+            cluster.lease("job", "n1", f"t-n1-{k}")
+        for node in ("n2", "n3"):
             cluster.lease("job", node)
     whole = full.report("n1", capacity=50 * SIZE)
     short = starved.report("n1", capacity=50 * SIZE)
-    assert len(whole.prefetch) == 50 and set(shards_of(short)) <= set(shards_of(whole))
+    assert len(whole.prefetch) == 25 and set(shards_of(short)) <= set(shards_of(whole))
 
 
 def test_the_report_interval_grows_with_the_reporting_nodes() -> None:
@@ -240,11 +281,12 @@ def test_the_report_interval_grows_with_the_reporting_nodes() -> None:
 def test_prefetch_is_bounded() -> None:
     n = 3000
     cluster = Cluster(spec(n=n, window=4))
-    cluster.lease("job", "n1")
+    for k in range(600):  # a lead of 1,200 positions
+        cluster.lease("job", "n1", f"t-n1-{k}")
     plan = cluster.report("n1", capacity=n * SIZE)
-    assert len(plan.prefetch) == MAX_PREFETCH and len(plan.keep) == 0
-    # every shard but the window's 4 (about to be leased: fetched by whoever gets them), the leased one next epoch
-    assert cluster.record("n1").planned["job"][0] == n - 4
+    assert len(plan.prefetch) == MAX_PREFETCH and len(plan.keep) == min(MAX_KEEP, 1200 - 4)
+    # the lead's positions but the window's 4 (about to be leased: fetched by whoever gets them)
+    assert cluster.record("n1").planned["job"][0] == 1200 - 4
 
 
 # -- what a plan costs ---------------------------------------------------------------------------
@@ -273,7 +315,7 @@ def test_plan_cost_at_1000_nodes() -> None:
         t0 = time.perf_counter()
         plan = cluster.report(node, held[node], capacity=100 * SIZE)
         times.append(time.perf_counter() - t0)
-        assert len(plan.prefetch) + len(plan.keep) == 100
+        assert len(plan.keep) == 100 and len(plan.prefetch) <= 50
     print(f"\n{nodes} nodes x {n} shards: first plans {first:.1f} s in all; then a report+plan "
           f"{1000 * statistics.mean(times):.2f} ms mean, p99 {1000 * sorted(times)[int(0.99 * len(times))]:.2f} ms")
     assert statistics.mean(times) < 0.05
