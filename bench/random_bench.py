@@ -3,8 +3,8 @@ would pick instead, in one run.
 
 One dataset of WebDataset shards on a moto S3 server behind the latency proxy (20 ms per request,
 as the suite), read in one seeded random order of sample indices (a shuffled sampler's), twice:
-cold (nothing cached anywhere) and warm (the same order again, ten times over, or as many times as
-take 30 s when fewer: ``WARM_REPEATS``, ``WARM_ENOUGH_S``). Readers, each in a process of its own,
+cold (nothing cached anywhere) and warm (the same order again, at least ten times over and for at
+least 5 s, no pass begun after 30 s: ``WARM_REPEATS``, ``WARM_LEAST_S``, ``WARM_ENOUGH_S``). Readers, each in a process of its own,
 with its own empty cache:
 
 - ``limit``: no reader, the bound of those that copy: each sample's members sliced (copied) out of
