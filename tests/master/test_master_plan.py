@@ -319,3 +319,18 @@ def test_plan_cost_at_1000_nodes() -> None:
     print(f"\n{nodes} nodes x {n} shards: first plans {first:.1f} s in all; then a report+plan "
           f"{1000 * statistics.mean(times):.2f} ms mean, p99 {1000 * sorted(times)[int(0.99 * len(times))]:.2f} ms")
     assert statistics.mean(times) < 0.05
+
+
+def test_a_held_shard_still_being_read_ranks_as_needed_now_not_next_epoch() -> None:
+    # Handed out and not back: its trainer reads it now (or opens it next, a lease taken ahead).
+    # Ranked at its next epoch's place, it would be the first shard a fill evicted from under it.
+    cluster = Cluster(spec(n=40, window=1))
+    reading = cluster.lease("job", "n1", "t-a", complete=False)["shard"]
+    read = cluster.lease("job", "n1", "t-b")["shard"]
+    plan = cluster.report("n1", (reading, read), capacity=10 * SIZE)
+    keep = keep_of(plan)
+    assert keep.index(reading) < keep.index(read) == len(keep) - 1
+    # Once back, it is needed next epoch like the other.
+    cluster.state.apply(Complete("job", next(iter(cluster.state.jobs["job"].leases)), "t-a"), cluster.now)
+    again = keep_of(cluster.report("n1", (reading, read), capacity=10 * SIZE))
+    assert again.index(reading) >= len(again) - 2 and again.index(read) >= len(again) - 2

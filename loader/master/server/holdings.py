@@ -620,6 +620,11 @@ class _JobPlanner:
                     continue  # not placed yet (the budget is spent): a later plan ranks it
                 if at >= cursor and at not in ahead:
                     use = epoch * n + at
+                elif ep is not None and not ep.is_done(s):
+                    # Handed out and not back: a trainer reads it now (or opens it next, a lease
+                    # taken ahead), or it returns to be handed out again. Needed now, not next
+                    # epoch: ranked so, it is not the first a fill evicts under its reader.
+                    use = epoch * n + cursor
                 elif has_next:
                     if after is None:
                         after = self.layout(epoch + 1)
