@@ -665,7 +665,7 @@ class Planner:
              interval_s: float) -> NodePlan:
         """The plan for ``rec``'s node: for each windowed job with trainers there (``trainers``:
         job -> node -> trainer names), its share of the node's capacity in slots, filled with the
-        shards needed soonest among those it holds and those assigned to it."""
+        shards needed soonest among those it holds and those of its next few positions (the lead)."""
         node = rec.node
         here: list[tuple[str, JobState, int, ShardIndex]] = []
         for name, job in state.jobs.items():
