@@ -367,7 +367,7 @@ def machine_facts(packages: tuple[str, ...] = ("aiohttp", "boto3", "botocore", "
 PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
 
 
-def memory_facts(probe_bytes: int = 256 << 20) -> dict[str, Any]:
+def memory_facts(probe_bytes: int = 64 << 20) -> dict[str, Any]:
     """What fresh memory costs the machine now: the seconds per GiB of writing once to each page
     of ``probe_bytes`` of new anonymous memory, and the VM's free page reporting where the
     kernel has it (``reported_kib``: memory handed back to the host so far).

@@ -198,7 +198,8 @@ class Writer:
         Bytes that extend the hashed prefix are hashed from memory here; bytes landing beyond it
         (a later part of a parallel fill) are hashed by reading them back once the gap is filled.
         ``direct``: the bytes may skip the page cache (``StoreSettings.direct_writes``); ``False``
-        for bytes a reader is about to read from the file (a fill streamed to its readers).
+        writes them through it. Fills pass nothing: streamed or not, they skip it (see
+        ``StoreSettings.direct_writes`` for what buffering a streamed fill cost).
         """
         total = sum(len(chunk) for chunk in chunks)
         if offset < 0 or offset + total > self.size:

@@ -92,7 +92,7 @@ class _Open:
     buf: Any  # mmap.mmap of the shard's file, or its bytes
     table: TarIndex
     reader: Reader | None
-    url: str = ""  # the shard's URL, each sample's __url__ (made once, not per sample)
+    url: str  # the shard's URL, each sample's __url__ (made once, not per sample)
 
 
 class ShardIndex:
@@ -413,13 +413,12 @@ class ShardIndex:
     def _read(self, opened: _Open, j: int) -> dict[str, Any]:
         table, buf = opened.table, opened.buf
         if j >= table.samples:
-            raise CorruptShard(f"has {table.samples} samples, sample {j} was asked for",
-                               url=self.location.object_url(opened.shard.key))
+            raise CorruptShard(f"has {table.samples} samples, sample {j} was asked for", url=opened.url)
         # zero_copy (LoaderSettings): views of the mapping, as the streaming loader yields them;
         # else bytes (slices of a mapping or of bytes are), which a caller may keep after the
         # shard is closed.
         data = memoryview(buf) if self.settings.zero_copy and isinstance(buf, mmap.mmap) else buf
-        return table.sample(j, data, opened.url or self.location.object_url(opened.shard.key))
+        return table.sample(j, data, opened.url)
 
     def __repr__(self) -> str:
         return f"ShardIndex({self.location.url!r}, {len(self)} samples in {len(self.shards)} shards)"

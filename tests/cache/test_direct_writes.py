@@ -161,8 +161,8 @@ def resident_pages(path: Path) -> tuple[int, int]:
 
 
 def test_direct_bytes_skip_the_page_cache_and_streamed_ones_do_not(tmp_path):
-    """What the option is for (no copy into the page cache), and the exception the fill makes:
-    bytes a reader streams from the temp file next are written through the page cache."""
+    """What the option is for (no copy into the page cache), and the writer's way around it:
+    bytes written with ``direct=False`` go through the page cache."""
     if not takes_direct(tmp_path):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
     store = make(tmp_path / "c")

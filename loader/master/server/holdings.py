@@ -537,9 +537,9 @@ class _JobPlanner:
         return ("nodes", own.version), len(own.node_of), lambda shard: owners.member(shard, own)
 
     def desired(self, state: MasterState, job: JobState, node: str, slots: int, held: HeldSet | None,
-                nodes: Iterable[str], budget: _Budget, lead: int | None = None) -> _Desired:
-        """The ``slots`` shards to hold, soonest next use first: the next ``lead`` the node does
-        not hold and will be asked for (default: ``slots``), and the held ones needed soonest."""
+                nodes: Iterable[str], budget: _Budget, lead: int) -> _Desired:
+        """The ``slots`` shards to hold, soonest next use first: those of the node's next ``lead``
+        positions it does not hold, and the held ones needed soonest."""
         cur = current_epoch(job)
         loc = job.locality
         if cur is None or loc is None or slots <= 0:
@@ -576,7 +576,7 @@ class _JobPlanner:
         # shards needed and nothing else (each read one gave way to the next one missing), and
         # fetched 0.84 of the dataset an epoch where Belady's rule fetches 0.52 (25 shards to a
         # node, 12 slots; a lead of up to 4 positions fetches 0.52, 12 positions 0.79).
-        lead = slots if lead is None else max(0, min(lead, slots))
+        lead = max(0, min(lead, slots))
         walked = 0
         mine = here.lists.get(node)
         if mine is not None:
