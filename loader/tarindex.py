@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loader.errors import CorruptShard
+from loader.hashing import HashBehind
 from loader.tar import BLOCK, UNMAP_EVERY_BYTES, MemberLog, map_source, release_pages
 
 __all__ = ["TarIndex", "FileIdentity", "file_identity", "iter_indexed", "IndexRegistry", "INDEXES",
@@ -183,14 +184,19 @@ def iter_indexed(
         hasher = xxhash.xxh3_128()
     unmap = isinstance(buf, mmap.mmap) and hasattr(buf, "madvise")
     every = UNMAP_EVERY_BYTES
+    behind: HashBehind | None = None
     try:
         if size != index.size or (index.offsets and index.offsets[-1] + index.sizes[-1] > size):
             raise CorruptShard(f"the shard's member table is for {index.size} bytes, the file has {size}", url=url)
         keys, key_ends, layouts, layout_of = index.keys, index.key_ends, index.layouts, index.layout_of
         offsets, sizes, first, ends = index.offsets, index.sizes, index.first, index.ends
-        update = hasher.update if hasher is not None else None
+        if hasher is not None and zero_copy:
+            # Nothing here touches a zero-copy read's bytes: the hash runs on another core.
+            behind = HashBehind(hasher, view, size, read_from=ends[min(start, len(ends)) - 1] if start and ends else 0)
+        update = hasher.update if hasher is not None and behind is None else None
         hashed = 0
         unmapped = 0
+        next_release = 0
         for i in range(start, len(key_ends)):
             if update is not None:
                 # The sample's bytes, headers included, up to its last member's padding, before
@@ -206,21 +212,32 @@ def iter_indexed(
                 at = offsets[m]
                 sample[field] = members[at : at + sizes[m]]
                 m += 1
-            if unmap and ends[i] - unmapped >= every:
-                # A mapped file's pages count in the reader's RSS once touched (see loader.tar).
-                unmapped = release_pages(buf, unmapped, ends[i])
+            if ends[i] >= next_release:
+                next_release = ends[i] + every
+                # Released behind both the samples handed out and the hash: the pages of a
+                # mapped file count in the reader's RSS once touched (see loader.tar).
+                read = ends[i] if behind is None else min(ends[i], behind.done)
+                if behind is not None:
+                    behind.read_to(ends[i])
+                if unmap and read - unmapped >= every:
+                    unmapped = release_pages(buf, unmapped, read)
             yield sample
         if expected_size is not None and size != expected_size:
             raise CorruptShard(f"size mismatch: read {size} bytes, the manifest says {expected_size}", url=url)
         if hasher is not None and expected_xxh3_128 is not None:
-            if size > hashed:
-                hasher.update(view[hashed:size])
-            digest = hasher.hexdigest()
+            if behind is not None:
+                digest = behind.digest()
+            else:
+                if size > hashed:
+                    hasher.update(view[hashed:size])
+                digest = hasher.hexdigest()
             if digest != expected_xxh3_128.lower():
                 raise CorruptShard(
                     f"checksum mismatch: xxh3_128 is {digest}, the manifest says {expected_xxh3_128}", url=url
                 )
     finally:
+        if behind is not None:
+            behind.cancel()  # a read abandoned early: the thread stops reading the mapping first
         if not zero_copy:
             view.release()
         if owned:
