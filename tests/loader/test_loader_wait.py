@@ -202,3 +202,75 @@ def test_a_wait_in_progress_is_reported_before_it_ends() -> None:
     after = meter.take()
     assert after is not None and after.steps == 1 and 0.05 <= after.seconds < 0.25
     assert after.buckets[WAIT_BUCKETS_S.index(0.5)] == 1  # the whole 0.4 s wait's bucket
+
+
+def _with_sender(meter: WaitMeter, loop: Any) -> list[Any]:
+    """Run ``loop()`` while a sender takes reports as fast as it can (giving every seventh back, as
+    a failed send does), each checked as the master checks it; all the reports, the last included."""
+    import threading
+
+    reports: list[Any] = []
+    done = threading.Event()
+
+    def send() -> None:
+        while not done.is_set():
+            taken = meter.take()
+            if taken is not None:
+                validate_wait(taken.field())  # buckets add up to steps, seconds within elapsed
+                reports.append(taken)
+                if len(reports) % 7 == 0:
+                    meter.restore(reports.pop())
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        loop()
+    finally:
+        done.set()
+        sender.join()
+    last = meter.take()
+    if last is not None:
+        reports.append(last)
+    return reports
+
+
+def _slow(n: int) -> Iterator[int]:
+    for i in range(n):
+        time.sleep(0.002)  # a wait of 2 ms
+        yield i
+
+
+def test_reports_taken_while_the_loop_runs_add_up_to_its_totals() -> None:
+    """The loop's side takes no lock per step: reports taken while loops run are still accepted by
+    the master, their steps and buckets add up to every step exactly, and their seconds neither
+    lose a wait nor count one twice."""
+    import threading
+
+    # Two loops at once: every step counted. (Not their seconds: a report's seconds are capped at
+    # its elapsed time, and two loops can wait more than that.)
+    meter = WaitMeter()
+
+    def two_loops() -> None:
+        second = threading.Thread(target=lambda: sum(1 for _ in meter.timed(_slow(40))))
+        second.start()
+        assert sum(1 for _ in meter.timed(iter(range(200_000)))) == 200_000
+        second.join()
+
+    reports = _with_sender(meter, two_loops)
+    totals = meter.stats()
+    assert totals["steps"] == sum(r.steps for r in reports) == 200_040
+    assert [sum(c) for c in zip(*(r.buckets for r in reports), strict=True)] == totals["buckets"]
+
+    # One loop: the reports' seconds are the meter's, to within a short wait (one read between a
+    # wait's two writes is counted in the next report, capped at that report's elapsed time).
+    meter = WaitMeter()
+
+    def one_loop() -> None:
+        assert sum(1 for _ in meter.timed(iter(range(200_000)))) == 200_000
+        assert sum(1 for _ in meter.timed(_slow(40))) == 40
+
+    reports = _with_sender(meter, one_loop)
+    totals = meter.stats()
+    assert totals["steps"] == sum(r.steps for r in reports) == 200_040
+    assert totals["seconds"] >= 40 * 0.002
+    assert abs(sum(r.seconds for r in reports) - totals["seconds"]) < 0.005
