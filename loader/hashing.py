@@ -20,6 +20,7 @@ own: no pool to inherit across ``fork``); it stops at the next chunk when the re
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["HashBehind", "HASH_CHUNK_BYTES", "HASH_LEAD_BYTES"]
@@ -44,10 +45,16 @@ class HashBehind:
     chunk and waits for the thread, so the caller may close the mapping afterwards."""
 
     def __init__(self, hasher: Any, view: memoryview, size: int, read_from: int = 0,
-                 name: str = "shardcache-hash") -> None:
+                 release: Callable[[int, int], int] | None = None, name: str = "shardcache-hash") -> None:
         self._hasher = hasher
         self._view = view
         self._size = size
+        # release(released, offset) -> released: gives back the mapping's pages before offset
+        # (loader.tar.release_pages). Called on this thread only, behind both the hash and the
+        # reader, so a 1 GiB shard never maps more than the lead at once.
+        self._release = release
+        self._released = 0
+        self._read = read_from
         self._stop = False
         self._error: BaseException | None = None
         self._moved = threading.Condition(threading.Lock())
@@ -58,6 +65,7 @@ class HashBehind:
 
     def read_to(self, offset: int) -> None:
         """The reader has handed out the bytes before ``offset``: the hash may run on past it."""
+        self._read = offset
         limit = offset + HASH_LEAD_BYTES
         if limit > self._limit:
             with self._moved:
@@ -79,6 +87,9 @@ class HashBehind:
                 update(view[at:end])
                 at = end
                 self.done = at
+                upto = min(at, self._read)
+                if self._release is not None and upto - self._released >= HASH_CHUNK_BYTES:
+                    self._released = self._release(self._released, upto)
         except BaseException as exc:  # noqa: BLE001 - handed to the reader by digest()
             self._error = exc
 

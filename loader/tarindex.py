@@ -21,6 +21,7 @@ Tables live in memory, in this process, in a least-recently-used registry bounde
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import stat
@@ -192,7 +193,8 @@ def iter_indexed(
         offsets, sizes, first, ends = index.offsets, index.sizes, index.first, index.ends
         if hasher is not None and zero_copy:
             # Nothing here touches a zero-copy read's bytes: the hash runs on another core.
-            behind = HashBehind(hasher, view, size, read_from=ends[min(start, len(ends)) - 1] if start and ends else 0)
+            behind = HashBehind(hasher, view, size, read_from=ends[min(start, len(ends)) - 1] if start and ends else 0,
+                                release=functools.partial(release_pages, buf) if unmap else None)
         update = hasher.update if hasher is not None and behind is None else None
         hashed = 0
         unmapped = 0
@@ -214,13 +216,11 @@ def iter_indexed(
                 m += 1
             if ends[i] >= next_release:
                 next_release = ends[i] + every
-                # Released behind both the samples handed out and the hash: the pages of a
-                # mapped file count in the reader's RSS once touched (see loader.tar).
-                read = ends[i] if behind is None else min(ends[i], behind.done)
                 if behind is not None:
-                    behind.read_to(ends[i])
-                if unmap and read - unmapped >= every:
-                    unmapped = release_pages(buf, unmapped, read)
+                    behind.read_to(ends[i])  # its thread releases the pages behind both
+                elif unmap:
+                    # A mapped file's pages count in the reader's RSS once touched (see loader.tar).
+                    unmapped = release_pages(buf, unmapped, ends[i])
             yield sample
         if expected_size is not None and size != expected_size:
             raise CorruptShard(f"size mismatch: read {size} bytes, the manifest says {expected_size}", url=url)

@@ -112,3 +112,23 @@ def test_a_changed_byte_past_the_lead_is_caught(tmp_path: Path) -> None:
         for _ in iter_indexed(handle, table, url="u", expected_size=len(data), expected_xxh3_128=digest,
                               zero_copy=True):
             pass
+
+
+def test_pages_are_released_behind_both_the_hash_and_the_reader() -> None:
+    """The mapping's pages go back behind the reader while the hash is ahead, and behind the hash
+    once the reader is done (it waits in digest()), so a shard never maps more than the lead."""
+    size = HASH_LEAD_BYTES + 8 * HASH_CHUNK_BYTES
+    calls: list[tuple[int, int]] = []
+
+    def release(released: int, offset: int) -> int:
+        calls.append((released, offset))
+        return offset
+
+    behind = HashBehind(xxhash.xxh3_128(), memoryview(bytes(size)), size, release=release)
+    _wait(lambda: behind.done >= HASH_LEAD_BYTES, "the hash to reach its lead")
+    assert calls == []  # the reader has read nothing: nothing is released under it
+    behind.read_to(2 * HASH_CHUNK_BYTES)
+    _wait(lambda: calls and calls[-1][1] == 2 * HASH_CHUNK_BYTES, "the pages behind the reader to go")
+    assert behind.digest() == xxhash.xxh3_128_hexdigest(bytes(size))
+    assert calls[-1][1] == size  # the reader done: released behind the hash to the end
+    assert all(a == b for (_, a), (b, _) in zip(calls, calls[1:], strict=False))  # in order, no gap
