@@ -144,7 +144,8 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
     app[METRICS] = Metrics()
     app[STARTED] = time.monotonic()
     app[JOBS] = JobStats()
-    app[METRICS].registry.register(JobCollector(app[JOBS]))
+    # Under --auth a job's name is its tenant's to know: no per-job series (jobstats.py).
+    app[METRICS].registry.register(JobCollector(app[JOBS], by_job=settings.auth.mode != "sigv4"))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         origin = make_origin(settings)

@@ -168,6 +168,9 @@ async def stats_handler(request: web.Request) -> web.Response:
     store = request.app.get(STORE)
     if session is not None and store is not None:
         answer["tenant"] = store.tenant_usage(session.tenant)
+    if auth:
+        # A job's name is its tenant's to know (jobstats.py): the caller's own jobs, none without a session.
+        answer["jobs"] = request.app[JOBS].snapshot_of(session.tenant) if session is not None else {}
     return web.json_response(answer)
 
 

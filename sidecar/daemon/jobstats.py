@@ -16,6 +16,16 @@ route of the daemon's app, S3 and control API alike, and answers a malformed one
 - ``prefetch_bytes``: bytes the lease master's plan had filled ahead for the job
   (:mod:`sidecar.daemon.prefetch`).
 
+Under ``--auth sigv4`` a read is counted for its job *and its tenant* (the caller the daemon
+checked): a tenant that names another's job counts in a row of its own, never in the other's.
+``/_shardcache/stats`` then shows a caller only its own tenant's jobs (none to a caller without a
+session), and ``/metrics`` carries no per-job series (:class:`JobCollector` with ``by_job`` off):
+job names are a tenant's to know. The per-job view of a multi-tenant cluster is the lease
+master's, which checks tenants (``shardcache status --job``, its page, its ``/metrics`` with the
+operator's token). The reports to the master add a job's rows of every tenant up by job name, as
+the master keys jobs by name: a tenant that names another's job on a node adds its own reads to
+that job's figures there, and learns nothing by it.
+
 A peer daemon's read is counted by the node that asked, never here. At most
 :data:`~wire.nodeplan.MAX_JOBS` jobs are counted apart: a new job past that many takes the place
 of the job seen least recently, whose counts are folded into :data:`~wire.nodeplan.OTHER_JOB`, so
@@ -61,14 +71,16 @@ class JobStats:
         self.folded = 0
         """Jobs whose counts went into :data:`OTHER_JOB` to make room for a newer one."""
         self._lock = threading.RLock()
-        self._jobs: OrderedDict[str, list[int]] = OrderedDict()  # least recently seen first
+        # (tenant, job) -> counters, least recently seen first; the tenant is "" without --auth
+        # and for the plan's prefetches (the master names the job, no caller does).
+        self._jobs: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self._other = [0] * len(JOB_COUNTERS)
 
-    def _row(self, job: str) -> list[int]:
-        """``job``'s counters, it now the most recently seen; the caller holds the lock."""
-        row = self._jobs.get(job)
+    def _row(self, tenant: str, job: str) -> list[int]:
+        """The counters of ``tenant``'s ``job``, now the most recently seen; the caller holds the lock."""
+        row = self._jobs.get((tenant, job))
         if row is not None:
-            self._jobs.move_to_end(job)
+            self._jobs.move_to_end((tenant, job))
             return row
         if job == OTHER_JOB:
             return self._other
@@ -77,51 +89,70 @@ class JobStats:
             for index, value in enumerate(oldest):
                 self._other[index] += value
             self.folded += 1
-        row = self._jobs[job] = [0] * len(JOB_COUNTERS)
+        row = self._jobs[(tenant, job)] = [0] * len(JOB_COUNTERS)
         return row
 
-    def count(self, job: str, counter: str, amount: int = 1) -> None:
-        """Add ``amount`` to ``job``'s ``counter`` (one of :data:`JOB_COUNTERS`)."""
+    def count(self, job: str, counter: str, amount: int = 1, tenant: str = "") -> None:
+        """Add ``amount`` to ``counter`` (one of :data:`JOB_COUNTERS`) of ``tenant``'s ``job``."""
         index = _INDEX[counter]
         with self._lock:
-            self._row(job)[index] += amount
+            self._row(tenant, job)[index] += amount
 
-    def served(self, job: str, came_from: str, amount: int) -> None:
-        """``amount`` bytes of a read of ``job``, from ``came_from`` (local, origin, peer)."""
+    def served(self, job: str, came_from: str, amount: int, tenant: str = "") -> None:
+        """``amount`` bytes of a read of ``tenant``'s ``job``, from ``came_from`` (local, origin, peer)."""
         index = _BY_SOURCE[came_from]
         with self._lock:
-            self._row(job)[index] += amount
+            self._row(tenant, job)[index] += amount
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """Every job's counters (and :data:`OTHER_JOB`'s, once anything is counted there), as a
-        report's ``jobs`` carries them."""
+        """Every job's counters, every tenant's rows of it added up (and :data:`OTHER_JOB`'s, once
+        anything is counted there), as a report's ``jobs`` carries them."""
+        merged: dict[str, list[int]] = {}
         with self._lock:
-            rows = [(job, list(row)) for job, row in self._jobs.items()]
+            for (_, job), row in self._jobs.items():
+                into = merged.get(job)
+                if into is None:
+                    merged[job] = list(row)
+                else:
+                    for index, value in enumerate(row):
+                        into[index] += value
             if any(self._other):
-                rows.append((OTHER_JOB, list(self._other)))
-        return {job: dict(zip(JOB_COUNTERS, row, strict=True)) for job, row in rows}
+                merged[OTHER_JOB] = list(self._other)
+        return {job: dict(zip(JOB_COUNTERS, row, strict=True)) for job, row in merged.items()}
+
+    def snapshot_of(self, tenant: str) -> dict[str, dict[str, int]]:
+        """``tenant``'s jobs only: its own rows, with the plan's prefetches for those jobs (a job's
+        name is a tenant's to know; :data:`OTHER_JOB` holds other tenants' reads too)."""
+        with self._lock:
+            rows = {job: list(row) for (owner, job), row in self._jobs.items() if owner == tenant}
+            for job, row in rows.items():
+                planned = self._jobs.get(("", job))
+                if planned is not None and tenant:
+                    row[_INDEX["prefetch_bytes"]] += planned[_INDEX["prefetch_bytes"]]
+        return {job: dict(zip(JOB_COUNTERS, row, strict=True)) for job, row in rows.items()}
 
 
 class JobTally(Tally):
     """A read's counters (:class:`Tally`), also counted for the job its reader named."""
 
-    __slots__ = ("_jobs", "_job", "_counted")
+    __slots__ = ("_jobs", "_job", "_tenant", "_counted")
 
-    def __init__(self, metrics: Metrics, peer: bool, jobs: JobStats, job: str) -> None:
+    def __init__(self, metrics: Metrics, peer: bool, jobs: JobStats, job: str, tenant: str = "") -> None:
         super().__init__(metrics, peer)
         self._jobs = jobs
         self._job = job
+        self._tenant = tenant
         self._counted = not peer  # a peer's read is counted by the node that asked
 
     def read(self, came_from: str) -> None:
         super().read(came_from)
         if self._counted:
-            self._jobs.count(self._job, "reads")
+            self._jobs.count(self._job, "reads", tenant=self._tenant)
 
     def served(self, how: str, count: int, came_from: str) -> None:
         super().served(how, count, came_from)
         if self._counted:
-            self._jobs.served(self._job, came_from, count)
+            self._jobs.served(self._job, came_from, count, tenant=self._tenant)
 
 
 JOBS = web.AppKey("jobs", JobStats)
@@ -149,16 +180,18 @@ def request_job(request: web.Request) -> str:
 
 
 class JobCollector(Collector):
-    """``shardcache_job_*`` at scrape time, from :class:`JobStats` (one series per job and source)."""
+    """``shardcache_job_*`` at scrape time, from :class:`JobStats` (one series per job and source);
+    with ``by_job`` off (``--auth sigv4``: job names are their tenants'), none but the fold count."""
 
-    def __init__(self, jobs: JobStats) -> None:
+    def __init__(self, jobs: JobStats, by_job: bool = True) -> None:
         self._jobs = jobs
+        self._by_job = by_job
 
     def describe(self) -> list[CounterMetricFamily]:
         return []  # no collect() at registration (it would run on the event loop)
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        jobs = self._jobs.snapshot()
+        jobs = self._jobs.snapshot() if self._by_job else {}
         served = CounterMetricFamily(
             "shardcache_job_served_bytes",
             "Bytes read by the readers of each job (x-shardcache-job), by where they came from: hit (this node's "

@@ -215,7 +215,7 @@ class ReadService:
     def tally(self, ctx: ReadContext) -> Tally:
         """The byte counters of an answer to ``ctx`` (and of its job, if it names one)."""
         if ctx.job:
-            return JobTally(self.metrics, ctx.peer is not None, self.jobs, ctx.job)
+            return JobTally(self.metrics, ctx.peer is not None, self.jobs, ctx.job, ctx.tenant)
         return Tally(self.metrics, ctx.peer is not None)
 
     # -- what an object is (HEAD) -------------------------------------------------------------

@@ -154,3 +154,25 @@ def test_job_stats_fold_the_least_recently_seen():
     }
     jobs.count(OTHER_JOB, "reads")  # a reader may name "(other)" itself: counted there, not apart
     assert jobs.snapshot()[OTHER_JOB]["reads"] == 1 and jobs.folded == 1
+
+
+def test_tenants_naming_one_job_count_apart():
+    """Under --auth each (tenant, job) is a row of its own: a tenant sees its own rows (with the
+    plan's prefetches for its jobs), the master's report adds a job's rows up, and rows of any
+    tenant fold as jobs do."""
+    jobs = JobStats(max_jobs=4)
+    jobs.served("train", "origin", 10, tenant="role/a")
+    jobs.served("train", "local", 4, tenant="role/b")  # b names a's job
+    jobs.count("train", "prefetch_bytes", 100)  # the plan's fill for the job: no caller's
+    jobs.count("eval", "reads", tenant="role/b")
+    zero = dict.fromkeys(JOB_COUNTERS, 0)
+    assert jobs.snapshot_of("role/a") == {"train": zero | {"origin_bytes": 10, "prefetch_bytes": 100}}
+    assert jobs.snapshot_of("role/b") == {"train": zero | {"hit_bytes": 4, "prefetch_bytes": 100},
+                                          "eval": zero | {"reads": 1}}
+    assert jobs.snapshot_of("role/c") == {}
+    assert jobs.snapshot() == {"train": zero | {"origin_bytes": 10, "hit_bytes": 4, "prefetch_bytes": 100},
+                               "eval": zero | {"reads": 1}}
+    jobs.count("other", "reads", tenant="role/c")  # a fifth row: a's, the least recently seen, folds
+    assert jobs.folded == 1
+    assert jobs.snapshot_of("role/a") == {}
+    assert jobs.snapshot()[OTHER_JOB]["origin_bytes"] == 10

@@ -5,7 +5,8 @@ endpoint, a node daemon with ``--auth sigv4`` and a sidecar per pod.
   namespaces that share a role neither see nor cancel each other's;
 * ``cached?url=`` tells a caller the cache state only of objects it proved it may read, never of
   what it may only list;
-* in ``access-key`` identity mode an identity proof made for one daemon opens no session at another.
+* in ``access-key`` identity mode an identity proof made for one daemon opens no session at another;
+* a node's per-job figures are each tenant's own (issue 32).
 """
 
 from __future__ import annotations
@@ -128,3 +129,33 @@ def test_member_indexes_only_for_who_may_read_the_shard(node: Node, iam_s3: IamS
     assert status == 403 and b"shardcache-members-v1" not in body, body[:300]
     status, body, _ = node.daemon.raw("GET", path)  # no session at all
     assert status == 403 and b"shardcache-members-v1" not in body, body[:300]
+
+
+def test_job_figures_are_each_tenants_own(node: Node, iam_s3: IamS3) -> None:
+    """Under ``--auth`` a job's name is its tenant's to know, and its figures its own readers':
+    two tenants that name the same job count apart; ``/stats`` shows a caller only its tenant's
+    jobs (none without a session), and ``/metrics``, which any pod on the node may scrape, no job."""
+    alice, ns_a, lister = node.sidecars["alice"], node.sidecars["ns-a"], node.sidecars["lister"]
+    size = len(iam_s3.objects[(A, SHARD)])
+    path = f"/{A}/{SHARD}"
+    assert alice.raw("GET", path, {"x-shardcache-job": "train-x"})[0] == 200
+    wait_until(lambda: alice.json("GET", "/_shardcache/stats")[1]["fills_in_flight"] == 0, what="alice's fill")
+    for _ in range(2):  # the other tenant (the role reader-a) names the same job, and alice's own
+        assert ns_a.raw("GET", path, {"x-shardcache-job": "train-x"})[0] == 200
+        assert ns_a.raw("GET", path, {"x-shardcache-job": "own-job"})[0] == 200
+    # A caller that may not read the object counts nothing for the job it names.
+    assert lister.raw("GET", path, {"x-shardcache-job": "train-x"})[0] == 403
+
+    jobs = alice.json("GET", "/_shardcache/stats")[1]["jobs"]
+    assert set(jobs) == {"train-x"}, jobs
+    assert jobs["train-x"]["reads"] == 1
+    assert jobs["train-x"]["hit_bytes"] + jobs["train-x"]["origin_bytes"] == size
+    theirs = ns_a.json("GET", "/_shardcache/stats")[1]["jobs"]
+    assert set(theirs) == {"train-x", "own-job"}, theirs
+    assert theirs["train-x"]["reads"] == 2 and theirs["train-x"]["hit_bytes"] == 2 * size
+    assert lister.json("GET", "/_shardcache/stats")[1]["jobs"] == {}
+    assert node.daemon.json("GET", "/_shardcache/stats")[1]["jobs"] == {}  # no session
+    with urllib.request.urlopen(node.daemon.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert "own-job" not in text and "train-x" not in text
+    assert "shardcache_jobs_folded_total" in text
