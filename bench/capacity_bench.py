@@ -151,6 +151,12 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
                 "origin_over_dataset": round(over, 4), "bound": round(limit, 4),
                 "origin_over_bound": round(over / limit, 3) if limit > 0 else None,
                 "peer_over_dataset": round(peer / dataset.bytes, 4), "hit_rate": _hit_rate(total),
+                # Prefetched bytes the caches let go before anyone read them: origin bytes spent
+                # twice (once for the prefetch, once for the read that came after it).
+                "unread_hint_over_dataset": round(total["unread_hint_bytes"] / dataset.bytes, 4),
+                "unread_plan_over_dataset": round(total["unread_plan_bytes"] / dataset.bytes, 4),
+                "plan_filled_over_dataset": round(total["plan_filled_bytes"] / dataset.bytes, 4),
+                "fills": total["fills"],
                 "per_node": {role: {**d, "hit_rate": _hit_rate(d)} for role, d in delta.items()},
                 "stall": stall, "check": check, "locality": _locality(locality_before, locality, epoch),
                 "cache_view": status.get("cache"),
@@ -160,7 +166,9 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
             order = (ep["locality"] or {}).get("order") or {}
             log_line(f"{mode.name:18s} epoch {epoch + 1}: origin {fmt_size(origin)} ({over:.2f}x the dataset, bound "
                      f"{limit:.2f}), peers {ep['peer_over_dataset']:.2f}x, {seconds:.1f} s, hit rate {ep['hit_rate']}, "
-                     f"stall {stall['fraction']:.1%}, displacement {order.get('mean_displacement')}")
+                     f"stall {stall['fraction']:.1%}, displacement {order.get('mean_displacement')}, fills {ep['fills']}, "
+                     f"plan fills {ep['plan_filled_over_dataset']:.2f}x, evicted unread: hints "
+                     f"{ep['unread_hint_over_dataset']:.2f}x, plan {ep['unread_plan_over_dataset']:.2f}x")
         trainers.wait(lambda r: any(x.get("done") for x in r), timeout=60, what=f"the {mode.name} trainers to end")
         if args.screenshot is not None and mode.policy == "planned":
             _screenshot(master.url, args.screenshot)

@@ -364,6 +364,8 @@ def _counters(daemons: list[Daemon]) -> dict[str, dict[str, int]]:
     for daemon in daemons:
         stats = daemon.stats()
         requests = stats.get("requests") or {}
+        prefetch = stats.get("prefetch") or {}
+        unread = (prefetch.get("evicted_unread") or {}).get("evicted_bytes") or {}
         out[daemon.host.role] = {
             "origin_read_bytes": int(stats.get("origin_read_bytes") or 0),
             "peer_read_bytes": int(stats.get("peer_read_bytes") or 0),
@@ -371,6 +373,12 @@ def _counters(daemons: list[Daemon]) -> dict[str, dict[str, int]]:
             "hits": int(requests.get("hits") or 0),
             "misses": int(requests.get("misses") or 0),
             "coalesced": int(requests.get("coalesced") or 0),
+            # Fills finished (verified or not), what the plan's prefetches filled, and the bytes
+            # of prefetches (a reader's hint, the plan) the cache let go before anyone read them.
+            "fills": int(sum(((stats.get("verification") or {}).get("fills") or {}).values())),
+            "plan_filled_bytes": int((prefetch.get("plan") or {}).get("filled_bytes") or 0),
+            "unread_hint_bytes": int(unread.get("hint") or 0),
+            "unread_plan_bytes": int(unread.get("plan") or 0),
         }
     return out
 

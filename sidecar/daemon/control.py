@@ -142,7 +142,9 @@ def stats(app: web.Application) -> dict[str, Any]:
             "fills": {outcome: counter_value(metrics.range_fills, outcome=outcome) for outcome in RANGE_FILL_OUTCOMES},
         },
         "prefetch": {"queued": app[PREFETCHER].queued(), "done": app[PREFETCHER].done,
-                     "failed": app[PREFETCHER].failed, "plan": dict(app[PREFETCHER].plan_counts)},
+                     "failed": app[PREFETCHER].failed, "plan": dict(app[PREFETCHER].plan_counts),
+                     # Prefetched entries the cache let go before anyone read them (unread.py).
+                     "evicted_unread": app[READS].unread.stats()},
         # What each job's readers (x-shardcache-job) read, by where it came from (jobstats.py).
         "jobs": app[JOBS].snapshot(),
         # The lease master this node reports to (--master; masterlink.py), None without one.

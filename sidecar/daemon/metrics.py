@@ -240,6 +240,19 @@ class Metrics:
         self.prefetch_queued = Gauge(
             "shardcache_prefetch_queue_items", "Prefetches waiting, by priority", ["priority"], registry=r
         )
+        # sidecar/daemon/unread.py: prefetches the cache let go before anyone read them.
+        self.prefetch_evicted_unread = Counter(
+            "shardcache_prefetch_evicted_unread",
+            "Prefetched entries that left the cache before anyone read them, by why they were prefetched "
+            "(hint: a reader's next shards; plan: the lease master's plan)", ["cause"], registry=r,
+        )
+        self.prefetch_evicted_unread_bytes = Counter(
+            "shardcache_prefetch_evicted_unread_bytes", "Bytes of prefetched entries that left the cache unread, by cause",
+            ["cause"], registry=r,
+        )
+        for cause in ("hint", "plan"):
+            self.prefetch_evicted_unread.labels(cause=cause)
+            self.prefetch_evicted_unread_bytes.labels(cause=cause)
         self.request_duration = Histogram(
             "shardcache_request_duration_seconds",
             "Time to answer object requests (to the last byte)",

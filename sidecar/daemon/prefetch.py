@@ -172,10 +172,11 @@ class Prefetcher:
                 if item.plan and store is not None:
                     await self._plan_fill(store, item, ctx)
                     continue
-                fill = self.reads.prefetch(ctx)
+                fill = self.reads.prefetch(ctx, cause="hint")
                 if fill is None:
                     continue  # cached meanwhile, or never cached
-                await fill.wait_done()
+                if await fill.wait_done() is None:
+                    self.reads.unread.forget(item.bucket, item.key)
                 self.done += 1
             except asyncio.CancelledError:
                 raise
@@ -198,7 +199,7 @@ class Prefetcher:
         self.reads.plan_fills.add(name)
         try:
             with store.spare_kept(item.bucket, item.key):
-                fill = self.reads.prefetch(ctx)
+                fill = self.reads.prefetch(ctx, cause="plan")
                 if fill is None:
                     return  # never cached
                 entry = await fill.wait_done()
@@ -206,6 +207,7 @@ class Prefetcher:
             self.reads.plan_fills.discard(name)
         self.done += 1
         if entry is None:
+            self.reads.unread.forget(item.bucket, item.key)
             self.plan_counts["no_room"] += 1  # the store refused it at its begin: no room the plan does not keep
             return
         self.plan_counts["filled"] += 1

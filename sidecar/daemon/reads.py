@@ -63,6 +63,7 @@ from sidecar.daemon.jobstats import JobStats, JobTally
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.origins import ObjectInfo
 from sidecar.daemon.priority import DEMAND, LEASE
+from sidecar.daemon.unread import Unread
 from sidecar.errors import ChecksumMismatch, InvalidRange, ObjectNotFound, SidecarError
 
 __all__ = [
@@ -206,6 +207,8 @@ class ReadService:
         """Fills started behind direct ranges that may run at once (more: the range only)."""
         self.jobs = jobs if jobs is not None else JobStats()
         """The per-job counters reads that name a job count in."""
+        self.unread = Unread(metrics)
+        """Prefetched objects not read yet, and those the cache let go unread (unread.py)."""
         self.plan_fills: set[tuple[str, str]] = set()
         """Objects whose fill the plan asked for, in :meth:`cache.Store.spare_kept` (the prefetcher's)."""
         self._behind: dict[Fill, int] = {}  # fills started behind direct ranges, and their objects' sizes
@@ -214,6 +217,7 @@ class ReadService:
 
     def tally(self, ctx: ReadContext) -> Tally:
         """The byte counters of an answer to ``ctx`` (and of its job, if it names one)."""
+        self.unread.read(ctx.bucket, ctx.key)
         if ctx.job:
             return JobTally(self.metrics, ctx.peer is not None, self.jobs, ctx.job, ctx.tenant)
         return Tally(self.metrics, ctx.peer is not None)
@@ -492,12 +496,15 @@ class ReadService:
         judged when callers read)."""
         return self.store is not None and self.store.lookup(bucket, key) is not None
 
-    def prefetch(self, ctx: ReadContext) -> Fill | None:
+    def prefetch(self, ctx: ReadContext, cause: str = "") -> Fill | None:
         """Start (or join, promoting its priority) the fill of an object not cached; ``None``
-        when it is cached, or is never cached."""
+        when it is cached, or is never cached. ``cause`` (``hint``, ``plan``): a fill started
+        here is a prefetch's guess, counted if the cache lets it go unread (:mod:`~sidecar.daemon.unread`)."""
         if self.store is None or not ctx.cacheable or self.cached(ctx.bucket, ctx.key):
             return None
-        fill, _ = self.fetcher.start(ctx.bucket, ctx.key, ctx.priority, tenant=ctx.tenant, origin_only=ctx.origin_only)
+        fill, new = self.fetcher.start(ctx.bucket, ctx.key, ctx.priority, tenant=ctx.tenant, origin_only=ctx.origin_only)
+        if new and cause:
+            self.unread.started(ctx.bucket, ctx.key, cause)
         return fill
 
 

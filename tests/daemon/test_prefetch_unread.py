@@ -1,0 +1,43 @@
+"""Prefetched entries the cache lets go before anyone reads them are counted, by cause
+(sidecar/daemon/unread.py): the over-fetch a prefetch policy costs the origin, told apart from its
+misses. A daemon in this process on a ``file://`` origin, a cache of two objects, LRU."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.support.daemons import http_get, make_settings
+from tests.support.threads import DaemonThread
+from tests.support.waits import wait_until
+
+SIZE = 50_000
+
+
+def test_a_prefetch_evicted_unread_is_counted_and_a_read_one_is_not(
+    tmp_path: Path, start_daemon: Callable[..., DaemonThread]
+) -> None:
+    root = tmp_path / "origin"
+    (root / "bkt").mkdir(parents=True)
+    for name in "abcd":
+        (root / "bkt" / f"{name}.tar").write_bytes(os.urandom(SIZE))
+    daemon = start_daemon(make_settings(tmp_path / "cache", f"file://{root}", capacity=2 * SIZE + SIZE // 2))
+    body = json.dumps({"objects": [{"bucket": "bkt", "key": "a.tar"}, {"bucket": "bkt", "key": "b.tar"}]}).encode()
+    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 202 and json.loads(resp.read())["accepted"] == 2
+    wait_until(lambda: daemon.stats()["cache"]["items"] == 2, timeout=20, what="the hints' fills")
+    assert daemon.stats()["prefetch"]["evicted_unread"]["waiting"] == 2
+    assert http_get(daemon.url + "/bkt/a.tar")[0] == 200  # a is read: b is the least recently used
+    for name in "cd":  # two demand fills: b goes unread, then a, which was read
+        assert http_get(daemon.url + f"/bkt/{name}.tar")[0] == 200
+        daemon.settle()
+    unread = daemon.stats()["prefetch"]["evicted_unread"]
+    assert unread == {"evicted": {"hint": 1, "plan": 0}, "evicted_bytes": {"hint": SIZE, "plan": 0}, "waiting": 0}
+    metrics = daemon.metrics()
+    assert 'shardcache_prefetch_evicted_unread_total{cause="hint"} 1.0' in metrics
+    assert f'shardcache_prefetch_evicted_unread_bytes_total{{cause="hint"}} {float(SIZE)}' in metrics
