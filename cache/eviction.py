@@ -270,9 +270,10 @@ class PlannedPolicy(EvictionPolicy):
        recently used end, first to go);
     3. owned entries the plan ranks, farthest needed (largest rank) first: Belady's rule.
 
-    A fill the plan asked for (``spare_ranked``) takes victims of 1 and 2 only, never an entry
-    the plan ranks: a prefetch of what is needed next must not evict what is needed sooner. A
-    demand read's fill may evict ranked entries, farthest first. Without a plan every entry is
+    A fill the plan asked for, and a borrowed copy's (``spare_ranked``), takes victims of 1 and 2
+    only, never an entry the plan ranks: a prefetch of what is needed next must not evict what is
+    needed sooner, nor a copy its owner keeps what this node keeps. A demand read's fill of an
+    object this node owns may evict ranked entries, farthest first. Without a plan every entry is
     unranked and the order is ``lru``'s exactly.
 
     Names are hashes (``wire.nodeplan.name_hash``, passed in by the store's caller with the

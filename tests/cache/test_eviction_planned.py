@@ -388,3 +388,21 @@ def test_without_a_plan_the_policy_is_lru(seed):
                 del live[victim.key]
                 planned.on_remove(victim)
                 lru.on_remove(victim)
+
+
+def test_a_borrowed_copy_never_evicts_an_entry_the_plan_keeps(tmp_path):
+    """A peer read's copy of another daemon's object takes only room the plan does not keep: it
+    would have cost a kept entry's next read a fetch from the origin, for a copy whose owner keeps
+    the object anyway. With no such room the read is served uncached."""
+    store = make(tmp_path)
+    gone = Evictions(store)
+    for key in "abcd":
+        put(store, key)
+    plan(store, "a", "b", "c")  # d unranked
+    assert put(store, "lent1", borrowed=True) is not None
+    assert gone.take() == ["d"]
+    plan(store, "a", "b", "c", "lent1")
+    assert put(store, "lent2", borrowed=True) is None  # all ranked: not admitted, nothing evicted
+    assert gone.take() == []
+    assert put(store, "own") is not None  # a demand fill of an owned object evicts by the plan
+    assert gone.take() == ["lent1"]  # borrowed first, the farthest ranked
