@@ -26,14 +26,14 @@ from typing import Any
 __all__ = ["HashBehind", "HASH_CHUNK_BYTES", "HASH_LEAD_BYTES"]
 
 HASH_CHUNK_BYTES = 4 << 20
-"""Bytes hashed per call: small enough that :attr:`HashBehind.done` moves often (the reader
-releases mapped pages only behind it) and a cancel is quick, large enough that the GIL is taken
-rarely."""
+"""Bytes hashed per call: small enough that :attr:`HashBehind.done` moves often (mapped pages
+are released only behind it) and a cancel is quick, large enough that the GIL is taken rarely."""
 
 HASH_LEAD_BYTES = 32 << 20
 """How far the hash may run ahead of what the reader has handed out. The pages it reads count in
-the process's RSS until the reader releases them behind both (``loader.tar.release_pages``), so
-ahead of a slow trainer an unbounded hash would map a whole shard (up to GiBs) at once."""
+the process's RSS until they are released behind both the hash and the reader (by the hash's
+thread, ``loader.tar.release_pages``), so ahead of a slow trainer an unbounded hash would map a
+whole shard (up to GiBs) at once."""
 
 
 class HashBehind:
