@@ -58,6 +58,10 @@ class EvictionPolicy(ABC):
     tenant quota evicts a tenant's entries only when that alone makes room: evicting them would
     otherwise lose them and still cache nothing."""
 
+    ranks: ClassVar[bool] = False
+    """Whether the policy ranks entries by a plan (:meth:`plan`): only then does a borrowed copy's
+    fill, like a plan's own, spare the ranked ones (``Store.begin``)."""
+
     @abstractmethod
     def on_add(self, entry: Entry) -> None:
         """``entry`` was indexed: just published (the most recently used), or loaded at start-up
@@ -281,6 +285,8 @@ class PlannedPolicy(EvictionPolicy):
     name from the first plan on (that plan costs one pass over the index); each notification
     after that stays O(1).
     """
+
+    ranks = True
 
     def __init__(self) -> None:
         self._unranked = {True: LRUPolicy(), False: LRUPolicy()}  # by Entry.borrowed

@@ -710,14 +710,16 @@ class Store:
 
     # -- watchers and the plan ----------------------------------------------------------------
 
-    def watch(self, watcher: Watcher) -> Callable[[], None]:
+    def watch(self, watcher: Watcher, existing: bool = True) -> Callable[[], None]:
         """Tell ``watcher`` of every entry indexed and every entry that leaves the index from now
-        on, first of every entry indexed now (as added), all under the store's lock: it sees each
-        change once, in order. It must be quick (O(1) per entry) and must not call the store.
+        on, first of every entry indexed now (as added; not with ``existing`` false, for a watcher
+        that cares only about changes: no O(entries) call), all under the store's lock: it sees
+        each change once, in order. It must be quick (O(1) per entry) and must not call the store.
         Returns what stops it."""
         with self._lock:
             self._watchers.append(watcher)
-            self._tell(watcher, list(self._entries.values()), ())
+            if existing:
+                self._tell(watcher, list(self._entries.values()), ())
 
         def unwatch() -> None:
             with self._lock:
@@ -878,7 +880,7 @@ class Store:
             # entry's place cost that entry's next read a fetch from the origin, for a copy its
             # owner keeps anyway: in the capacity bed, peer reads were 0.12-0.14 of the dataset an
             # epoch. (Under ``lru`` and ``hold`` nothing is ranked: borrowed fills evict as before.)
-            sparing = (bucket, key) in self._sparing or (borrowed and self.settings.eviction == "planned")
+            sparing = (bucket, key) in self._sparing or (borrowed and self._policy.ranks)
             if sparing and not self._fits(size, *self._policy.spare()):
                 # What the plan keeps is not its to evict, and the rest cannot make room.
                 # Nothing evicted in vain: the read is served uncached.

@@ -196,8 +196,8 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
             direct_range_bytes=settings.direct_range_bytes, fills_behind=settings.prefetch_workers, jobs=app[JOBS],
         )
         app[READS] = reads
-        # Off the loop: watch() first tells of every entry indexed (O(entries) at start).
-        stop_unread = await asyncio.to_thread(store.watch, reads.unread.watch) if store is not None else None
+        # Only the entries that leave from now on: no pass over the index at start.
+        stop_unread = store.watch(reads.unread.watch, existing=False) if store is not None else None
         prefetcher = Prefetcher(reads, app[METRICS], settings.prefetch_workers, settings.prefetch_queue_max)
         prefetcher.start()
         app[PREFETCHER] = prefetcher

@@ -39,6 +39,10 @@ hit, by HTTP, path or descriptor, or a join of a fill already running here); ``p
 daemon of the cluster (a miss, or an uncached read, served by the owner); ``origin``: the object
 store (a miss this daemon filled from it, or an uncached read streamed from it)."""
 
+PREFETCH_CAUSES = ("hint", "plan")
+"""Why an object was prefetched (:mod:`sidecar.daemon.unread`): a reader's hint of its next
+shards, the lease master's plan."""
+
 
 def counter_value(counter: Counter, **labels: str) -> float:
     """What ``counter`` (its child with ``labels``) has counted, read through the public
@@ -250,7 +254,7 @@ class Metrics:
             "shardcache_prefetch_evicted_unread_bytes", "Bytes of prefetched entries that left the cache unread, by cause",
             ["cause"], registry=r,
         )
-        for cause in ("hint", "plan"):
+        for cause in PREFETCH_CAUSES:
             self.prefetch_evicted_unread.labels(cause=cause)
             self.prefetch_evicted_unread_bytes.labels(cause=cause)
         self.request_duration = Histogram(

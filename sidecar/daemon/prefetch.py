@@ -22,7 +22,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cache import Store
+from cache import Entry, Store
+from sidecar.daemon.fills import Fill
 from sidecar.daemon.metrics import Metrics
 from sidecar.daemon.priority import LEASE, PRIORITIES
 from sidecar.daemon.reads import ReadContext, ReadService
@@ -175,14 +176,24 @@ class Prefetcher:
                 fill = self.reads.prefetch(ctx, cause="hint")
                 if fill is None:
                     continue  # cached meanwhile, or never cached
-                if await fill.wait_done() is None:
-                    self.reads.unread.forget(item.bucket, item.key)
+                await self._filled(fill, item)
                 self.done += 1
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.failed += 1
                 log.warning("prefetch of %s/%s failed: %s", item.bucket, item.key, exc)
+
+    async def _filled(self, fill: Fill, item: PrefetchItem) -> Entry | None:
+        """The entry a prefetch's fill published; a fill that ended without one (refused, never
+        cached, failed) drops the prefetch's unread mark, which no eviction would ever clear."""
+        entry = None
+        try:
+            entry = await fill.wait_done()
+        finally:
+            if entry is None:
+                self.reads.unread.forget(item.bucket, item.key)
+        return entry
 
     async def _plan_fill(self, store: Store, item: PrefetchItem, ctx: ReadContext) -> None:
         """A fill the plan asked for: only with room that evicts nothing the plan keeps."""
@@ -202,12 +213,11 @@ class Prefetcher:
                 fill = self.reads.prefetch(ctx, cause="plan")
                 if fill is None:
                     return  # never cached
-                entry = await fill.wait_done()
+                entry = await self._filled(fill, item)
         finally:
             self.reads.plan_fills.discard(name)
         self.done += 1
         if entry is None:
-            self.reads.unread.forget(item.bucket, item.key)
             self.plan_counts["no_room"] += 1  # the store refused it at its begin: no room the plan does not keep
             return
         self.plan_counts["filled"] += 1

@@ -20,24 +20,20 @@ import threading
 from collections.abc import Sequence
 
 from cache import Entry
-from sidecar.daemon.metrics import Metrics
+from sidecar.daemon.metrics import PREFETCH_CAUSES, Metrics, counter_value
 
-__all__ = ["Unread", "CAUSES"]
-
-CAUSES = ("hint", "plan")
-"""Why an object was prefetched: a reader's hint of its next shards, the lease master's plan."""
+__all__ = ["Unread"]
 
 
 class Unread:
-    """Marks of prefetched objects not read yet, and the count of those evicted unread. Marked
-    and read on the event loop, told of evictions on the store's threads: a lock guards it."""
+    """Marks of prefetched objects not read yet; those evicted unread are counted in the
+    daemon's metrics. Marked and read on the event loop, told of evictions on the store's
+    threads: a lock guards the marks."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._marks: dict[tuple[str, str], str] = {}
-        self.evicted = dict.fromkeys(CAUSES, 0)
-        self.evicted_bytes = dict.fromkeys(CAUSES, 0)
 
     def started(self, bucket: str, key: str, cause: str) -> None:
         """A prefetch for ``cause`` started the fill of ``bucket/key``."""
@@ -58,8 +54,6 @@ class Unread:
             for entry in removed:
                 cause = self._marks.pop((entry.bucket, entry.key), None)
                 if cause is not None:
-                    self.evicted[cause] += 1
-                    self.evicted_bytes[cause] += entry.size
                     self._metrics.prefetch_evicted_unread.labels(cause=cause).inc()
                     self._metrics.prefetch_evicted_unread_bytes.labels(cause=cause).inc(entry.size)
 
@@ -69,5 +63,10 @@ class Unread:
             self._marks.pop((bucket, key), None)
 
     def stats(self) -> dict[str, object]:
-        with self._lock:
-            return {"evicted": dict(self.evicted), "evicted_bytes": dict(self.evicted_bytes), "waiting": len(self._marks)}
+        metrics = self._metrics
+        return {
+            "evicted": {c: int(counter_value(metrics.prefetch_evicted_unread, cause=c)) for c in PREFETCH_CAUSES},
+            "evicted_bytes": {c: int(counter_value(metrics.prefetch_evicted_unread_bytes, cause=c))
+                              for c in PREFETCH_CAUSES},
+            "waiting": len(self._marks),
+        }

@@ -40,4 +40,13 @@ def test_a_prefetch_evicted_unread_is_counted_and_a_read_one_is_not(
     assert unread == {"evicted": {"hint": 1, "plan": 0}, "evicted_bytes": {"hint": SIZE, "plan": 0}, "waiting": 0}
     metrics = daemon.metrics()
     assert 'shardcache_prefetch_evicted_unread_total{cause="hint"} 1.0' in metrics
+    # A prefetch whose fill fails (no such object) leaves no mark behind.
+    body = json.dumps({"objects": [{"bucket": "bkt", "key": "missing.tar"}]}).encode()
+    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 202
+    wait_until(lambda: daemon.stats()["prefetch"]["failed"] + daemon.stats()["prefetch"]["done"] >= 3, timeout=20,
+               what="the failed prefetch")
+    assert daemon.stats()["prefetch"]["evicted_unread"]["waiting"] == 0
     assert f'shardcache_prefetch_evicted_unread_bytes_total{{cause="hint"}} {float(SIZE)}' in metrics

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from loader import CorruptShard, iter_samples
+from loader import CorruptShard
 from loader.hashing import HASH_CHUNK_BYTES, HASH_LEAD_BYTES, HashBehind
-from loader.tar import MemberLog
 from loader.tarindex import TarIndex, iter_indexed
+from tests.support.shards import member_table
 
 
 def _wait(condition: object, what: str, timeout: float = 10.0) -> None:
@@ -78,13 +78,7 @@ def _shard(tmp_path: Path, samples: int, member: int) -> tuple[Path, TarIndex]:
             writer.write({"__key__": f"{i:06d}", "bin": bytes([i % 251]) * member})
     path = tmp_path / "shard.tar"
     path.write_bytes(buf.getvalue())
-    log = MemberLog()
-    with open(path, "rb", buffering=0) as handle:
-        for _ in iter_samples(handle, log=log):
-            pass
-    table = TarIndex.from_log(log, path.stat().st_size)
-    assert table is not None
-    return path, table
+    return path, member_table(path)
 
 
 def test_an_abandoned_zero_copy_read_stops_its_hash(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from loader import CorruptShard, LoaderSettings, ShardLoader, iter_samples
 from loader import shardloader as shardloader_module
 from loader.tar import MemberLog
 from loader.tarindex import IndexRegistry, TarIndex, file_identity, iter_indexed
-from tests.support.shards import Written, write_manifest, write_shards
+from tests.support.shards import Written, member_table, write_manifest, write_shards
 
 
 def _tar(tmp_path: Path, samples: list[dict[str, Any]]) -> Path:
@@ -40,16 +40,6 @@ SAMPLES = [
 ]
 
 
-def _table(path: Path) -> TarIndex:
-    members = MemberLog()
-    with open(path, "rb", buffering=0) as handle:
-        for _ in iter_samples(handle, log=members):
-            pass
-    table = TarIndex.from_log(members, path.stat().st_size)
-    assert table is not None
-    return table
-
-
 def _plain(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()} for s in samples]
 
@@ -61,7 +51,7 @@ def test_table_read_is_the_parse_from_every_sample(tmp_path: Path, zero_copy: bo
     digest = xxhash.xxh3_128_hexdigest(data)
     with open(path, "rb", buffering=0) as handle:
         parsed = list(iter_samples(handle, url="u"))
-    table = _table(path)
+    table = member_table(path)
     assert table.samples == len(parsed) == len(SAMPLES)
     for start in range(len(parsed) + 2):
         with open(path, "rb", buffering=0) as handle:
@@ -80,7 +70,7 @@ def test_a_changed_byte_is_caught_by_the_checksum_even_with_the_same_table(tmp_p
     path = _tar(tmp_path, SAMPLES)
     data = path.read_bytes()
     digest = xxhash.xxh3_128_hexdigest(data)
-    table = _table(path)
+    table = member_table(path)
     before = os.stat(path)
     for where in (data.index(b"z" * 5000) + 9, 3):  # a data byte, then a header byte (a name)
         changed = bytearray(data)
@@ -97,7 +87,7 @@ def test_a_changed_byte_is_caught_by_the_checksum_even_with_the_same_table(tmp_p
 
 def test_a_table_for_other_bytes_is_refused(tmp_path: Path) -> None:
     path = _tar(tmp_path, SAMPLES)
-    table = _table(path)
+    table = member_table(path)
     path.write_bytes(path.read_bytes()[:2048])
     with open(path, "rb", buffering=0) as handle, pytest.raises(CorruptShard, match="member table"):
         list(iter_indexed(handle, table, url="u"))
@@ -153,7 +143,7 @@ def test_no_table_from_a_partial_or_streamed_or_sparse_read(tmp_path: Path) -> N
 
 
 def test_registry_keeps_the_recent_tables_within_its_budget(tmp_path: Path) -> None:
-    table = _table(_tar(tmp_path, SAMPLES))
+    table = member_table(_tar(tmp_path, SAMPLES))
     registry = IndexRegistry(budget=table.nbytes * 2 + 1)
     registry.put((0, 1, 0, 0), table)
     registry.put((0, 2, 0, 0), table)

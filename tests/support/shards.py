@@ -12,7 +12,8 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["Expected", "Written", "delivered", "env_without_shardcache", "write_manifest", "write_shards"]
+__all__ = ["Expected", "Written", "delivered", "env_without_shardcache", "member_table", "write_manifest",
+           "write_shards"]
 
 Expected = dict[tuple[str, str], dict[str, bytes]]
 
@@ -94,3 +95,19 @@ def delivered(samples: list[dict[str, Any]]) -> Expected:
 
 def env_without_shardcache() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
+
+
+def member_table(path: Path) -> Any:
+    """The member table (``loader.tarindex.TarIndex``) of the shard at ``path``, recorded by one
+    parse of it, as a first read in the loader records it."""
+    from loader import iter_samples
+    from loader.tar import MemberLog
+    from loader.tarindex import TarIndex
+
+    members = MemberLog()
+    with open(path, "rb", buffering=0) as handle:
+        for _ in iter_samples(handle, log=members):
+            pass
+    table = TarIndex.from_log(members, path.stat().st_size)
+    assert table is not None
+    return table
