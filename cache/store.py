@@ -23,7 +23,8 @@ copies of objects another daemon of the cluster owns, read from that peer) go fi
 used first, then the least recently used owned ones; ``hold`` evicts nothing for room; ``planned``
 evicts by a lease master's plan (:meth:`Store.set_plan`, Belady's rule over the order its trainers
 will read in: :class:`cache.eviction.PlannedPolicy`). A fill the plan asked for
-(:meth:`Store.spare_kept`) never evicts an entry the plan keeps.
+(:meth:`Store.spare_kept`) never evicts an entry the plan keeps, nor one a reader's hint filled
+and nobody has read yet (:meth:`Store.awaited`).
 
 Watchers (:meth:`Store.watch`) are told of every entry indexed and every entry that leaves the
 index, under the store's lock: the daemon's report of what it holds to the lease master.
@@ -382,6 +383,8 @@ class Store:
         self._plan_ranks: dict[int, int] = {}
         # Names whose fill the plan asked for (spare_kept): their begin evicts no ranked entry.
         self._sparing: set[tuple[str, str]] = set()
+        # Names a reader announced it will read (awaited): published, the policy keeps them for it.
+        self._awaiting: set[tuple[str, str]] = set()
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -769,20 +772,35 @@ class Store:
         """While in the block, a fill of ``bucket/key`` begun (:meth:`begin`) is the plan's own (a
         plan prefetch): it evicts no entry the plan ranks, and is not admitted if the rest cannot
         make room (:meth:`cache.eviction.EvictionPolicy.spare`)."""
-        name = (bucket, key)
+        with self._named(self._sparing, bucket, key):
+            yield
+
+    @contextlib.contextmanager
+    def awaited(self, bucket: str, key: str) -> Iterator[None]:
+        """While in the block, an entry of ``bucket/key`` published is one a reader announced it
+        will read (a prefetch hint) and has not read yet: the policy is told
+        (:meth:`cache.eviction.EvictionPolicy.on_awaited`; ``planned`` keeps it until it is read)."""
+        with self._named(self._awaiting, bucket, key):
+            yield
+
+    @contextlib.contextmanager
+    def _named(self, names: set[tuple[str, str]], bucket: str, key: str) -> Iterator[None]:
+        """``bucket/key`` in ``names`` (one of the store's sets of names) while in the block."""
         with self._lock:
-            self._sparing.add(name)
+            names.add((bucket, key))
         try:
             yield
         finally:
             with self._lock:
-                self._sparing.discard(name)
+                names.discard((bucket, key))
 
     def unspare(self, bucket: str, key: str) -> None:
         """A reader waits for ``bucket/key`` now: a fill of it not begun yet may evict as a demand
-        read's does (ends :meth:`spare_kept` for it)."""
+        read's does (ends :meth:`spare_kept` for it), and its entry, read as it lands, is awaited
+        by nobody (ends :meth:`awaited`)."""
         with self._lock:
             self._sparing.discard((bucket, key))
+            self._awaiting.discard((bucket, key))
 
     def plan_room(self, size: int) -> bool:
         """Whether a fill the plan asks for, of about ``size`` bytes, could be admitted now: free
@@ -982,6 +1000,8 @@ class Store:
             self._entries[ident] = entry
             self._index_name(entry)
             self._account(entry, 1)
+            if (writer.bucket, writer.key) in self._awaiting:
+                self._policy.on_awaited(entry)
             self._counters["admitted"] += 1
         # Hashed while it was written: as good as a check now.
         self._mark_hashed(ident, _Stamp(stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))

@@ -11,6 +11,10 @@ only when the store has room counting what the plan does not keep as free
 (:meth:`cache.Store.plan_room`, for an object of the cache's mean size) and begins under
 :meth:`cache.Store.spare_kept` (under ``lru`` it evicts by LRU, under ``hold`` it fills free room
 only). The bytes it brings in count as the job's ``prefetch_bytes`` (:mod:`sidecar.daemon.jobstats`).
+
+A reader's hint fills under :meth:`cache.Store.awaited`: under ``planned`` the entry is kept like
+one the plan ranks until the reader reads it, since the plan cannot rank it before the master has
+heard of it (:class:`cache.eviction.PlannedPolicy`).
 """
 
 from __future__ import annotations
@@ -173,11 +177,9 @@ class Prefetcher:
                 if item.plan and store is not None:
                     await self._plan_fill(store, item, ctx)
                     continue
-                fill = self.reads.prefetch(ctx, cause="hint")
-                if fill is None:
-                    continue  # cached meanwhile, or never cached
-                await self._filled(fill, item)
-                self.done += 1
+                if store is None:
+                    continue
+                await self._hint_fill(store, item, ctx)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -195,6 +197,26 @@ class Prefetcher:
                 self.reads.unread.forget(item.bucket, item.key)
         return entry
 
+    async def _hint_fill(self, store: Store, item: PrefetchItem, ctx: ReadContext) -> None:
+        """A reader's hint: its entry is awaited (:meth:`cache.Store.awaited`) until read."""
+        name = (item.bucket, item.key)
+        if name in self.fetcher.inflight:
+            # A running fill (a reader's, the plan's): promoted; its entry is not awaited.
+            if (fill := self.reads.prefetch(ctx)) is not None:
+                await fill.wait_done()
+                self.done += 1
+            return
+        self.reads.prefetching.add(name)
+        try:
+            with store.awaited(item.bucket, item.key):
+                fill = self.reads.prefetch(ctx, cause="hint")
+                if fill is None:
+                    return  # cached meanwhile, or never cached
+                await self._filled(fill, item)
+        finally:
+            self.reads.prefetching.discard(name)
+        self.done += 1
+
     async def _plan_fill(self, store: Store, item: PrefetchItem, ctx: ReadContext) -> None:
         """A fill the plan asked for: only with room that evicts nothing the plan keeps."""
         name = (item.bucket, item.key)
@@ -207,7 +229,7 @@ class Prefetcher:
             return
         if name in self.fetcher.inflight or self.reads.cached(item.bucket, item.key):
             return  # started or cached while the room was looked at: a reader's, not the plan's
-        self.reads.plan_fills.add(name)
+        self.reads.prefetching.add(name)
         try:
             with store.spare_kept(item.bucket, item.key):
                 fill = self.reads.prefetch(ctx, cause="plan")
@@ -215,7 +237,7 @@ class Prefetcher:
                     return  # never cached
                 entry = await self._filled(fill, item)
         finally:
-            self.reads.plan_fills.discard(name)
+            self.reads.prefetching.discard(name)
         self.done += 1
         if entry is None:
             self.plan_counts["no_room"] += 1  # the store refused it at its begin: no room the plan does not keep

@@ -209,8 +209,9 @@ class ReadService:
         """The per-job counters reads that name a job count in."""
         self.unread = Unread(metrics)
         """Prefetched objects not read yet, and those the cache let go unread (unread.py)."""
-        self.plan_fills: set[tuple[str, str]] = set()
-        """Objects whose fill the plan asked for, in :meth:`cache.Store.spare_kept` (the prefetcher's)."""
+        self.prefetching: set[tuple[str, str]] = set()
+        """Objects whose fill a prefetch started: the plan's, in :meth:`cache.Store.spare_kept`,
+        or a hint's, in :meth:`cache.Store.awaited` (the prefetcher's)."""
         self._behind: dict[Fill, int] = {}  # fills started behind direct ranges, and their objects' sizes
         self._admitting = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -303,8 +304,10 @@ class ReadService:
         fill, created = self.fetcher.start(
             ctx.bucket, ctx.key, ctx.priority, tenant=ctx.tenant, origin_only=ctx.origin_only
         )
-        if not created and ctx.priority == DEMAND and (ctx.bucket, ctx.key) in self.plan_fills:
-            store.unspare(ctx.bucket, ctx.key)  # a trainer waits for it: it may evict as a demand read
+        if not created and ctx.priority == DEMAND and (ctx.bucket, ctx.key) in self.prefetching:
+            # A trainer waits for it: a plan's fill may evict as a demand read's, and a hint's
+            # entry is read as it lands (awaited by nobody once published).
+            store.unspare(ctx.bucket, ctx.key)
         state = "miss" if created else "coalesced"
         self._count(ctx, state)
         info = await fill.wait_info()

@@ -7,6 +7,9 @@ those it ranks, farthest first), then owned entries the plan does not rank (leas
 first; an entry whose name leaves the plan goes to the oldest end), then owned ranked entries,
 farthest needed first. Pinned entries never go. A fill the plan asked for (``Store.spare_kept``)
 never evicts a ranked entry. Without a plan, ``lru``'s victims exactly.
+
+An entry a reader's hint filled (``Store.awaited``) goes after the ranked ones of its kind until it
+is read, the plan ranks it, the second plan after it came does not, or ``AWAITED_S`` passed.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ class Evictions:
         return taken
 
 
-def put(store: Store, key: str, size: int = SIZE, borrowed: bool = False) -> Entry | None:
+def put(store: Store, key: str, size: int = SIZE, borrowed: bool = False, hinted: bool = False) -> Entry | None:
+    if hinted:
+        with store.awaited("b", key):
+            return put(store, key, size, borrowed)
     writer = store.begin("b", key, f'"{key}"', size, borrowed=borrowed)
     if writer is None:
         return None
@@ -255,12 +261,124 @@ def test_the_watcher_sees_every_entry_once(tmp_path):
     assert seen == [("+", "c"), ("-", "a")]
 
 
+def test_a_hinted_entry_is_kept_until_it_is_read(tmp_path):
+    """A reader's hint filled it and nobody read it yet: the plan cannot rank it before the master
+    hears of it, and as an unranked entry it was the first a plan's fill evicted."""
+    store = make(tmp_path)
+    gone = Evictions(store)
+    for key in "abc":
+        put(store, key)
+    plan(store, "a", "b")  # c unranked
+    put(store, "h", hinted=True)
+    assert store.plan_figures()["awaited_items"] == 1
+    assert store.plan_room(SIZE) and not store.plan_room(2 * SIZE)  # c is the plan's to take, h is not
+    with store.spare_kept("b", "p1"):
+        assert put(store, "p1") is not None
+    assert gone.take() == ["c"]
+    plan(store, "a", "b", "p1")  # answers a report that may predate h: h still awaited
+    assert store.plan_figures()["awaited_items"] == 1
+    with store.spare_kept("b", "p2"):
+        assert put(store, "p2") is None  # nothing but what the plan keeps and h
+    assert gone.take() == []
+    put(store, "d")  # a demand fill: the farthest ranked, never h
+    assert gone.take() == ["p1"]
+    with store.pinned(store.lookup("b", "d")):  # d, unranked, in use: the rest go in order
+        put(store, "e")
+        with store.pinned(store.lookup("b", "e")):
+            put(store, "f")
+            with store.pinned(store.lookup("b", "f")):
+                put(store, "g")
+    assert gone.take() == ["b", "a", "h"]  # ranked farthest first, then the awaited one
+
+
+def test_a_hinted_entry_read_waits_for_nobody(tmp_path):
+    store = make(tmp_path)
+    gone = Evictions(store)
+    for key in "abc":
+        put(store, key)
+    plan(store, "a", "b", "c")
+    put(store, "h", hinted=True)
+    store.touch_in_memory(store.lookup("b", "h"))  # read: an unranked entry like any other
+    assert store.plan_figures()["awaited_items"] == 0
+    put(store, "d")
+    assert gone.take() == ["h"]
+
+
+def test_the_plan_decides_for_a_hinted_entry_the_second_plan_after_it(tmp_path):
+    store = make(tmp_path)
+    gone = Evictions(store)
+    for key in "ab":
+        put(store, key)
+    plan(store, "a", "b")
+    put(store, "h1", hinted=True)
+    put(store, "h2", hinted=True)
+    plan(store, "a", "b")  # answers a report that may predate h1 and h2: they stay awaited
+    assert store.plan_figures()["awaited_items"] == 2
+    plan(store, "a", "h2", "b")  # the master knew of them: h2 ranked, h1 not needed
+    assert store.plan_figures() == {"plan_names": 3, "ranked_items": 3, "unranked_items": 1, "awaited_items": 0}
+    put(store, "c")
+    assert gone.take() == ["h1"]  # not needed by the plan: the first to go
+    put(store, "d")
+    assert gone.take() == ["c"]
+    put(store, "e")
+    assert gone.take() == ["d"]
+
+
+def test_a_hinted_entry_is_awaited_no_longer_than_awaited_s(tmp_path):
+    """A master gone silent decides nothing: the entry stops being awaited after AWAITED_S."""
+    now = [0.0]
+    store = make(tmp_path)
+    store._policy = PlannedPolicy(clock=lambda: now[0])  # the same policy, on a clock the test moves
+    gone = Evictions(store)
+    for key in "abc":
+        put(store, key)
+    plan(store, "a", "b", "c")
+    put(store, "h", hinted=True)
+    now[0] = PlannedPolicy.AWAITED_S - 1
+    put(store, "d")
+    assert gone.take() == ["c"]  # ranked, farthest: h still awaited
+    now[0] = PlannedPolicy.AWAITED_S + 1
+    put(store, "e")
+    assert gone.take() == ["h"]  # unread for AWAITED_S: the first to go, before d (unranked, newer)
+    assert store.plan_figures()["awaited_items"] == 0
+
+
+def test_without_a_plan_a_hint_changes_nothing(tmp_path):
+    store = make(tmp_path)
+    gone = Evictions(store)
+    put(store, "h", hinted=True)
+    for key in "abcd":
+        put(store, key)
+    assert gone.take() == ["h"]  # lru's order: a daemon without a master keeps today's policy
+    assert store.plan_figures()["awaited_items"] == 0
+
+
+def test_a_reader_joining_a_hinted_fill_reads_it_as_it_lands(tmp_path):
+    store = make(tmp_path)
+    plan(store, "x")
+    with store.awaited("b", "h"):
+        writer = store.begin("b", "h", '"h"', SIZE)
+        assert writer is not None
+        store.unspare("b", "h")  # a demand read joined the fill
+        writer.write_at(0, os.urandom(SIZE))
+        writer.commit()
+    assert store.plan_figures()["awaited_items"] == 0
+
+
+def test_under_lru_and_hold_a_hint_changes_nothing(tmp_path):
+    for eviction in ("lru", "hold"):
+        store = make(tmp_path / eviction, eviction=eviction)
+        plan(store, "h")
+        put(store, "h", hinted=True)
+        assert store.plan_figures() == {}
+
+
 def test_the_policy_reports_its_figures(tmp_path):
     store = make(tmp_path)
     for key in "abc":
         put(store, key)
     figures = plan(store, "a", "b", "x", "a")  # x not cached; a twice: its first place counts
-    assert figures == {"plan_names": 3, "ranked_items": 2, "unranked_items": 1}
+    assert figures == {"plan_names": 3, "ranked_items": 2, "unranked_items": 1, "awaited_items": 0}
     assert store.stats()["policy"] == figures
 
 
@@ -269,7 +387,8 @@ def test_the_policy_reports_its_figures(tmp_path):
 
 class Model:
     """Every entry with its recency (a clock; entries that left the plan below every other) and
-    pins; the victim by sorting all of them by the rule."""
+    pins, and the awaited ones (hinted: since which plan, since when); the victim by sorting all of
+    them by the rule."""
 
     def __init__(self) -> None:
         self.entries: dict[str, Entry] = {}
@@ -277,48 +396,73 @@ class Model:
         self.ranks: dict[int, int] = {}
         self.clock = 0
         self.low = 0.0
+        self.plans = 0
+        self.now = 0.0
+        self.awaited: dict[str, tuple[int, int, float]] = {}  # id -> (order, plans then, time then)
 
-    def add(self, entry: Entry) -> None:
+    def add(self, entry: Entry, hinted: bool = False) -> None:
         self.clock += 1
         self.entries[entry.id] = entry
         self.recency[entry.id] = self.clock
+        if hinted and self.plans and name_hash(entry.bucket, entry.key) not in self.ranks:
+            self.awaited[entry.id] = (self.clock, self.plans, self.now)
 
     def touch(self, entry: Entry) -> None:
-        if name_hash(entry.bucket, entry.key) not in self.ranks:
+        if self.awaited.pop(entry.id, None) is not None or name_hash(entry.bucket, entry.key) not in self.ranks:
             self.clock += 1
             self.recency[entry.id] = self.clock
 
     def remove(self, entry: Entry) -> None:
         del self.entries[entry.id]
         del self.recency[entry.id]
+        self.awaited.pop(entry.id, None)
+
+    def _to_oldest(self, ident: str) -> None:
+        self.low -= 1
+        self.recency[ident] = self.low
 
     def plan(self, keep: list[int]) -> None:
         old = self.ranks
         self.ranks = {}
         for rank, name in enumerate(keep):
             self.ranks.setdefault(name, rank)
+        self.plans += 1
+        for ident, (_, since, _) in sorted(self.awaited.items(), key=lambda item: item[1][0]):
+            entry = self.entries[ident]
+            if name_hash(entry.bucket, entry.key) in self.ranks:
+                del self.awaited[ident]
+            elif since <= self.plans - 2:  # the plan had its chance: not needed, first to go
+                del self.awaited[ident]
+                self._to_oldest(ident)
         # leaving entries: to the oldest end, the farthest (by the old plan) oldest of them
         leaving = [e for e in self.entries.values()
                    if name_hash(e.bucket, e.key) in old and name_hash(e.bucket, e.key) not in self.ranks]
         for entry in sorted(leaving, key=lambda e: old[name_hash(e.bucket, e.key)]):
-            self.low -= 1
-            self.recency[entry.id] = self.low
+            self._to_oldest(entry.id)
 
     def victim(self, spare_ranked: bool) -> Entry | None:
+        for ident, (_, _, since) in sorted(self.awaited.items(), key=lambda item: item[1][0]):
+            if since <= self.now - PlannedPolicy.AWAITED_S:
+                del self.awaited[ident]
+                self._to_oldest(ident)
+
         def key(entry: Entry) -> tuple[int, float]:
             rank = self.ranks.get(name_hash(entry.bucket, entry.key))
-            group = (0 if entry.borrowed else 2) + (rank is not None)
-            return group, (-rank if rank is not None else self.recency[entry.id])
+            base = 0 if entry.borrowed else 3
+            if entry.id in self.awaited:
+                return base + 2, self.awaited[entry.id][0]
+            return base + (rank is not None), (-rank if rank is not None else self.recency[entry.id])
 
         candidates = [e for e in self.entries.values() if e.pins == 0
-                      and not (spare_ranked and name_hash(e.bucket, e.key) in self.ranks)]
+                      and not (spare_ranked and (name_hash(e.bucket, e.key) in self.ranks or e.id in self.awaited))]
         return min(candidates, key=key, default=None)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_policy_agrees_with_the_model(seed):
     rng = random.Random(seed)
-    policy, model = PlannedPolicy(), Model()
+    model = Model()
+    policy = PlannedPolicy(clock=lambda: model.now)
     names = [f"k{i}" for i in range(30)]
     live: dict[str, Entry] = {}
     for step in range(400):
@@ -327,9 +471,12 @@ def test_the_policy_agrees_with_the_model(seed):
         if op < 0.35 and key not in live:
             entry = Entry(id=f"{key}@{step}", bucket="b", key=key, etag="e", size=rng.randint(1, 9), xxh3_128="",
                           created=step, borrowed=rng.random() < 0.25)
+            hinted = rng.random() < 0.3
             live[key] = entry
             policy.on_add(entry)
-            model.add(entry)
+            if hinted:
+                policy.on_awaited(entry)
+            model.add(entry, hinted)
         elif op < 0.5 and key in live:
             policy.on_touch(live[key])
             model.touch(live[key])
@@ -339,7 +486,9 @@ def test_the_policy_agrees_with_the_model(seed):
             model.remove(entry)
         elif op < 0.7 and key in live:
             live[key].pins = 1 - live[key].pins
-        elif op < 0.75:
+        elif op < 0.72:
+            model.now += rng.choice((1.0, PlannedPolicy.AWAITED_S / 2))
+        elif op < 0.77:
             keep = [name_hash("b", k) for k in rng.sample(names, rng.randint(0, len(names)))]
             keep += keep[: rng.randint(0, 3)]  # a name twice: its first place counts
             ranks: dict[int, int] = {}
@@ -359,8 +508,10 @@ def test_the_policy_agrees_with_the_model(seed):
                 live.pop(got.key)
                 policy.on_remove(got)
                 model.remove(got)
-        unranked = sum(e.size for e in model.entries.values() if name_hash(e.bucket, e.key) not in model.ranks)
+        unranked = sum(e.size for e in model.entries.values()
+                       if name_hash(e.bucket, e.key) not in model.ranks and e.id not in model.awaited)
         assert policy.spare()[0] == unranked
+        assert policy.describe()["awaited_items"] == len(model.awaited)
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+import urllib.request
 from array import array
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -65,13 +66,14 @@ class StubMaster(ServerThread):
         self.answer: Answer = self.plan
         self.applied: list[NodeReport] = []
 
-    async def plan(self, report: NodeReport, request: web.Request | None = None, **fields: Any) -> web.StreamResponse:
+    async def plan(self, report: NodeReport, request: web.Request | None = None, interval_s: float = 0.1,
+                   **fields: Any) -> web.StreamResponse:
         with self.lock:
             if not report.full and (not self.applied or self.applied[-1].seq != report.base
                                     or self.applied[-1].daemon != report.daemon):
                 return web.json_response(NodePlan(seq=report.seq, resend="full", interval_s=0.1).to_json())
             self.applied.append(report)
-        return web.json_response(NodePlan(seq=report.seq, interval_s=0.1, **fields).to_json())
+        return web.json_response(NodePlan(seq=report.seq, interval_s=interval_s, **fields).to_json())
 
     def view(self) -> set[int]:
         """What the reports applied say the node holds."""
@@ -280,6 +282,49 @@ def test_a_plan_prefetch_never_evicts_what_the_plan_keeps(tmp_path: Path, origin
     plan["keep"] = [KEYS[0]]  # KEYS[1] no longer needed: its room is the plan's to take
     wait_until(lambda: cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[2])}, timeout=20, what="the prefetch")
     assert daemon.stats()["cache"]["evictions"] == 1
+
+
+def test_a_hints_fill_is_kept_until_its_reader_reads_it(tmp_path: Path, origin: Path, stub: StubMaster,
+                                                        start_daemon: Any):
+    """A reader's hint (a trainer's next shard) fills an entry the plan cannot rank before the
+    master has heard of it. Under ``planned`` it is kept from the fills that come meanwhile, after
+    even the ranked entries, until it is read. It was the first to go: unranked, and older than
+    the demand fill that evicted it."""
+    slow = threading.Event()  # the master answers "next report in 30 s": no plan decides meanwhile
+
+    async def answer(report: NodeReport, request: web.Request) -> web.StreamResponse:
+        return await stub.plan(report, request, interval_s=30.0 if slow.is_set() else 0.1,
+                               keep=array("Q", [h(KEYS[0])]))
+
+    stub.answer = answer
+    daemon = start_daemon(settings_for(tmp_path, origin, (stub.url,)))
+    read(daemon, KEYS[0])
+    wait_until(lambda: daemon.stats()["cache"]["policy"]["ranked_items"] == 1, timeout=20, what="a plan ranking it")
+    slow.set()
+    seen = len(stub.taken())
+    wait_until(lambda: len(stub.taken()) > seen, timeout=20, what="the slow plan")
+    body = json.dumps({"objects": [{"bucket": "bkt", "key": KEYS[1]}]}).encode()
+    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 202
+    wait_until(lambda: h(KEYS[1]) in cached_names(tmp_path), timeout=20, what="the hint's fill")
+    daemon.settle()
+    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 1
+    read(daemon, KEYS[2])  # the cache is full: KEYS[0] ranked, KEYS[1] awaited, KEYS[2]
+    daemon.settle()
+    read(daemon, KEYS[3])  # evicts KEYS[2], unranked, though KEYS[1] is older
+    daemon.settle()
+    assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[1]), h(KEYS[3])}
+    read(daemon, KEYS[1])  # read: awaited no longer, an unranked entry like any other
+    daemon.settle()
+    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 0
+    for key in KEYS[4:]:  # each evicts the least recently used unranked one: KEYS[3], then KEYS[1]
+        read(daemon, key)
+        daemon.settle()
+    assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[4]), h(KEYS[5])}
+    assert daemon.stats()["prefetch"]["evicted_unread"]["evicted"]["hint"] == 0
+    assert len(stub.taken()) == seen + 1  # no plan came in between
 
 
 @pytest.mark.parametrize("eviction", ["lru", "hold"])
