@@ -506,7 +506,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(
-    max_examples=200,
+    max_examples=100,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,

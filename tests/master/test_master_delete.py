@@ -134,9 +134,9 @@ def test_delete_is_logged_and_replayed_and_the_snapshot_forgets_the_job() -> Non
 
 @pytest.mark.slow
 def test_deleting_a_large_job_gives_its_memory_back() -> None:
-    """Live bytes (tracemalloc): a 200k-shard job created and half leased, then deleted, leaves
-    nothing of it in the state."""
-    big = JobSpec.from_json({"name": "big", "dataset": "s3://b/", "shards": [f"train/shard-{i:06d}.tar" for i in range(200_000)]})
+    """Live bytes (tracemalloc): a 50k-shard job created and leased, then deleted, leaves nothing
+    of it in the state. (200k shards measured the same and took 29 s under tracemalloc.)"""
+    big = JobSpec.from_json({"name": "big", "dataset": "s3://b/", "shards": [f"train/shard-{i:06d}.tar" for i in range(50_000)]})
     big.encode()
     state = MasterState()
     gc.collect()
@@ -144,7 +144,7 @@ def test_deleting_a_large_job_gives_its_memory_back() -> None:
     try:
         base = tracemalloc.get_traced_memory()[0]
         state.apply(CreateJob(big), 1.0)
-        for k in range(100):
+        for k in range(25):
             state.apply(Lease("big", "t", "n", 1000, None, ids(f"l{k:03d}x", 1000)), 1.0)
         held = tracemalloc.get_traced_memory()[0] - base
         state.apply(DeleteJob("big", force=True), 2.0)
@@ -153,7 +153,7 @@ def test_deleting_a_large_job_gives_its_memory_back() -> None:
         left = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    assert held > 20 << 20, f"the job held only {held / 1e6:.1f} MB: the test measures nothing"
+    assert held > 5 << 20, f"the job held only {held / 1e6:.1f} MB: the test measures nothing"
     assert left < 256 << 10, f"{left / 1e6:.2f} MB of a deleted job is still held"
 
 
