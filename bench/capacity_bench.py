@@ -158,6 +158,9 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
                 "plan_filled_over_dataset": round(total["plan_filled_bytes"] / dataset.bytes, 4),
                 "fills": total["fills"],
                 "per_node": {role: {**d, "hit_rate": _hit_rate(d)} for role, d in delta.items()},
+                # The interval each daemon reports to the master at (its last plan's), at the
+                # epoch's end: shorter where the node's cache turns over fast (plan_interval).
+                "report_interval_s": {d.host.role: (d.stats().get("master") or {}).get("interval_s") for d in daemons},
                 "stall": stall, "check": check, "locality": _locality(locality_before, locality, epoch),
                 "cache_view": status.get("cache"),
             }

@@ -230,7 +230,7 @@ class PlanService:
             state.apply(event, now)
             self.holdings += 1
         book.applied(rec, report, resolution, key, now)
-        return self.planner.plan(state, rec, report.seq, trainers, interval)
+        return self.planner.plan(state, rec, report.seq, trainers, plan_interval(book.reporting(now), rec.turnover_s()))
 
 
 def plan_reports(nodes: int, epochs: int, epoch_s: float) -> int:

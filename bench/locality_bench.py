@@ -366,6 +366,8 @@ def _counters(daemons: list[Daemon]) -> dict[str, dict[str, int]]:
         requests = stats.get("requests") or {}
         prefetch = stats.get("prefetch") or {}
         unread = (prefetch.get("evicted_unread") or {}).get("evicted_bytes") or {}
+        plan = prefetch.get("plan") or {}
+        cache = stats.get("cache") or {}
         out[daemon.host.role] = {
             "origin_read_bytes": int(stats.get("origin_read_bytes") or 0),
             "peer_read_bytes": int(stats.get("peer_read_bytes") or 0),
@@ -376,9 +378,14 @@ def _counters(daemons: list[Daemon]) -> dict[str, dict[str, int]]:
             # Fills finished (verified or not), what the plan's prefetches filled, and the bytes
             # of prefetches (a reader's hint, the plan) the cache let go before anyone read them.
             "fills": int(sum(((stats.get("verification") or {}).get("fills") or {}).values())),
-            "plan_filled_bytes": int((prefetch.get("plan") or {}).get("filled_bytes") or 0),
+            "plan_filled_bytes": int(plan.get("filled_bytes") or 0),
             "unread_hint_bytes": int(unread.get("hint") or 0),
             "unread_plan_bytes": int(unread.get("plan") or 0),
+            # What became of the plan's prefetches (sidecar/daemon/prefetch.py), and the cache's
+            # evictions and refusals (a fill with no room it may take: served uncached).
+            **{f"plan_{k}": int(plan.get(k) or 0) for k in ("queued", "withdrawn", "filled", "no_room", "joined")},
+            "evictions": int(cache.get("evictions") or 0),
+            "rejected_full": int(cache.get("rejected_full") or 0),
         }
     return out
 

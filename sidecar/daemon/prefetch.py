@@ -217,6 +217,11 @@ class Prefetcher:
             self.reads.prefetching.discard(name)
         self.done += 1
 
+    def _starting(self) -> int:
+        """Prefetches (the plan's, the hints') whose fills have not been admitted by the store yet."""
+        inflight = self.fetcher.inflight
+        return sum(1 for name in self.reads.prefetching if (fill := inflight.get(name)) is not None and fill.info is None)
+
     async def _plan_fill(self, store: Store, item: PrefetchItem, ctx: ReadContext) -> None:
         """A fill the plan asked for: only with room that evicts nothing the plan keeps."""
         name = (item.bucket, item.key)
@@ -224,7 +229,7 @@ class Prefetcher:
             if self.reads.prefetch(ctx) is not None:  # promotes a running fill; the reader counts its bytes
                 self.plan_counts["joined"] += 1
             return
-        if not await asyncio.to_thread(_room_for_plan, store):
+        if not await asyncio.to_thread(_room_for_plan, store, self._starting()):
             self.plan_counts["no_room"] += 1
             return
         if name in self.fetcher.inflight or self.reads.cached(item.bucket, item.key):
@@ -248,7 +253,12 @@ class Prefetcher:
             self.reads.jobs.count(item.job, "prefetch_bytes", entry.size)
 
 
-def _room_for_plan(store: Store) -> bool:
-    """Whether a plan's fill of an object of the cache's mean size could start (a worker thread)."""
+def _room_for_plan(store: Store, starting: int) -> bool:
+    """Whether a plan's fill of an object of the cache's mean size could start (a worker thread),
+    after the ``starting`` prefetches' fills that have not taken their room yet (:meth:`cache.Store.begin`
+    comes with the origin's first answer): the room one saw is not counted twice. Counted twice,
+    two of them started on the room of one and the later was refused at its begin, its first
+    bytes fetched in vain and its object fetched again when read (the capacity bed's daemon logs:
+    6-21 plan fills refused a warm epoch)."""
     _, used, items = store.usage()
-    return store.plan_room(used // items if items else 0)
+    return store.plan_room((used // items if items else 0) * (starting + 1))

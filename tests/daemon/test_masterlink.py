@@ -29,9 +29,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from cache import Entry
+from cache import Entry, Store, StoreSettings
 from sidecar.cli.util import UserError
 from sidecar.daemon.masterlink import HeldNames
+from sidecar.daemon.prefetch import _room_for_plan
 from sidecar.daemon.settings import MasterLinkSettings
 from tests.support.daemons import DaemonProcess, http_get, make_settings
 from tests.support.masters import running_master
@@ -325,6 +326,22 @@ def test_a_hints_fill_is_kept_until_its_reader_reads_it(tmp_path: Path, origin: 
     assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[4]), h(KEYS[5])}
     assert daemon.stats()["prefetch"]["evicted_unread"]["evicted"]["hint"] == 0
     assert len(stub.taken()) == seen + 1  # no plan came in between
+
+
+def test_a_plan_fill_counts_the_room_of_prefetches_not_admitted_yet(tmp_path: Path) -> None:
+    """Two plan fills that each saw room for one started on the room of one: the later was refused
+    at its begin, its first bytes fetched in vain. Those started and not admitted yet count."""
+    store = Store(StoreSettings(root=tmp_path, capacity_bytes=4 * SIZE, min_free_ratio=0.0, eviction="planned"))
+    store.open()
+    for key in KEYS[:4]:
+        writer = store.begin("bkt", key, f'"{key}"', SIZE)
+        assert writer is not None
+        writer.write_at(0, os.urandom(SIZE))
+        writer.commit()
+    store.set_plan([h(KEYS[0]), h(KEYS[1])], name_hash)  # two entries the plan does not keep
+    assert _room_for_plan(store, 0) and _room_for_plan(store, 1)
+    assert not _room_for_plan(store, 2)  # two starting: their room is taken
+    store.close()
 
 
 @pytest.mark.parametrize("eviction", ["lru", "hold"])

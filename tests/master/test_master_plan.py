@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 from loader.master.server.events import Complete, CreateJob, Holdings, Lease, Placement
-from loader.master.server.holdings import NodeBook, NodeRecord, Planner, plan_interval, resolve_report
+from loader.master.server.holdings import (
+    MIN_PLAN_INTERVAL_S,
+    NodeBook,
+    NodeRecord,
+    Planner,
+    plan_interval,
+    resolve_report,
+)
 from loader.master.server.spec import JobSpec, ShardSpec
 from loader.master.server.state import MasterState
 from wire.nodeplan import MAX_KEEP, MAX_PREFETCH, NodePlan, NodeReport, name_hash
@@ -276,6 +283,46 @@ def test_a_spent_budget_makes_a_plan_shorter_never_wrong() -> None:
 def test_the_report_interval_grows_with_the_reporting_nodes() -> None:
     assert plan_interval(1) == plan_interval(100) == 1.0 and plan_interval(200) == 2.0
     assert plan_interval(1000) == 10.0 and plan_interval(10**9) == 3600.0
+
+
+def test_the_report_interval_shrinks_for_a_cache_that_turns_over_fast() -> None:
+    """About an eighth of a node's cache changes between two plans, down to 0.25 s, and never
+    below one second per 100 nodes: the master's budget of ~100 reports a second holds."""
+    assert plan_interval(4, turnover_s=3.0) == 0.375
+    assert plan_interval(4, turnover_s=0.5) == MIN_PLAN_INTERVAL_S == 0.25
+    assert plan_interval(4, turnover_s=600.0) == plan_interval(4) == 1.0  # a slow cache: as before
+    assert plan_interval(50, turnover_s=0.1) == 0.5  # 50 nodes at 0.5 s: 100 reports a second
+    assert plan_interval(1000, turnover_s=0.1) == 10.0
+    for nodes in (1, 4, 25, 30, 50, 100, 1000, 5000):  # every node at its shortest: the budget
+        assert nodes / plan_interval(nodes, turnover_s=0.0) <= 100
+
+
+def test_a_nodes_turnover_is_measured_from_the_bytes_it_fills() -> None:
+    book = NodeBook()
+    job = {"reads": 0, "hit_bytes": 0, "origin_bytes": 0, "peer_bytes": 0, "prefetch_bytes": 0}
+
+    def take(seq: int, now: float, **filled: int) -> NodeRecord:
+        for name, value in filled.items():
+            job[name] += value
+        rep = NodeReport("d", seq, None if seq == 1 else seq - 1, array("Q"), array("Q"), 24 * SIZE, 12 * SIZE,
+                         SIZE, {"j": dict(job)})
+        rec = book.take("n", rep, now)
+        book.applied(rec, rep, resolve_report([], rep), frozenset(), now)
+        return rec
+
+    rec = take(1, 100.0)
+    assert rec.turnover_s() is None  # nothing known yet
+    rec = take(2, 101.0, origin_bytes=2 * SIZE, peer_bytes=SIZE, prefetch_bytes=SIZE, hit_bytes=50 * SIZE)
+    assert rec.turnover_s() == 3.0  # 12 entries' bytes, 4 a second in: 3 s (hits bring nothing in)
+    assert plan_interval(1, rec.turnover_s()) == 0.375
+    rec = take(3, 101.5, origin_bytes=2 * SIZE)  # the same rate
+    assert rec.turnover_s() == 3.0
+    for seq in range(4, 14):  # nothing comes in: back to the usual interval
+        rec = take(seq, 101.5 + seq)
+    assert plan_interval(1, rec.turnover_s()) == 1.0
+    rep = NodeReport("d2", 1, None, array("Q"), array("Q"), 24 * SIZE, 12 * SIZE, SIZE, {"j": dict(job, origin_bytes=0)})
+    book.take("n", rep, 120.0)  # a restarted daemon counts from 0: no negative rate
+    assert book.records["n"].fill_rate is not None and book.records["n"].fill_rate >= 0
 
 
 def test_prefetch_is_bounded() -> None:

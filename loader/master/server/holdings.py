@@ -72,6 +72,8 @@ __all__ = [
     "TRAINER_RECENT_S",
     "VIEW_MAX_NODES",
     "PLAN_BUDGET_S",
+    "PLAN_STALE_SHARE",
+    "MIN_PLAN_INTERVAL_S",
     "DEFAULT_ENTRY_BYTES",
     "Resolution",
     "resolve_report",
@@ -106,6 +108,18 @@ the next epoch, behind every shard not yet read) for one of this epoch's: the ca
 prefetch buffer that kept nothing across epochs, and a dataset twice the cluster's cache was
 fetched at 0.85-0.88 of itself an epoch where the bound is 0.5 (``bench.cluster_sim``'s
 capacity scenario and the bed's ``bench.capacity_bench``)."""
+PLAN_STALE_SHARE = 1 / 8
+"""The share of a node's cache that may change between two of its plans (:func:`plan_interval`).
+A plan is answered to a report; until the next one the node fills and evicts on its own, and what
+it filled meanwhile is unranked (the first to go) while what it evicted may still be listed to
+keep. In the capacity bed a node's cache turned over every ~4 s with a plan every second: 0.04-0.08
+of the dataset an epoch was prefetched by the plan and evicted unread, and plan fills were refused
+room they had been planned for."""
+MIN_PLAN_INTERVAL_S = 0.25
+"""The shortest interval a fast-changing node is asked to report at (1,000 nodes are never asked
+more often than one second per 100 nodes: the master's budget of ~100 reports a second)."""
+_FILLED = tuple(JOB_COUNTERS.index(c) for c in ("origin_bytes", "peer_bytes", "prefetch_bytes"))
+"""The counters of bytes that came into a node (:meth:`NodeRecord.turnover_s`)."""
 DEFAULT_ENTRY_BYTES = 64 << 20
 """The shard size a plan assumes when neither the spec nor the daemon tells one."""
 _UNKNOWN = 0xFFFFFFFF
@@ -244,6 +258,16 @@ class NodeRecord:
     """windowed job -> (its created_at, what the node holds of it)."""
     planned: dict[str, tuple[int, int]] = field(default_factory=dict)
     """job -> (desired shards, of those the current epoch's still to hand out held) at the last plan."""
+    fill_rate: float | None = None
+    """Bytes a second the node's jobs' reads and prefetches brought into it (origin, peer and
+    prefetch bytes of its counters), smoothed over its reports."""
+
+    def turnover_s(self) -> float | None:
+        """About how long the node's cache takes to be replaced once: its bytes over the bytes it
+        fills a second (:meth:`NodeBook.take`)."""
+        if not self.fill_rate:
+            return None
+        return self.used_bytes / self.fill_rate
 
     def held_set(self, job: str, created: float) -> HeldSet | None:
         got = self.held.get(job)
@@ -279,8 +303,21 @@ class NodeBook:
                 for i, v in enumerate(values):
                     base[i] += v
             rec.counters, rec.daemon, rec.seq, rec.applied = {}, report.daemon, 0, False
+        # Bytes in: the jobs' counters, or the objects the delta names held, whichever says more.
+        # The counters miss what a cluster's owner fills for its peers' reads (counted at the
+        # reading node); a delta misses what came and went between two reports.
+        filled = 0
+        seen = len(report.held) * report.mean_entry_bytes if report.base is not None else 0
         for job, counters in report.jobs.items():
-            rec.counters[job] = [counters[c] for c in JOB_COUNTERS]
+            values = [counters[c] for c in JOB_COUNTERS]
+            before = rec.counters.get(job)
+            if before is not None:
+                filled += sum(values[i] - before[i] for i in _FILLED)
+            rec.counters[job] = values
+        elapsed = now - rec.last_report
+        if rec.last_report and elapsed > 0:
+            rate = max(0, filled, seen) / elapsed
+            rec.fill_rate = rate if rec.fill_rate is None else (rec.fill_rate + rate) / 2
         rec.last_report = now
         rec.capacity_bytes, rec.used_bytes, rec.mean_entry_bytes = report.capacity_bytes, report.used_bytes, report.mean_entry_bytes
         if now - self._pruned > 60.0:
@@ -394,10 +431,17 @@ def _counters(values: list[int]) -> dict[str, Any]:
     return out
 
 
-def plan_interval(nodes: int) -> float:
+def plan_interval(nodes: int, turnover_s: float | None = None) -> float:
     """Seconds until a node's next report: 1, or one per 100 reporting nodes past 100, so the
-    master plans ~100 reports a second at most."""
-    return float(min(3600.0, max(1.0, nodes / 100)))
+    master plans ~100 reports a second at most. Shorter for a node whose cache turns over fast
+    (``turnover_s``: the seconds its entries take to be replaced once, :meth:`NodeRecord.turnover_s`):
+    about :data:`PLAN_STALE_SHARE` of them change between two plans, down to
+    :data:`MIN_PLAN_INTERVAL_S` and never below one second per 100 nodes (the budget holds)."""
+    interval = max(1.0, nodes / 100)
+    if turnover_s is not None:
+        floor = max(MIN_PLAN_INTERVAL_S, nodes / 100)
+        interval = min(interval, max(floor, turnover_s * PLAN_STALE_SHARE))
+    return float(min(3600.0, interval))
 
 
 # -- the plan ----------------------------------------------------------------------------------------
