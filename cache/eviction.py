@@ -291,9 +291,11 @@ class PlannedPolicy(EvictionPolicy):
     fills evicted unread were 0.04-0.09 of the dataset an epoch, the largest waste the counters
     showed, though each was the next shard of a trainer reading now. An entry stops being awaited
     when it is read (:meth:`on_touch`), when a plan ranks it, when the second plan after it was
-    indexed does not (the master knew of it and does not need it: first to go, like a name that
-    left the plan), and at the latest :attr:`AWAITED_S` after it was indexed (a master gone
-    silent). Before the first plan nothing is awaited: without a master the order is ``lru``'s.
+    indexed does not (the master knew of it and does not need it, or its reader is outside the
+    master's jobs), and at the latest :attr:`AWAITED_S` after it was indexed (a master gone
+    silent); not read, it is then an unranked entry like one just filled, never worse placed than
+    it was without this rule. Before the first plan nothing is awaited: without a master the
+    order is ``lru``'s.
 
     A fill the plan asked for, and a borrowed copy's (``spare_ranked``), takes victims of 1 and 2
     only, never an entry the plan ranks or a reader awaits: a prefetch of what is needed next must
@@ -346,15 +348,13 @@ class PlannedPolicy(EvictionPolicy):
         unranked.on_remove(entry)
         self._awaited[entry.id] = (entry, self._plans, self._clock())
 
-    def _unawait(self, entry: Entry, oldest: bool = False) -> None:
+    def _unawait(self, entry: Entry) -> None:
         """``entry`` (awaited, just taken out of ``_awaited``) back into the order its name's rank
-        says: ranked, or unranked (the most recently used, or with ``oldest`` the first to go)."""
+        says: ranked, or unranked as the most recently used."""
         name = self._hash(entry)
         rank = self._ranks.get(name) if name is not None else None
         if rank is not None:
             self._ranked[entry.borrowed].added(rank)
-        elif oldest:
-            self._unranked[entry.borrowed].add_oldest(entry)
         else:
             self._unranked[entry.borrowed].on_add(entry)
 
@@ -366,7 +366,7 @@ class PlannedPolicy(EvictionPolicy):
             if since > limit:
                 break
             del self._awaited[ident]
-            self._unawait(entry, oldest=True)
+            self._unawait(entry)
 
     def on_touch(self, entry: Entry) -> None:
         if self._awaited.pop(entry.id, None) is not None:
@@ -438,9 +438,10 @@ class PlannedPolicy(EvictionPolicy):
                 self._ranked[entry.borrowed].count += 1  # ranked now: kept by the plan
             elif since <= self._plans - 2:
                 # Indexed before the last plan: the report before this plan named it, so this plan
-                # had its chance to rank it. Not needed by the plan: the first to go.
+                # had its chance to rank it and does not need it (or its reader is outside the
+                # master's jobs): unranked, as if just filled.
                 del self._awaited[ident]
-                self._unranked[entry.borrowed].add_oldest(entry)
+                self._unranked[entry.borrowed].on_add(entry)
         for name in entered:
             for entry in self._by_hash.get(name, {}).values():
                 unranked = self._unranked[entry.borrowed]

@@ -9,7 +9,8 @@ farthest needed first. Pinned entries never go. A fill the plan asked for (``Sto
 never evicts a ranked entry. Without a plan, ``lru``'s victims exactly.
 
 An entry a reader's hint filled (``Store.awaited``) goes after the ranked ones of its kind until it
-is read, the plan ranks it, the second plan after it came does not, or ``AWAITED_S`` passed.
+is read, the plan ranks it, the second plan after it came does not, or ``AWAITED_S`` passed; then
+it is unranked, as if just filled.
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ def test_the_plan_decides_for_a_hinted_entry_the_second_plan_after_it(tmp_path):
     plan(store, "a", "h2", "b")  # the master knew of them: h2 ranked, h1 not needed
     assert store.plan_figures() == {"plan_names": 3, "ranked_items": 3, "unranked_items": 1, "awaited_items": 0}
     put(store, "c")
-    assert gone.take() == ["h1"]  # not needed by the plan: the first to go
+    assert gone.take() == ["h1"]  # not needed by the plan: an unranked entry, the only one
     put(store, "d")
     assert gone.take() == ["c"]
     put(store, "e")
@@ -338,9 +339,10 @@ def test_a_hinted_entry_is_awaited_no_longer_than_awaited_s(tmp_path):
     put(store, "d")
     assert gone.take() == ["c"]  # ranked, farthest: h still awaited
     now[0] = PlannedPolicy.AWAITED_S + 1
-    put(store, "e")
-    assert gone.take() == ["h"]  # unread for AWAITED_S: the first to go, before d (unranked, newer)
-    assert store.plan_figures()["awaited_items"] == 0
+    put(store, "e")  # unread for AWAITED_S: unranked now, as if just filled (d is older)
+    assert gone.take() == ["d"] and store.plan_figures()["awaited_items"] == 0
+    put(store, "f")
+    assert gone.take() == ["h"]  # before any ranked entry
 
 
 def test_without_a_plan_a_hint_changes_nothing(tmp_path):
@@ -421,6 +423,10 @@ class Model:
         self.low -= 1
         self.recency[ident] = self.low
 
+    def _to_newest(self, ident: str) -> None:
+        self.clock += 1
+        self.recency[ident] = self.clock
+
     def plan(self, keep: list[int]) -> None:
         old = self.ranks
         self.ranks = {}
@@ -431,9 +437,9 @@ class Model:
             entry = self.entries[ident]
             if name_hash(entry.bucket, entry.key) in self.ranks:
                 del self.awaited[ident]
-            elif since <= self.plans - 2:  # the plan had its chance: not needed, first to go
+            elif since <= self.plans - 2:  # the plan had its chance: not needed, as if just filled
                 del self.awaited[ident]
-                self._to_oldest(ident)
+                self._to_newest(ident)
         # leaving entries: to the oldest end, the farthest (by the old plan) oldest of them
         leaving = [e for e in self.entries.values()
                    if name_hash(e.bucket, e.key) in old and name_hash(e.bucket, e.key) not in self.ranks]
@@ -444,7 +450,7 @@ class Model:
         for ident, (_, _, since) in sorted(self.awaited.items(), key=lambda item: item[1][0]):
             if since <= self.now - PlannedPolicy.AWAITED_S:
                 del self.awaited[ident]
-                self._to_oldest(ident)
+                self._to_newest(ident)
 
         def key(entry: Entry) -> tuple[int, float]:
             rank = self.ranks.get(name_hash(entry.bucket, entry.key))
