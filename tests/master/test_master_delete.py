@@ -293,7 +293,7 @@ def test_a_deleted_large_job_gives_the_master_its_memory_back(
     in it lives), so a delete is not measured as RSS falling back to idle: the memory is given
     back when creating and leasing the same job again, twice, costs the master next to nothing more."""
     client = clients(master.url, timeout_s=60)
-    shards = [{"key": f"imagenet/train/shard-{i:06d}.tar", "size": 100_000_000 + i, "samples": 1000} for i in range(300_000)]
+    shards = [{"key": f"imagenet/train/shard-{i:06d}.tar", "size": 100_000_000 + i, "samples": 1000} for i in range(150_000)]
     spec = {"name": "big", "dataset": "s3://b/", "shards": shards, "lease_ttl_s": 30, "max_failures": 3}
     idle = _rss(master)
     held = []
@@ -304,7 +304,7 @@ def test_a_deleted_large_job_gives_the_master_its_memory_back(
         held.append(_rss(master))
         assert client.delete_job("big", force=True) == {"deleted": True}
     cost = held[0] - idle
-    assert cost > 40 << 20, f"the job cost only {cost / 1e6:.1f} MB: the test measures nothing"
+    assert cost > 20 << 20, f"the job cost only {cost / 1e6:.1f} MB: the test measures nothing"
     assert max(held) - held[0] < cost / 4, (
         f"RSS with the job: {[h >> 20 for h in held]} MiB (idle {idle >> 20}): a deleted job's memory is not reused"
     )
