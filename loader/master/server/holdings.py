@@ -112,12 +112,13 @@ PLAN_STALE_SHARE = 1 / 8
 """The share of a node's cache that may change between two of its plans (:func:`plan_interval`).
 A plan is answered to a report; until the next one the node fills and evicts on its own, and what
 it filled meanwhile is unranked (the first to go) while what it evicted may still be listed to
-keep. In the capacity bed a node's cache turned over every ~4 s with a plan every second: 0.04-0.08
-of the dataset an epoch was prefetched by the plan and evicted unread, and plan fills were refused
-room they had been planned for."""
+keep. In the capacity bed a node's cache turned over every 2-4 s with a plan every second:
+0.035-0.08 of the dataset an epoch was prefetched by the plan and evicted unread, and plan fills
+were refused room they had been planned for."""
 MIN_PLAN_INTERVAL_S = 0.25
-"""The shortest interval a fast-changing node is asked to report at (1,000 nodes are never asked
-more often than one second per 100 nodes: the master's budget of ~100 reports a second)."""
+"""The shortest interval a fast-changing node is asked to report at. Past 25 reporting nodes the
+floor is theirs / 100 seconds instead, so all of them together still make ~100 reports a second
+at most."""
 _FILLED = tuple(JOB_COUNTERS.index(c) for c in ("origin_bytes", "peer_bytes", "prefetch_bytes"))
 """The counters of bytes that came into a node (:meth:`NodeRecord.turnover_s`)."""
 DEFAULT_ENTRY_BYTES = 64 << 20
