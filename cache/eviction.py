@@ -375,16 +375,10 @@ class PlannedPolicy(EvictionPolicy):
         self._unranked[entry.borrowed].on_touch(entry)  # a ranked entry's place is its rank
 
     def on_remove(self, entry: Entry) -> None:
-        if self._awaited.pop(entry.id, None) is not None:
-            name = self._hash(entry)
-            versions = self._by_hash.get(name) if name is not None else None
-            if name is not None and versions is not None:
-                versions.pop(entry.id, None)
-                if not versions:
-                    del self._by_hash[name]
-            return
         unranked = self._unranked[entry.borrowed]
-        if entry in unranked:
+        if self._awaited.pop(entry.id, None) is not None:
+            ranked = False
+        elif entry in unranked:
             unranked.on_remove(entry)
             ranked = False
         else:
@@ -432,16 +426,12 @@ class PlannedPolicy(EvictionPolicy):
         self._ranks = ranks
         self._plans += 1
         for ident, (entry, since, _) in list(self._awaited.items()):
-            name = name_hash(entry.bucket, entry.key)
-            if name in ranks:
+            # Ranked now: kept by the plan. Or indexed before the last plan: the report before
+            # this plan named it, so this plan had its chance to rank it and does not need it (or
+            # its reader is outside the master's jobs): unranked, as if just filled.
+            if name_hash(entry.bucket, entry.key) in ranks or since <= self._plans - 2:
                 del self._awaited[ident]
-                self._ranked[entry.borrowed].count += 1  # ranked now: kept by the plan
-            elif since <= self._plans - 2:
-                # Indexed before the last plan: the report before this plan named it, so this plan
-                # had its chance to rank it and does not need it (or its reader is outside the
-                # master's jobs): unranked, as if just filled.
-                del self._awaited[ident]
-                self._unranked[entry.borrowed].on_add(entry)
+                self._unawait(entry)
         for name in entered:
             for entry in self._by_hash.get(name, {}).values():
                 unranked = self._unranked[entry.borrowed]

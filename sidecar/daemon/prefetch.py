@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from cache import Entry, Store
@@ -206,16 +206,21 @@ class Prefetcher:
                 await fill.wait_done()
                 self.done += 1
             return
+        with self._prefetching(name), store.awaited(item.bucket, item.key):
+            fill = self.reads.prefetch(ctx, cause="hint")
+            if fill is None:
+                return  # cached meanwhile, or never cached
+            await self._filled(fill, item)
+        self.done += 1
+
+    @contextlib.contextmanager
+    def _prefetching(self, name: tuple[str, str]) -> Iterator[None]:
+        """``name``'s fill is a prefetch's while in the block (:attr:`ReadService.prefetching`)."""
         self.reads.prefetching.add(name)
         try:
-            with store.awaited(item.bucket, item.key):
-                fill = self.reads.prefetch(ctx, cause="hint")
-                if fill is None:
-                    return  # cached meanwhile, or never cached
-                await self._filled(fill, item)
+            yield
         finally:
             self.reads.prefetching.discard(name)
-        self.done += 1
 
     def _starting(self) -> int:
         """Prefetches (the plan's, the hints') whose fills have not been admitted by the store yet."""
@@ -234,15 +239,11 @@ class Prefetcher:
             return
         if name in self.fetcher.inflight or self.reads.cached(item.bucket, item.key):
             return  # started or cached while the room was looked at: a reader's, not the plan's
-        self.reads.prefetching.add(name)
-        try:
-            with store.spare_kept(item.bucket, item.key):
-                fill = self.reads.prefetch(ctx, cause="plan")
-                if fill is None:
-                    return  # never cached
-                entry = await self._filled(fill, item)
-        finally:
-            self.reads.prefetching.discard(name)
+        with self._prefetching(name), store.spare_kept(item.bucket, item.key):
+            fill = self.reads.prefetch(ctx, cause="plan")
+            if fill is None:
+                return  # never cached
+            entry = await self._filled(fill, item)
         self.done += 1
         if entry is None:
             self.plan_counts["no_room"] += 1  # the store refused it at its begin: no room the plan does not keep

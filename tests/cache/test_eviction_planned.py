@@ -60,6 +60,15 @@ def put(store: Store, key: str, size: int = SIZE, borrowed: bool = False, hinted
     return writer.commit()
 
 
+def cached(root: Path, keys: str) -> tuple[Store, Evictions]:
+    """A planned store holding one entry per letter of ``keys``, and what leaves it from now on."""
+    store = make(root)
+    gone = Evictions(store)
+    for key in keys:
+        put(store, key)
+    return store, gone
+
+
 def plan(store: Store, *keys: str) -> dict[str, int]:
     return store.set_plan([name_hash("b", key) for key in keys], name_hash)
 
@@ -69,10 +78,7 @@ def keys_of(store: Store) -> set[str]:
 
 
 def test_ranked_entries_go_farthest_needed_first(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "d", "a", "c", "b")  # b is needed last
     put(store, "e")  # a demand read's fill: evicts a ranked entry, the farthest
     assert gone.take() == ["b"]
@@ -88,10 +94,7 @@ def test_ranked_entries_go_farthest_needed_first(tmp_path):
 
 
 def test_unranked_entries_go_first_in_lru_order(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "b", "a")
     store.touch_in_memory(store.lookup("b", "c"))  # c used after d: d is the least recently used
     put(store, "e")
@@ -106,10 +109,7 @@ def test_unranked_entries_go_first_in_lru_order(tmp_path):
 
 
 def test_an_entry_leaving_the_plan_goes_first(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "a", "b", "c")
     store.touch_in_memory(store.lookup("b", "d"))
     plan(store, "a", "c")  # b no longer needed: before d, read long ago as it was
@@ -138,10 +138,7 @@ def test_borrowed_entries_go_first_ranked_or_not(tmp_path):
 
 
 def test_pinned_entries_never_go(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "a", "b", "c", "d")
     with store.pinned(store.lookup("b", "d")), store.pinned(store.lookup("b", "c")):
         put(store, "e")
@@ -160,10 +157,7 @@ def test_pinned_entries_never_go(tmp_path):
 
 
 def test_a_refetched_ranked_entry_is_found_where_its_rank_says(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "a", "b", "c", "d", "e")
     put(store, "x")  # evicts d: the walk down the plan's order passes e (not cached) and d
     put(store, "y")  # x is unranked
@@ -177,10 +171,7 @@ def test_a_refetched_ranked_entry_is_found_where_its_rank_says(tmp_path):
 
 
 def test_a_plan_prefetch_never_evicts_an_entry_the_plan_keeps(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "a", "b", "c")  # d unranked
     assert store.plan_room(SIZE) and not store.plan_room(2 * SIZE)
     with store.spare_kept("b", "p1"):
@@ -197,10 +188,7 @@ def test_a_plan_prefetch_never_evicts_an_entry_the_plan_keeps(tmp_path):
 
 
 def test_a_plan_prefetch_larger_than_the_room_it_may_make_evicts_nothing(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "a", "b")  # c and d unranked: 2 x SIZE spare
     with store.spare_kept("b", "big"):
         assert put(store, "big", 3 * SIZE) is None
@@ -265,10 +253,7 @@ def test_the_watcher_sees_every_entry_once(tmp_path):
 def test_a_hinted_entry_is_kept_until_it_is_read(tmp_path):
     """A reader's hint filled it and nobody read it yet: the plan cannot rank it before the master
     hears of it, and as an unranked entry it was the first a plan's fill evicted."""
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abc":
-        put(store, key)
+    store, gone = cached(tmp_path, "abc")
     plan(store, "a", "b")  # c unranked
     put(store, "h", hinted=True)
     assert store.plan_figures()["awaited_items"] == 1
@@ -293,10 +278,7 @@ def test_a_hinted_entry_is_kept_until_it_is_read(tmp_path):
 
 
 def test_a_hinted_entry_read_waits_for_nobody(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abc":
-        put(store, key)
+    store, gone = cached(tmp_path, "abc")
     plan(store, "a", "b", "c")
     put(store, "h", hinted=True)
     store.touch_in_memory(store.lookup("b", "h"))  # read: an unranked entry like any other
@@ -306,10 +288,7 @@ def test_a_hinted_entry_read_waits_for_nobody(tmp_path):
 
 
 def test_the_plan_decides_for_a_hinted_entry_the_second_plan_after_it(tmp_path):
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "ab":
-        put(store, key)
+    store, gone = cached(tmp_path, "ab")
     plan(store, "a", "b")
     put(store, "h1", hinted=True)
     put(store, "h2", hinted=True)
@@ -551,10 +530,7 @@ def test_a_borrowed_copy_never_evicts_an_entry_the_plan_keeps(tmp_path):
     """A peer read's copy of another daemon's object takes only room the plan does not keep: it
     would have cost a kept entry's next read a fetch from the origin, for a copy whose owner keeps
     the object anyway. With no such room the read is served uncached."""
-    store = make(tmp_path)
-    gone = Evictions(store)
-    for key in "abcd":
-        put(store, key)
+    store, gone = cached(tmp_path, "abcd")
     plan(store, "a", "b", "c")  # d unranked
     assert put(store, "lent1", borrowed=True) is not None
     assert gone.take() == ["d"]
