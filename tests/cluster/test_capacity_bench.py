@@ -54,7 +54,10 @@ def test_the_quick_capacity_bench_runs_with_the_masters_plan(tmp_path: Path) -> 
     assert planned["totals"]["prefetch_bytes"] > 0  # the plan's prefetches, counted for the job
     for ep in modes["cluster_planned"]["epochs"]:  # the daemons' own account of the plan's fills
         assert ep["fills"] > 0 and ep["unread_hint_over_dataset"] >= 0 and ep["unread_plan_over_dataset"] >= 0
-    assert modes["cluster_planned"]["epochs"][0]["plan_filled_over_dataset"] > 0
+    # Over the run, not in the cold epoch: that one lasts ~1.5 s here, and its caches are full of the
+    # readers' own fills and hints, which a plan fill may not take (its shards are needed later), so
+    # on a loaded machine both nodes can refuse every plan fill of it (CI, stop 44).
+    assert sum(ep["plan_filled_over_dataset"] for ep in modes["cluster_planned"]["epochs"]) > 0
     after_first = modes["cluster_planned"]["epochs"][0]["cache_view"]  # the last epoch is still to come: planned
     assert len(after_first["nodes"]) == 2 and all(node["planned_shards"] > 0 for node in after_first["nodes"])
     assert modes["cluster_lru"]["epochs"][-1]["cache_view"]["reporting_nodes"] == 0  # no --master: no reports
