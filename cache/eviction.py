@@ -284,9 +284,14 @@ class PlannedPolicy(EvictionPolicy):
        recently used end, first to go);
     3. owned entries the plan ranks, farthest needed (largest rank) first: Belady's rule.
 
-    Awaited entries (:meth:`on_awaited`: a reader's hint filled them, nobody has read them yet) go
-    after the ranked ones of their kind, oldest first. The plan cannot rank them yet: the master
-    learns of an entry from the node's next report, and its answer is the plan after that. Until
+    Awaited entries (:meth:`on_awaited`: a reader's hint or a plan's prefetch filled them, the plan
+    does not rank them, nobody has read them yet) go after the ranked ones of their kind, oldest
+    first. The plan cannot rank them yet: the master learns of an entry from the node's next
+    report, and its answer is the plan after that. (A plan's prefetch is ranked by the plan that
+    asked for it, but lands unranked when a plan answered while it filled no longer lists it: its
+    shard was leased meanwhile, and the master ranks a leased shard only once the node holds it.
+    The bed's daemon logs showed one evicted by the next plan fill 24 ms after it landed, and
+    fetched again when its trainer read it 0.4 s later.) Until
     then such an entry was unranked, the first a plan's fill evicted: in the capacity bed the hints'
     fills evicted unread were 0.04-0.09 of the dataset an epoch, the largest waste the counters
     showed, though each was the next shard of a trainer reading now. An entry stops being awaited

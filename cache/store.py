@@ -778,7 +778,7 @@ class Store:
     @contextlib.contextmanager
     def awaited(self, bucket: str, key: str) -> Iterator[None]:
         """While in the block, an entry of ``bucket/key`` published is one a reader announced it
-        will read (a prefetch hint) and has not read yet: the policy is told
+        will read (a prefetch hint, or the plan's prefetch) and has not read yet: the policy is told
         (:meth:`cache.eviction.EvictionPolicy.on_awaited`; ``planned`` keeps it until it is read)."""
         with self._named(self._awaiting, bucket, key):
             yield

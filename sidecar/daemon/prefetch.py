@@ -12,9 +12,11 @@ only when the store has room counting what the plan does not keep as free
 :meth:`cache.Store.spare_kept` (under ``lru`` it evicts by LRU, under ``hold`` it fills free room
 only). The bytes it brings in count as the job's ``prefetch_bytes`` (:mod:`sidecar.daemon.jobstats`).
 
-A reader's hint fills under :meth:`cache.Store.awaited`: under ``planned`` the entry is kept like
-one the plan ranks until the reader reads it, since the plan cannot rank it before the master has
-heard of it (:class:`cache.eviction.PlannedPolicy`).
+A reader's hint and a plan's prefetch fill under :meth:`cache.Store.awaited`: under ``planned`` an
+entry the current plan does not rank is kept like one it ranks until it is read, since the plan
+cannot rank it before the master has heard of it (:class:`cache.eviction.PlannedPolicy`). A plan's
+prefetch is ranked by the plan that asked for it, but a plan answered while it fills may not list
+it: its shard was leased meanwhile, and the master ranks a leased shard only once the node holds it.
 """
 
 from __future__ import annotations
@@ -239,7 +241,9 @@ class Prefetcher:
             return
         if name in self.fetcher.inflight or self.reads.cached(item.bucket, item.key):
             return  # started or cached while the room was looked at: a reader's, not the plan's
-        with self._prefetching(name), store.spare_kept(item.bucket, item.key):
+        # Awaited too: the plan that asked for it ranked it, but the plans answered while it
+        # fills may not (its shard leased meanwhile is not listed while the node does not hold it).
+        with self._prefetching(name), store.spare_kept(item.bucket, item.key), store.awaited(item.bucket, item.key):
             fill = self.reads.prefetch(ctx, cause="plan")
             if fill is None:
                 return  # never cached

@@ -32,6 +32,7 @@ from aiohttp import web
 from cache import Entry, Store, StoreSettings
 from sidecar.cli.util import UserError
 from sidecar.daemon.masterlink import HeldNames
+from sidecar.daemon.origins.base import FileOrigin
 from sidecar.daemon.prefetch import _room_for_plan
 from sidecar.daemon.settings import MasterLinkSettings
 from tests.support.daemons import DaemonProcess, http_get, make_settings
@@ -326,6 +327,60 @@ def test_a_hints_fill_is_kept_until_its_reader_reads_it(tmp_path: Path, origin: 
     assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[4]), h(KEYS[5])}
     assert daemon.stats()["prefetch"]["evicted_unread"]["evicted"]["hint"] == 0
     assert len(stub.taken()) == seen + 1  # no plan came in between
+
+
+def test_a_plan_fill_the_next_plan_no_longer_lists_is_kept_until_read(tmp_path: Path, origin: Path, stub: StubMaster,
+                                                                      start_daemon: Any, monkeypatch: Any):
+    """A plan's prefetch that lands after a plan that no longer lists it: its shard was leased
+    meanwhile (the master's planner leaves out what is handed out and not held), and the master
+    learns of the entry only from the node's next report. It is awaited like a hint's until then,
+    not the first entry to go: the capacity bed's logs showed such fills evicted 24 ms after they
+    landed by the next plan fill, and fetched again when their trainer read them 0.4 s later."""
+    phase = {"prefetch": False, "slow": False}
+    answered_slow = threading.Event()
+    release = threading.Event()  # the origin's first answer for KEYS[1] waits for it
+    opened = threading.Event()
+    real_open = FileOrigin.open_first
+
+    def open_first(self: FileOrigin, bucket: str, key: str, *, origin_only: bool = False) -> Any:
+        if key == KEYS[1]:
+            opened.set()
+            release.wait(20)
+        return real_open(self, bucket, key, origin_only=origin_only)
+
+    monkeypatch.setattr(FileOrigin, "open_first", open_first)
+
+    async def answer(report: NodeReport, request: web.Request) -> web.StreamResponse:
+        items = (PrefetchItem("train", "bkt", KEYS[1], 3),) if phase["prefetch"] else ()
+        if phase["slow"]:
+            answered_slow.set()
+        return await stub.plan(report, request, interval_s=30.0 if phase["slow"] else 0.1, prefetch=items,
+                               keep=array("Q", [h(KEYS[0])]))
+
+    stub.answer = answer
+    daemon = start_daemon(settings_for(tmp_path, origin, (stub.url,)))
+    read(daemon, KEYS[0])
+    wait_until(lambda: daemon.stats()["cache"]["policy"]["ranked_items"] == 1, timeout=20, what="a plan ranking it")
+    phase["prefetch"] = True
+    assert opened.wait(20), "the plan's fill of KEYS[1] did not start"
+    phase["prefetch"], phase["slow"] = False, True  # the next plan lists it no more
+    assert answered_slow.wait(20)
+    seen = len(stub.taken())
+    release.set()
+    wait_until(lambda: h(KEYS[1]) in cached_names(tmp_path), timeout=20, what="the plan's fill")
+    daemon.settle()
+    assert daemon.stats()["prefetch"]["plan"]["filled"] == 1
+    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 1
+    read(daemon, KEYS[2])  # the cache is full: KEYS[0] ranked, KEYS[1] awaited, KEYS[2]
+    daemon.settle()
+    read(daemon, KEYS[3])  # evicts KEYS[2], unranked, though KEYS[1] is older
+    daemon.settle()
+    assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[1]), h(KEYS[3])}
+    read(daemon, KEYS[1])
+    daemon.settle()
+    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 0
+    assert daemon.stats()["prefetch"]["evicted_unread"]["evicted"]["plan"] == 0
+    assert len(stub.taken()) == seen  # no plan came in between
 
 
 def test_a_plan_fill_counts_the_room_of_prefetches_not_admitted_yet(tmp_path: Path) -> None:
