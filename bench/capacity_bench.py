@@ -54,6 +54,7 @@ from bench.common import RESULTS_DIR, fmt_size, in_workdir, log_line, machine_fa
 from bench.locality_bench import (
     BUCKET,
     JOB_SEED,
+    PREFIX,
     Dataset,
     Master,
     Mode,
@@ -66,6 +67,8 @@ from bench.locality_bench import (
     _uncommitted,
     build_dataset,
 )
+from wire.rendezvous import member_id
+from wire.rendezvous import owner as rendezvous_owner
 
 __all__ = ["POLICIES", "MODES", "TARGETS", "bound", "run", "markdown_table", "main"]
 
@@ -104,6 +107,20 @@ def _cache_bytes(mode: CapacityMode, dataset: int, nodes: int, over: float) -> i
     """Each daemon's cache: the dataset is ``over`` x one node's cache, or the cluster's."""
     total = dataset / over
     return int(total / nodes) if mode.peers else int(total)
+
+
+def _owned(cluster: Cluster, dataset: Dataset, daemon_urls: list[str]) -> dict[str, int]:
+    """Per node, the shards the cluster cache's owner of each (rendezvous over the daemons, as they
+    route) is: with ~100 shards over 4 nodes a node owns 17-37 of them, by the run's addresses, and
+    one that owns more than its cache's share carries a larger share of the misses and of its
+    peers' reads (what an epoch's per-node fills vary with from run to run)."""
+    members = {member_id(url): host.role for url, host in zip(daemon_urls, cluster.hosts, strict=True)}
+    counts = dict.fromkeys(members.values(), 0)
+    for shard in dataset.shards:
+        owner = rendezvous_owner(list(members), f"{BUCKET}/{PREFIX}{shard['key']}")
+        if owner is not None:
+            counts[members[owner]] += 1
+    return counts
 
 
 def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_path: Path, workdir: Path,
@@ -176,7 +193,8 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
         if args.screenshot is not None and mode.policy == "planned":
             _screenshot(master.url, args.screenshot)
         return {"label": mode.label, "peers": mode.peers, "policy": mode.policy, "cache_bytes_per_node": cache,
-                "cache_bytes_total": cache * nodes, "bound": round(limit, 4), "epochs": epochs}
+                "cache_bytes_total": cache * nodes, "bound": round(limit, 4), "epochs": epochs,
+                "owned_shards": _owned(cluster, dataset, daemon_urls) if mode.peers else None}
     finally:
         if trainers is not None:
             trainers.stop()
@@ -281,6 +299,10 @@ def markdown_table(results: dict[str, Any]) -> str:
                 f"| {mode['label']} | {ep['epoch']} | {_pct(ep['stall']['fraction'])} | {ep['origin_over_dataset']:.2f} "
                 f"| {ep['bound']:.2f} | {_pct(ep['hit_rate'])} | {ep['peer_over_dataset']:.2f} | {ep['seconds']:.1f} "
                 f"| {'–' if disp is None else f'{disp:.1f}'} | {'–' if rho is None else f'{rho:.3f}'} |")
+    owned = next((m["owned_shards"] for m in results["modes"].values() if m.get("owned_shards")), None)
+    if owned:
+        lines += ["", "Cluster cache: shards each node owns (rendezvous over this run's addresses): "
+                  + ", ".join(f"{node} {count}" for node, count in owned.items()) + "."]
     lines += ["", "| target | measured | target | met |", "|---|---:|---:|---|"]
     for name, check in results["targets"].items():
         value, target = check["value"], check["target"]
