@@ -142,7 +142,8 @@ def stats(app: web.Application) -> dict[str, Any]:
             "fills": {outcome: counter_value(metrics.range_fills, outcome=outcome) for outcome in RANGE_FILL_OUTCOMES},
         },
         "prefetch": {"queued": app[PREFETCHER].queued(), "done": app[PREFETCHER].done,
-                     "failed": app[PREFETCHER].failed, "plan": dict(app[PREFETCHER].plan_counts),
+                     "failed": app[PREFETCHER].failed, "read_first": app[PREFETCHER].read_first,
+                     "plan": dict(app[PREFETCHER].plan_counts),
                      # Prefetched entries the cache let go before anyone read them (unread.py).
                      "evicted_unread": app[READS].unread.stats()},
         # What each job's readers (x-shardcache-job) read, by where it came from (jobstats.py).

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class Prefetcher:
         self.fetcher = reads.fetcher
         self.metrics = metrics
         self.max_queued = max_queued
-        self._queue: asyncio.PriorityQueue[tuple[int, int, PrefetchItem]] = asyncio.PriorityQueue()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, float, PrefetchItem]] = asyncio.PriorityQueue()
         self._queued: dict[tuple[str, str], int] = {}
         self._planned: set[tuple[str, str]] = set()  # queued by the last plan
         self._seq = itertools.count()
@@ -77,10 +78,14 @@ class Prefetcher:
         self._tasks: list[asyncio.Task[None]] = []
         self.done = 0
         self.failed = 0
-        self.plan_counts = {"queued": 0, "withdrawn": 0, "filled": 0, "filled_bytes": 0, "no_room": 0, "joined": 0}
+        self.read_first = 0
+        """Prefetches (hints' and the plan's) dropped because a reader asked for the object after
+        they were queued: whoever they were for has read it, or is reading it."""
+        self.plan_counts = {"queued": 0, "withdrawn": 0, "filled": 0, "filled_bytes": 0, "no_room": 0, "joined": 0,
+                            "read_first": 0}
         """What became of the plan's prefetches: queued, withdrawn by a later plan before they ran,
         filled (and their bytes), not started for lack of room the plan does not keep, joined to
-        a fill already running."""
+        a fill already running, dropped as read since they were queued."""
 
     def start(self) -> None:
         self._tasks = [
@@ -118,7 +123,7 @@ class Prefetcher:
                     self._planned.discard(name)  # a reader's hint too: no later plan withdraws it
                 continue
             self._queued[name] = priority
-            self._queue.put_nowait((priority, next(self._seq), item))
+            self._queue.put_nowait((priority, next(self._seq), time.monotonic(), item))
             accepted.append(name)
         return accepted
 
@@ -165,15 +170,26 @@ class Prefetcher:
     async def _guarded(self, index: int) -> None:
         # A crash of one prefetch must never kill the worker: log it and take the next.
         while True:
-            priority, _, item = await self._queue.get()
+            priority, _, queued_at, item = await self._queue.get()
             name = (item.bucket, item.key)
             if self._queued.get(name) != priority:
                 continue  # superseded by a better-priority submission
-            del self._queued[name]
-            self._planned.discard(name)
-            self._update_gauge()
             try:
+                # Still queued while it yields (up to DEMAND_YIELD_MAX_S on a busy node), so that a
+                # later plan can withdraw it; and looked at again after: the capacity bed's daemon
+                # logs showed prefetches that had waited out a reader's whole read, and then
+                # fetched its object again from the origin, evicted already.
                 await self._yield_to_demand()
+                if self._queued.get(name) != priority:
+                    continue  # withdrawn by a later plan meanwhile, or superseded
+                del self._queued[name]
+                self._planned.discard(name)
+                self._update_gauge()
+                if self.reads.read_since(item.bucket, item.key, queued_at):
+                    self.read_first += 1
+                    if item.plan:
+                        self.plan_counts["read_first"] += 1
+                    continue
                 ctx = ReadContext(item.bucket, item.key, tenant=item.tenant, priority=priority)
                 store = self.reads.store
                 if item.plan and store is not None:

@@ -51,6 +51,8 @@ import contextlib
 import functools
 import logging
 import os
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar, overload
@@ -67,7 +69,7 @@ from sidecar.daemon.unread import Unread
 from sidecar.errors import ChecksumMismatch, InvalidRange, ObjectNotFound, SidecarError
 
 __all__ = [
-    "DIRECT_RANGE", "UNCACHED_NAMES", "Decided", "Direct", "Filling", "Hit", "NotCached", "ReadContext", "ReadService",
+    "DIRECT_RANGE", "RECENT_READS", "UNCACHED_NAMES", "Decided", "Direct", "Filling", "Hit", "NotCached", "ReadContext", "ReadService",
     "Uncached", "mismatch",
 ]
 
@@ -79,6 +81,10 @@ UNCACHED_NAMES = frozenset({"manifest.json"})
 """Object names (the last part of a key) never cached: a dataset's manifest is the mutable index
 of its immutable shards, always the origin's current copy."""
 
+
+RECENT_READS = 16_384
+"""How many objects' last read times :meth:`ReadService.read_since` keeps (~2 MB at most): a
+prefetch waits seconds at most before it runs, and a node reads far fewer objects meanwhile."""
 
 DIRECT_RANGE = "range_origin"
 """The state of a :class:`Direct` read: its answer's ``x-shardcache-cache`` and the
@@ -212,6 +218,8 @@ class ReadService:
         self.prefetching: set[tuple[str, str]] = set()
         """Objects whose fill a prefetch started: the plan's, in :meth:`cache.Store.spare_kept`,
         or a hint's, in :meth:`cache.Store.awaited` (the prefetcher's)."""
+        self._read_at: OrderedDict[tuple[str, str], float] = OrderedDict()
+        """When readers last asked for each object (the latest :data:`RECENT_READS`; :meth:`read_since`)."""
         self._behind: dict[Fill, int] = {}  # fills started behind direct ranges, and their objects' sizes
         self._admitting = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -429,6 +437,17 @@ class ReadService:
     def _count(self, ctx: ReadContext, result: str) -> None:
         if ctx.counted:
             self.metrics.cache_lookups.labels(result=result).inc()
+            name = (ctx.bucket, ctx.key)
+            self._read_at[name] = time.monotonic()
+            self._read_at.move_to_end(name)
+            if len(self._read_at) > RECENT_READS:
+                self._read_at.popitem(last=False)
+
+    def read_since(self, bucket: str, key: str, since: float) -> bool:
+        """Whether a reader asked for ``bucket/key`` after ``since`` (``time.monotonic()``), as far
+        as the last :data:`RECENT_READS` objects read tell."""
+        at = self._read_at.get((bucket, key))
+        return at is not None and at > since
 
     async def _uncached(self, ctx: ReadContext, decide: Decide[T] | None, reason: str) -> Uncached | Decided[T]:
         self._count(ctx, "miss")

@@ -4,12 +4,16 @@ misses. A daemon in this process on a ``file://`` origin, a cache of two objects
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import threading
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from sidecar.daemon.origins.base import FileOrigin
 from tests.support.daemons import http_get, make_settings
 from tests.support.threads import DaemonThread
 from tests.support.waits import wait_until
@@ -50,3 +54,47 @@ def test_a_prefetch_evicted_unread_is_counted_and_a_read_one_is_not(
                what="the failed prefetch")
     assert daemon.stats()["prefetch"]["evicted_unread"]["waiting"] == 0
     assert f'shardcache_prefetch_evicted_unread_bytes_total{{cause="hint"}} {float(SIZE)}' in metrics
+
+
+def test_a_prefetch_whose_object_was_read_while_it_waited_fetches_nothing(
+    tmp_path: Path, start_daemon: Callable[..., DaemonThread], monkeypatch: Any
+) -> None:
+    """A prefetch waits while a reader's fill runs (``Prefetcher.DEMAND_YIELD_MAX_S``). A reader
+    that asked for its object meanwhile read it: the prefetch is dropped, not started on an object
+    the cache has let go since. The capacity bed's daemon logs showed hints and plan prefetches
+    that fetched a shard again seconds after its trainer had read it."""
+    root = tmp_path / "origin"
+    (root / "bkt").mkdir(parents=True)
+    for name in ("a", "b", "c", "slow"):
+        (root / "bkt" / f"{name}.tar").write_bytes(os.urandom(SIZE))
+    release = threading.Event()
+    opened: collections.Counter[str] = collections.Counter()
+    real_open = FileOrigin.open_first
+
+    def open_first(self: FileOrigin, bucket: str, key: str, *, origin_only: bool = False) -> Any:
+        opened[key] += 1
+        if key == "slow.tar":
+            release.wait(20)  # a reader's fill in flight: prefetches wait for it
+        return real_open(self, bucket, key, origin_only=origin_only)
+
+    monkeypatch.setattr(FileOrigin, "open_first", open_first)
+    daemon = start_daemon(make_settings(tmp_path / "cache", f"file://{root}", capacity=2 * SIZE + SIZE // 2))
+    slow = threading.Thread(target=http_get, args=(daemon.url + "/bkt/slow.tar",), daemon=True)
+    slow.start()
+    wait_until(lambda: opened["slow.tar"] == 1, timeout=20, what="the slow read's fill")
+    body = json.dumps({"objects": [{"bucket": "bkt", "key": "a.tar"}]}).encode()
+    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 202 and json.loads(resp.read())["accepted"] == 1
+    for name in "abc":  # a is read (its hint still waiting), then evicted by b and c
+        assert http_get(daemon.url + f"/bkt/{name}.tar")[0] == 200
+    wait_until(lambda: daemon.stats()["fills_in_flight"] == 1, timeout=20, what="the fills but the slow one")
+    queued = daemon.stats()["prefetch"]["queued"]["lease"]  # the hint, waiting for the slow fill (1)
+    release.set()
+    slow.join(20)
+    wait_until(lambda: (p := daemon.stats()["prefetch"])["read_first"] + p["done"] == 1, timeout=20,
+               what="the hint's end")
+    daemon.settle()
+    assert opened["a.tar"] == 1  # read once, and not fetched again for the hint
+    assert daemon.stats()["prefetch"]["read_first"] == 1 and queued == 1
