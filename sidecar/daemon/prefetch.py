@@ -4,6 +4,11 @@ Lease prefetches (a trainer's next shards) run before warm-ups; demand reads nev
 all, they start their fill directly and their origin requests outrank every prefetch's
 (:mod:`sidecar.daemon.priority`).
 
+A prefetch taken from the queue first waits while readers' fills run (:meth:`Prefetcher._yield_to_demand`),
+still queued, so a later plan may withdraw it; then it is dropped if a reader asked for its object
+since it was queued (:meth:`ReadService.read_since`): that reader has it, and a fill now would
+fetch again what the cache may have let go already.
+
 The lease master's plan (:mod:`sidecar.daemon.masterlink`) prefetches at lease priority too
 (:meth:`Prefetcher.submit_plan`), in the plan's order; each new plan withdraws what the last one
 queued and this one no longer lists. A plan's fill never evicts an entry the plan keeps: it starts
