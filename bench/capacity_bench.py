@@ -167,6 +167,11 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
                 "epoch": epoch + 1, "seconds": round(seconds, 2), "origin_bytes": origin,
                 "origin_over_dataset": round(over, 4), "bound": round(limit, 4),
                 "origin_over_bound": round(over / limit, 3) if limit > 0 else None,
+                # The origin's bytes over what its capped link could carry in the epoch's time: in a
+                # cold epoch, which keeps it saturated, what TCP through the cap delivers at most
+                # (above 1: fills went on after the trainers' epoch ended, prefetches of the next).
+                "origin_over_link": round(origin / (cluster.origin_mbps * 1e6 / 8 * seconds), 3)
+                if cluster.origin_mbps and seconds > 0 else None,
                 "peer_over_dataset": round(peer / dataset.bytes, 4), "hit_rate": _hit_rate(total),
                 # Prefetched bytes the caches let go before anyone read them: origin bytes spent
                 # twice (once for the prefetch, once for the read that came after it).
@@ -185,7 +190,8 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
             epochs.append(ep)
             order = (ep["locality"] or {}).get("order") or {}
             log_line(f"{mode.name:18s} epoch {epoch + 1}: origin {fmt_size(origin)} ({over:.2f}x the dataset, bound "
-                     f"{limit:.2f}), peers {ep['peer_over_dataset']:.2f}x, {seconds:.1f} s, hit rate {ep['hit_rate']}, "
+                     f"{limit:.2f}; the link {ep['origin_over_link']} busy), peers {ep['peer_over_dataset']:.2f}x, {seconds:.1f} s, "
+                     f"hit rate {ep['hit_rate']}, "
                      f"stall {stall['fraction']:.1%}, displacement {order.get('mean_displacement')}, fills {ep['fills']}, "
                      f"plan fills {ep['plan_filled_over_dataset']:.2f}x, evicted unread: hints "
                      f"{ep['unread_hint_over_dataset']:.2f}x, plan {ep['unread_plan_over_dataset']:.2f}x")

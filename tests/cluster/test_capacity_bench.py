@@ -48,6 +48,7 @@ def test_the_quick_capacity_bench_runs_with_the_masters_plan(tmp_path: Path) -> 
             assert check["samples"] == check["expected"] == setup["samples"], (name, check)
             assert check["bad_bytes"] == check["missing"] == check["duplicated"] == 0, (name, check)
             assert ep["locality"]["window"] == 16 and ep["locality"]["order"]["max_displacement"] < 16 * 4
+            assert ep["origin_over_link"] > 0  # origin bytes over what the capped link carries in the epoch
     owned = modes["cluster_planned"]["owned_shards"]  # the cluster cache's owners, as the daemons route
     assert set(owned) == {"node0", "node1"} and sum(owned.values()) == setup["shards"]
     assert "shards each node owns" in markdown_table(results)
