@@ -116,8 +116,9 @@ def _owned(cluster: Cluster, dataset: Dataset, daemon_urls: list[str]) -> dict[s
     peers' reads (what an epoch's per-node fills vary with from run to run)."""
     members = {member_id(url): host.role for url, host in zip(daemon_urls, cluster.hosts, strict=True)}
     counts = dict.fromkeys(members.values(), 0)
+    ids = list(members)
     for shard in dataset.shards:
-        owner = rendezvous_owner(list(members), f"{BUCKET}/{PREFIX}{shard['key']}")
+        owner = rendezvous_owner(ids, f"{BUCKET}/{PREFIX}{shard['key']}")
         if owner is not None:
             counts[members[owner]] += 1
     return counts

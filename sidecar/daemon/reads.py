@@ -225,7 +225,14 @@ class ReadService:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def tally(self, ctx: ReadContext) -> Tally:
-        """The byte counters of an answer to ``ctx`` (and of its job, if it names one)."""
+        """The byte counters of an answer to ``ctx`` (and of its job, if it names one). Every
+        reader's answer takes them (a GET, a short-circuit open, a handle, a peer's read): here the
+        object is noted as read (:meth:`read_since`, :class:`~sidecar.daemon.unread.Unread`)."""
+        name = (ctx.bucket, ctx.key)
+        self._read_at[name] = time.monotonic()
+        self._read_at.move_to_end(name)
+        if len(self._read_at) > RECENT_READS:
+            self._read_at.popitem(last=False)
         self.unread.read(ctx.bucket, ctx.key)
         if ctx.job:
             return JobTally(self.metrics, ctx.peer is not None, self.jobs, ctx.job, ctx.tenant)
@@ -437,11 +444,6 @@ class ReadService:
     def _count(self, ctx: ReadContext, result: str) -> None:
         if ctx.counted:
             self.metrics.cache_lookups.labels(result=result).inc()
-            name = (ctx.bucket, ctx.key)
-            self._read_at[name] = time.monotonic()
-            self._read_at.move_to_end(name)
-            if len(self._read_at) > RECENT_READS:
-                self._read_at.popitem(last=False)
 
     def read_since(self, bucket: str, key: str, since: float) -> bool:
         """Whether a reader asked for ``bucket/key`` after ``since`` (``time.monotonic()``), as far

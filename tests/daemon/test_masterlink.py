@@ -20,7 +20,6 @@ import os
 import re
 import threading
 import time
-import urllib.request
 from array import array
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -32,10 +31,9 @@ from aiohttp import web
 from cache import Entry, Store, StoreSettings
 from sidecar.cli.util import UserError
 from sidecar.daemon.masterlink import HeldNames
-from sidecar.daemon.origins.base import FileOrigin
 from sidecar.daemon.prefetch import _room_for_plan
 from sidecar.daemon.settings import MasterLinkSettings
-from tests.support.daemons import DaemonProcess, http_get, make_settings
+from tests.support.daemons import DaemonProcess, HeldOrigin, http_get, make_settings, post_prefetch
 from tests.support.masters import running_master
 from tests.support.processes import free_port
 from tests.support.threads import DaemonThread, ServerThread
@@ -286,6 +284,20 @@ def test_a_plan_prefetch_never_evicts_what_the_plan_keeps(tmp_path: Path, origin
     assert daemon.stats()["cache"]["evictions"] == 1
 
 
+def awaited_kept_then_read(daemon: DaemonThread, tmp_path: Path) -> None:
+    """The cache full with KEYS[0] ranked and KEYS[1] awaited (filled for a reader, unread): two
+    demand fills evict the newer unranked KEYS[2], not KEYS[1]; once read, KEYS[1] waits no more."""
+    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 1
+    read(daemon, KEYS[2])  # the cache is full: KEYS[0] ranked, KEYS[1] awaited, KEYS[2]
+    daemon.settle()
+    read(daemon, KEYS[3])  # evicts KEYS[2], unranked, though KEYS[1] is older
+    daemon.settle()
+    assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[1]), h(KEYS[3])}
+    read(daemon, KEYS[1])
+    daemon.settle()
+    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 0
+
+
 def test_a_hints_fill_is_kept_until_its_reader_reads_it(tmp_path: Path, origin: Path, stub: StubMaster,
                                                         start_daemon: Any):
     """A reader's hint (a trainer's next shard) fills an entry the plan cannot rank before the
@@ -305,22 +317,10 @@ def test_a_hints_fill_is_kept_until_its_reader_reads_it(tmp_path: Path, origin: 
     slow.set()
     seen = len(stub.taken())
     wait_until(lambda: len(stub.taken()) > seen, timeout=20, what="the slow plan")
-    body = json.dumps({"objects": [{"bucket": "bkt", "key": KEYS[1]}]}).encode()
-    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        assert resp.status == 202
+    post_prefetch(daemon.url, [KEYS[1]])
     wait_until(lambda: h(KEYS[1]) in cached_names(tmp_path), timeout=20, what="the hint's fill")
     daemon.settle()
-    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 1
-    read(daemon, KEYS[2])  # the cache is full: KEYS[0] ranked, KEYS[1] awaited, KEYS[2]
-    daemon.settle()
-    read(daemon, KEYS[3])  # evicts KEYS[2], unranked, though KEYS[1] is older
-    daemon.settle()
-    assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[1]), h(KEYS[3])}
-    read(daemon, KEYS[1])  # read: awaited no longer, an unranked entry like any other
-    daemon.settle()
-    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 0
+    awaited_kept_then_read(daemon, tmp_path)  # read: awaited no longer, an unranked entry like any other
     for key in KEYS[4:]:  # each evicts the least recently used unranked one: KEYS[3], then KEYS[1]
         read(daemon, key)
         daemon.settle()
@@ -338,17 +338,7 @@ def test_a_plan_fill_the_next_plan_no_longer_lists_is_kept_until_read(tmp_path: 
     landed by the next plan fill, and fetched again when their trainer read them 0.4 s later."""
     phase = {"prefetch": False, "slow": False}
     answered_slow = threading.Event()
-    release = threading.Event()  # the origin's first answer for KEYS[1] waits for it
-    opened = threading.Event()
-    real_open = FileOrigin.open_first
-
-    def open_first(self: FileOrigin, bucket: str, key: str, *, origin_only: bool = False) -> Any:
-        if key == KEYS[1]:
-            opened.set()
-            release.wait(20)
-        return real_open(self, bucket, key, origin_only=origin_only)
-
-    monkeypatch.setattr(FileOrigin, "open_first", open_first)
+    held = HeldOrigin(monkeypatch, KEYS[1])  # the origin's first answer for KEYS[1] waits
 
     async def answer(report: NodeReport, request: web.Request) -> web.StreamResponse:
         items = (PrefetchItem("train", "bkt", KEYS[1], 3),) if phase["prefetch"] else ()
@@ -362,23 +352,15 @@ def test_a_plan_fill_the_next_plan_no_longer_lists_is_kept_until_read(tmp_path: 
     read(daemon, KEYS[0])
     wait_until(lambda: daemon.stats()["cache"]["policy"]["ranked_items"] == 1, timeout=20, what="a plan ranking it")
     phase["prefetch"] = True
-    assert opened.wait(20), "the plan's fill of KEYS[1] did not start"
+    wait_until(lambda: held.opened[KEYS[1]] == 1, timeout=20, what="the plan's fill of KEYS[1]")
     phase["prefetch"], phase["slow"] = False, True  # the next plan lists it no more
     assert answered_slow.wait(20)
     seen = len(stub.taken())
-    release.set()
+    held.release()
     wait_until(lambda: h(KEYS[1]) in cached_names(tmp_path), timeout=20, what="the plan's fill")
     daemon.settle()
     assert daemon.stats()["prefetch"]["plan"]["filled"] == 1
-    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 1
-    read(daemon, KEYS[2])  # the cache is full: KEYS[0] ranked, KEYS[1] awaited, KEYS[2]
-    daemon.settle()
-    read(daemon, KEYS[3])  # evicts KEYS[2], unranked, though KEYS[1] is older
-    daemon.settle()
-    assert cached_names(tmp_path) == {h(KEYS[0]), h(KEYS[1]), h(KEYS[3])}
-    read(daemon, KEYS[1])
-    daemon.settle()
-    assert daemon.stats()["cache"]["policy"]["awaited_items"] == 0
+    awaited_kept_then_read(daemon, tmp_path)
     assert daemon.stats()["prefetch"]["evicted_unread"]["evicted"]["plan"] == 0
     assert len(stub.taken()) == seen  # no plan came in between
 

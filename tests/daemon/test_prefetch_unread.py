@@ -4,17 +4,13 @@ misses. A daemon in this process on a ``file://`` origin, a cache of two objects
 
 from __future__ import annotations
 
-import collections
-import json
 import os
 import threading
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sidecar.daemon.origins.base import FileOrigin
-from tests.support.daemons import http_get, make_settings
+from tests.support.daemons import HeldOrigin, http_get, make_settings, post_prefetch
 from tests.support.threads import DaemonThread
 from tests.support.waits import wait_until
 
@@ -29,11 +25,7 @@ def test_a_prefetch_evicted_unread_is_counted_and_a_read_one_is_not(
     for name in "abcd":
         (root / "bkt" / f"{name}.tar").write_bytes(os.urandom(SIZE))
     daemon = start_daemon(make_settings(tmp_path / "cache", f"file://{root}", capacity=2 * SIZE + SIZE // 2))
-    body = json.dumps({"objects": [{"bucket": "bkt", "key": "a.tar"}, {"bucket": "bkt", "key": "b.tar"}]}).encode()
-    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        assert resp.status == 202 and json.loads(resp.read())["accepted"] == 2
+    assert post_prefetch(daemon.url, ["a.tar", "b.tar"]) == 2
     wait_until(lambda: daemon.stats()["cache"]["items"] == 2, timeout=20, what="the hints' fills")
     assert daemon.stats()["prefetch"]["evicted_unread"]["waiting"] == 2
     assert http_get(daemon.url + "/bkt/a.tar")[0] == 200  # a is read: b is the least recently used
@@ -45,11 +37,7 @@ def test_a_prefetch_evicted_unread_is_counted_and_a_read_one_is_not(
     metrics = daemon.metrics()
     assert 'shardcache_prefetch_evicted_unread_total{cause="hint"} 1.0' in metrics
     # A prefetch whose fill fails (no such object) leaves no mark behind.
-    body = json.dumps({"objects": [{"bucket": "bkt", "key": "missing.tar"}]}).encode()
-    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        assert resp.status == 202
+    post_prefetch(daemon.url, ["missing.tar"])
     wait_until(lambda: daemon.stats()["prefetch"]["failed"] + daemon.stats()["prefetch"]["done"] >= 3, timeout=20,
                what="the failed prefetch")
     assert daemon.stats()["prefetch"]["evicted_unread"]["waiting"] == 0
@@ -67,34 +55,20 @@ def test_a_prefetch_whose_object_was_read_while_it_waited_fetches_nothing(
     (root / "bkt").mkdir(parents=True)
     for name in ("a", "b", "c", "slow"):
         (root / "bkt" / f"{name}.tar").write_bytes(os.urandom(SIZE))
-    release = threading.Event()
-    opened: collections.Counter[str] = collections.Counter()
-    real_open = FileOrigin.open_first
-
-    def open_first(self: FileOrigin, bucket: str, key: str, *, origin_only: bool = False) -> Any:
-        opened[key] += 1
-        if key == "slow.tar":
-            release.wait(20)  # a reader's fill in flight: prefetches wait for it
-        return real_open(self, bucket, key, origin_only=origin_only)
-
-    monkeypatch.setattr(FileOrigin, "open_first", open_first)
+    origin = HeldOrigin(monkeypatch, "slow.tar")  # a reader's fill in flight: prefetches wait for it
     daemon = start_daemon(make_settings(tmp_path / "cache", f"file://{root}", capacity=2 * SIZE + SIZE // 2))
     slow = threading.Thread(target=http_get, args=(daemon.url + "/bkt/slow.tar",), daemon=True)
     slow.start()
-    wait_until(lambda: opened["slow.tar"] == 1, timeout=20, what="the slow read's fill")
-    body = json.dumps({"objects": [{"bucket": "bkt", "key": "a.tar"}]}).encode()
-    request = urllib.request.Request(daemon.url + "/_shardcache/prefetch", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        assert resp.status == 202 and json.loads(resp.read())["accepted"] == 1
+    wait_until(lambda: origin.opened["slow.tar"] == 1, timeout=20, what="the slow read's fill")
+    assert post_prefetch(daemon.url, ["a.tar"]) == 1
     for name in "abc":  # a is read (its hint still waiting), then evicted by b and c
         assert http_get(daemon.url + f"/bkt/{name}.tar")[0] == 200
     wait_until(lambda: daemon.stats()["fills_in_flight"] == 1, timeout=20, what="the fills but the slow one")
     queued = daemon.stats()["prefetch"]["queued"]["lease"]  # the hint, waiting for the slow fill (1)
-    release.set()
+    origin.release()
     slow.join(20)
     wait_until(lambda: (p := daemon.stats()["prefetch"])["read_first"] + p["done"] == 1, timeout=20,
                what="the hint's end")
     daemon.settle()
-    assert opened["a.tar"] == 1  # read once, and not fetched again for the hint
+    assert origin.opened["a.tar"] == 1  # read once, and not fetched again for the hint
     assert daemon.stats()["prefetch"]["read_first"] == 1 and queued == 1

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 from bench.servers import ServeProcess
 from cache import StoreSettings
 from sidecar.daemon.fills import FetchSettings
+from sidecar.daemon.origins.base import FileOrigin
 from sidecar.daemon.origins.s3 import S3Settings
 from sidecar.daemon.settings import ServeSettings
 from tests.support.processes import free_port
@@ -36,6 +39,8 @@ __all__ = [
     "replace_fetch",
     "http_get",
     "daemon_stats",
+    "post_prefetch",
+    "HeldOrigin",
 ]
 
 FAST_RETRY = FetchSettings(retries=3, backoff_base_s=0.01, backoff_max_s=0.05, part_size=1024 * 1024)
@@ -177,3 +182,38 @@ def daemon_stats(url: str) -> dict[str, Any]:
     assert status == 200, (status, body[:300])
     stats: dict[str, Any] = json.loads(body)
     return stats
+
+
+def post_prefetch(url: str, keys: list[str], bucket: str = "bkt") -> int:
+    """A reader's hint (``POST /_shardcache/prefetch``) of ``keys`` to the daemon at ``url``;
+    asserts it was taken (202), returns how many objects the daemon accepted."""
+    body = json.dumps({"objects": [{"bucket": bucket, "key": key} for key in keys]}).encode()
+    request = urllib.request.Request(url + "/_shardcache/prefetch", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 202
+        accepted: int = json.loads(resp.read())["accepted"]
+    return accepted
+
+
+class HeldOrigin:
+    """``file://`` origins (of a daemon in this process) whose first answer for ``held`` keys waits
+    until :meth:`release`: a fill kept in flight, for as long as a test needs. Counts every key's
+    first answers asked for (``opened``). Installed with ``monkeypatch``, gone with it."""
+
+    def __init__(self, monkeypatch: Any, *held: str) -> None:
+        self.held = set(held)
+        self.opened: collections.Counter[str] = collections.Counter()
+        self._release = threading.Event()
+        real_open = FileOrigin.open_first
+
+        def open_first(origin: FileOrigin, bucket: str, key: str, *, origin_only: bool = False) -> Any:
+            self.opened[key] += 1
+            if key in self.held:
+                self._release.wait(20)
+            return real_open(origin, bucket, key, origin_only=origin_only)
+
+        monkeypatch.setattr(FileOrigin, "open_first", open_first)
+
+    def release(self) -> None:
+        self._release.set()
