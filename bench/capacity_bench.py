@@ -168,9 +168,10 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
                 "epoch": epoch + 1, "seconds": round(seconds, 2), "origin_bytes": origin,
                 "origin_over_dataset": round(over, 4), "bound": round(limit, 4),
                 "origin_over_bound": round(over / limit, 3) if limit > 0 else None,
-                # The origin's bytes over what its capped link could carry in the epoch's time: in a
-                # cold epoch, which keeps it saturated, what TCP through the cap delivers at most
-                # (above 1: fills went on after the trainers' epoch ended, prefetches of the next).
+                # The origin's bytes over what its capped link could carry in the epoch's time (above
+                # 1: fills went on after the trainers' epoch ended, prefetches of the next). A cold
+                # epoch gets 0.87-0.89: TCP gets 0.96 of the cap through (bench.netbed), and the
+                # epoch's first and last moments run no fill.
                 "origin_over_link": round(origin / (cluster.origin_mbps * 1e6 / 8 * seconds), 3)
                 if cluster.origin_mbps and seconds > 0 else None,
                 "peer_over_dataset": round(peer / dataset.bytes, 4), "hit_rate": _hit_rate(total),
