@@ -11,10 +11,12 @@ each app: it hands :func:`error_middleware` one function that maps an exception 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +24,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from wire import jsontext
 from wire.errors import BodyTooLarge, InvalidBody
+from wire.names import Address
 
 __all__ = [
     "HTTP_CODES",
@@ -29,10 +32,15 @@ __all__ = [
     "ConnectionLimits",
     "ErrorAnswer",
     "GuardedSite",
+    "LISTENING",
     "decode_json_object",
     "error_middleware",
     "http_code",
+    "listening",
+    "prepare_socket_path",
     "read_body",
+    "remove_sockets",
+    "start_listeners",
     "read_json_object",
 ]
 
@@ -329,3 +337,57 @@ class GuardedSite(web.BaseSite):
             )
             self._server = listening
             self._bound = int(listening.sockets[0].getsockname()[1]) if listening.sockets else self._port
+
+
+LISTENING = web.AppKey("listening", asyncio.Event)
+"""Set by :func:`start_listeners` once every listener of the app is bound. Each server's
+``/readyz`` answers 503 until then: a probe that reached the first listener would otherwise call
+the server ready while its unix socket did not exist yet."""
+
+
+def listening(app: web.Application) -> bool:
+    """Whether every listener of ``app`` is bound (see :data:`LISTENING`)."""
+    event = app.get(LISTENING)
+    return event is not None and event.is_set()
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Make a unix socket's directory and remove a stale socket a killed server left (blocking)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a stale socket from a killed server
+
+
+async def start_listeners(
+    runner: web.AppRunner,
+    guard: ConnectionGuard,
+    addresses: Sequence[Address],
+    *,
+    log: logging.Logger,
+    socket_access: Callable[[str], None] | None = None,
+) -> None:
+    """Listen on every address (``host`` "" is every interface), all behind ``guard``; each unix
+    socket's directory is made and a stale socket replaced, then ``socket_access(path)`` sets who
+    may connect (off the loop). Last, the app's :data:`LISTENING` is set, so ``/readyz`` says
+    ready only with every listener there."""
+    for where in addresses:
+        if where.kind == "unix":
+            await asyncio.to_thread(prepare_socket_path, Path(where.path))
+            site = GuardedSite(runner, guard, path=where.path)
+            await site.start()
+            if socket_access is not None:
+                await asyncio.to_thread(socket_access, where.path)
+            log.info("listening on unix://%s", where.path)
+        else:
+            site = GuardedSite(runner, guard, host=where.host or None, port=where.port, reuse_address=True)
+            await site.start()
+            log.info("listening on tcp://%s:%d", where.host or "0.0.0.0", site.port)
+    runner.app[LISTENING].set()  # each server's build_app made it
+
+
+def remove_sockets(addresses: Sequence[Address]) -> None:
+    """Remove the unix sockets among ``addresses`` (a server's last step: no stale file left)."""
+    for where in addresses:
+        if where.kind == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                Path(where.path).unlink()

@@ -55,7 +55,7 @@ from sidecar.daemon.settings import ServeSettings
 from sidecar.errors import PreconditionFailed, SidecarError, s3_error_for
 from wire.errors import WireError
 from wire.s3errors import S3_MESSAGES
-from wire.web import error_middleware, http_code
+from wire.web import LISTENING, error_middleware, http_code
 
 __all__ = ["build_app", "count_requests", "error_answer", "make_origin"]
 
@@ -143,6 +143,7 @@ def build_app(settings: ServeSettings, with_store: bool = True) -> web.Applicati
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app[STARTED] = time.monotonic()
+    app[LISTENING] = asyncio.Event()  # set once every listener is bound: /readyz waits for it
     app[JOBS] = JobStats()
     # Under --auth a job's name is its tenant's to know: no per-job series (jobstats.py).
     app[METRICS].registry.register(JobCollector(app[JOBS], by_job=settings.auth.mode != "sigv4"))

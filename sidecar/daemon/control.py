@@ -47,7 +47,7 @@ from sidecar.daemon.s3xml import error_response
 from sidecar.errors import BadRequest, Busy, OriginBadResponse
 from wire.names import parse_object_url, validate_bucket, validate_key, validate_prefix, validate_xxh3_128
 from wire.s3xml import S3XMLError, parse_list_page
-from wire.web import read_json_object
+from wire.web import listening, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    ready = ORIGIN in request.app and FETCHER in request.app
+    # Not before every listener is bound: the probe may have come in on the first of them.
+    ready = ORIGIN in request.app and FETCHER in request.app and listening(request.app)
     settings = request.app[SETTINGS]
     # The node's name too: the cluster's health checks learn each member's from it.
     return web.json_response({"ready": ready, "mode": settings.mode, "node": settings.node}, status=200 if ready else 503)

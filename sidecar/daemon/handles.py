@@ -57,6 +57,7 @@ from wire.errors import WireError
 from wire.handles import MAX_REQUEST, NOT_CACHED, HandleProtocolError, exchange, recv_message, send_message
 from wire.names import DAEMON_PORT, parse_connect, parse_listen, validate_bucket, validate_key, validate_xxh3_128
 from wire.nodeplan import job_name
+from wire.web import prepare_socket_path
 
 __all__ = ["MAX_CONNECTIONS", "REQUEST_TIMEOUT_S", "HandleRequest", "HandleServer", "HandleService", "NotCached",
            "error_reply", "parse_request", "set_socket_access", "start_handles"]
@@ -213,10 +214,7 @@ class HandleServer:
 
     def start(self) -> None:
         """Listen (blocking: call it off the event loop)."""
-        path = Path(self.path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a stale socket from a killed daemon
+        prepare_socket_path(Path(self.path))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self.path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from aiohttp import web
 
@@ -16,26 +16,15 @@ from sidecar.daemon.forward import UPSTREAM, Upstream, forward_middleware
 from sidecar.daemon.handles import HandleService, set_socket_access, start_handles
 from sidecar.daemon.settings import ServeSettings
 from wire.names import parse_listen
-from wire.web import ConnectionGuard, GuardedSite
+from wire.web import ConnectionGuard, remove_sockets, start_listeners
 
-__all__ = ["run_daemon", "serve_forever", "make_app", "start_sites"]
+__all__ = ["run_daemon", "serve_forever", "make_app"]
 
 log = logging.getLogger(__name__)
 
 # Large enough for every S3 header a client sends, small enough that a hostile header costs nothing.
 MAX_LINE = 8190
 MAX_FIELD = 16384
-
-
-def _prepare_socket_path(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # a stale socket from a killed daemon
-
-
-def _remove_socket(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
 
 
 def _warn_open_sockets(settings: ServeSettings) -> None:
@@ -67,27 +56,6 @@ def make_app(settings: ServeSettings) -> web.Application:
     return app
 
 
-async def start_sites(runner: web.AppRunner, listen: tuple[str, ...], guard: ConnectionGuard,
-                      socket_group: int | None = None) -> list[str]:
-    """Listen on every address; ``guard`` bounds the connections of all of them together; unix
-    sockets as :func:`set_socket_access` says for ``socket_group``."""
-    bound: list[str] = []
-    for address in listen:
-        where = parse_listen(address)
-        if where.kind == "unix":
-            path = Path(where.path)
-            await asyncio.to_thread(_prepare_socket_path, path)
-            site = GuardedSite(runner, guard, path=str(path))
-            await site.start()
-            await asyncio.to_thread(set_socket_access, str(path), socket_group)
-        else:
-            site = GuardedSite(runner, guard, host=where.host or "0.0.0.0", port=where.port, reuse_address=True)
-            await site.start()
-        bound.append(address)
-        log.info("listening on %s", address)
-    return bound
-
-
 async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     app = make_app(settings)
     runner = web.AppRunner(
@@ -107,7 +75,8 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
         # the listeners: once /readyz answers, so does the handle socket.
         handles = await start_handles(app, settings)
         _warn_open_sockets(settings)
-        await start_sites(runner, settings.listen, ConnectionGuard(settings.connections, log), settings.socket_group)
+        await start_listeners(runner, ConnectionGuard(settings.connections, log), [parse_listen(a) for a in settings.listen],
+                              log=log, socket_access=functools.partial(set_socket_access, group=settings.socket_group))
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -121,10 +90,7 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
             # First: requests still waiting are answered (503) while the resources are open.
             await handles.stop()
         await runner.cleanup()
-        for address in settings.listen:
-            where = parse_listen(address)
-            if where.kind == "unix":
-                await asyncio.to_thread(_remove_socket, Path(where.path))
+        await asyncio.to_thread(remove_sockets, [parse_listen(a) for a in settings.listen])
 
 
 def run_daemon(settings: ServeSettings) -> None:

@@ -19,7 +19,6 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Set
-from pathlib import Path
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -28,7 +27,7 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from loader.master.errors import BadRequest, BodyTooLarge, Forbidden, LeaseLost, MasterError, NotLeaseHolder
+from loader.master.errors import BadRequest, BodyTooLarge, Forbidden, LeaseLost, MasterError, MasterUnavailable, NotLeaseHolder
 from loader.master.protocol import (
     CHECKPOINT_FEATURE,
     COMPLETE_FIELDS,
@@ -49,7 +48,18 @@ from loader.master.server.state import MAX_COUNT, MAX_LEASE_WAIT_S, validate_job
 from wire import errors as wire_errors
 from wire.nodeplan import MAX_REPORT_BYTES, NodeReport, parse_report
 from wire.stall import WAIT_FEATURE, WaitReport, validate_wait
-from wire.web import ConnectionGuard, GuardedSite, decode_json_object, error_middleware, http_code, read_body, read_json_object
+from wire.web import (
+    LISTENING,
+    ConnectionGuard,
+    decode_json_object,
+    error_middleware,
+    http_code,
+    listening,
+    read_body,
+    read_json_object,
+    remove_sockets,
+    start_listeners,
+)
 
 __all__ = ["build_app", "serve", "run_forever", "tune_allocator", "trim_allocator", "SERVICE_KEY", "SETTINGS_KEY"]
 
@@ -497,6 +507,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     service = _service(request)
+    if not listening(request.app):  # the probe came in on a listener bound before the others
+        raise MasterUnavailable("the master is still opening its listeners; retry in a moment")
     service.require_state()  # NotLeader (etcd standby) or StateUnavailable (loading, recovering)
     return _json({"ready": True, "role": service.role})
 
@@ -522,6 +534,7 @@ def build_app(settings: MasterSettings, *, clock: Callable[[], float] = time.tim
     checks = [] if identities.open else [auth_middleware(identities, open_reads=PAGE_PATHS)]
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_observe, errors, *checks])
     app[SETTINGS_KEY] = settings
+    app[LISTENING] = asyncio.Event()  # set once every listener is bound: /readyz waits for it
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         service = MasterService(settings, clock=clock)
@@ -571,21 +584,15 @@ async def serve(
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **settings.connections.runner_args())
     await runner.setup()
     guard = ConnectionGuard(settings.connections, log)  # one bound for every listener
+    addresses = [listen_address(a) for a in settings.listen]
     try:
-        for address in settings.listen:
-            listen = listen_address(address)
-            if listen.kind == "unix":
-                await asyncio.to_thread(Path(listen.path).parent.mkdir, parents=True, exist_ok=True)
-                site = GuardedSite(runner, guard, path=listen.path)
-            else:
-                site = GuardedSite(runner, guard, host=listen.host or None, port=listen.port, reuse_address=True)
-            await site.start()
-            log.info("master listening on %s", address)
+        await start_listeners(runner, guard, addresses, log=log)
         if on_ready is not None:
             on_ready()
         await stop.wait()
     finally:
         await runner.cleanup()
+        await asyncio.to_thread(remove_sockets, addresses)
 
 
 def run_forever(settings: MasterSettings) -> None:
