@@ -48,11 +48,14 @@ def check_ready_after_socket(server: ServerThread, url: str, sock: Path, release
         for _ in range(5):
             status, _body = http("GET", url + "/readyz", timeout=2)
             assert status == 503 and not sock.exists(), status
+        release.set()
+        starter.join(30)
+        wait_until(lambda: http("GET", url + "/readyz", timeout=2)[0] == 200, timeout=30, what="/readyz")
+        assert sock.exists()
     finally:
         release.set()
         starter.join(30)
-    wait_until(lambda: http("GET", url + "/readyz", timeout=2)[0] == 200, timeout=30, what="/readyz")
-    assert sock.exists()
+        server.stop()
 
 
 def test_daemon_is_ready_only_with_its_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,22 +63,14 @@ def test_daemon_is_ready_only_with_its_socket(tmp_path: Path, monkeypatch: pytes
     (origin / "bk").mkdir(parents=True)
     sock = tmp_path / "daemon.sock"
     settings = make_settings(tmp_path / "cache", f"file://{origin}", extra_listen=(f"unix://{sock}",))
-    release = hold_unix_binds(monkeypatch)
     daemon = DaemonThread(settings)
-    try:
-        check_ready_after_socket(daemon, daemon.url, sock, release)
-    finally:
-        daemon.stop()
+    check_ready_after_socket(daemon, daemon.url, sock, hold_unix_binds(monkeypatch))
 
 
 def test_master_is_ready_only_with_its_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sock = tmp_path / "master.sock"
     settings = MasterSettings(listen=(f"tcp://127.0.0.1:{free_port()}", f"unix://{sock}"),
                               state=f"sqlite://{tmp_path}/master.db")
-    release = hold_unix_binds(monkeypatch)
     master = MasterThread(settings)
-    try:
-        check_ready_after_socket(master, master.url, sock, release)
-    finally:
-        master.stop()
+    check_ready_after_socket(master, master.url, sock, hold_unix_binds(monkeypatch))
 
