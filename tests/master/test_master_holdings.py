@@ -451,6 +451,27 @@ def test_the_job_status_shows_each_nodes_cache_and_metrics_sum_them(inproc_maste
     assert body["cache"]["totals"]["reads"] == 0 and all(e["held_shards"] == 0 for e in body["cache"]["nodes"])
 
 
+def test_a_node_whose_trainers_report_waiting_fetches_through_what_it_kept(inproc_master: MasterThread) -> None:
+    # What the trainers on a node report waiting (the renew bodies' "wait") reaches that node's
+    # plan: the node holds the next six shards of the order, so the base lead (2 positions, one
+    # trainer) fetches nothing; once its trainer waited, the plan fetches past them.
+    n, node = 64, "node-" + uuid.uuid4().hex[:6]
+    job = new_job(inproc_master, n, window=1)
+    granted = lease(inproc_master, job, "t1", node)
+    order = EpochOrder(n, 7, 0)
+    pending = [order[p] for p in range(n) if order[p] != granted["shard"]]
+    run = tuple(key_hash(s) for s in pending[:6])
+    capacity = 40 * (1000 + n)  # ~40 slots
+    renew = f"{inproc_master.url}/v1/jobs/{job}/leases/{granted['lease']}/renew"
+    fetched: list[list[int]] = []
+    for seq in range(1, 4):
+        answer = post(inproc_master, node, report(seq=seq, held=run, capacity=capacity))[1]
+        fetched.append([int(item.key[-10:-4]) for item in parse_plan(answer).prefetch])
+        wait = {"seconds": 0.5, "steps": 5, "elapsed_s": 1.0, "buckets": [5] + [0] * 8}  # half the time waiting
+        assert http("POST", renew, {"trainer": "t1", "offset": 1, "wait": wait})[0] == 200
+    assert fetched == [[], [pending[6]], [pending[6]]]
+
+
 def test_a_job_without_a_window_still_shows_the_nodes_reads_and_gets_no_plan(inproc_master: MasterThread) -> None:
     name = "job-" + uuid.uuid4().hex[:10]
     assert http("POST", inproc_master.url + "/v1/jobs", job_spec(name, 8))[0] == 201

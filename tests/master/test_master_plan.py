@@ -17,6 +17,7 @@ import pytest
 
 from loader.master.server.events import Complete, CreateJob, Holdings, Lease, Placement
 from loader.master.server.holdings import (
+    LEAD_HOLD_S,
     MIN_PLAN_INTERVAL_S,
     NodeBook,
     NodeRecord,
@@ -68,8 +69,10 @@ class Cluster:
             self.state.apply(Complete(job, got["lease"], trainer), self.now)
         return got
 
-    def report(self, node: str, held: tuple[int, ...] = (), capacity: int = 6 * SIZE) -> NodePlan:
-        """A full report of ``node`` holding shards ``held`` (of job "job"), applied as the service does."""
+    def report(self, node: str, held: tuple[int, ...] = (), capacity: int = 6 * SIZE,
+               waited: dict[str, tuple[float, float]] | None = None) -> NodePlan:
+        """A full report of ``node`` holding shards ``held`` (of job "job"), applied as the service
+        does; ``waited``: job -> the node's trainers' cumulative (wait, wall) seconds."""
         seq = self.seqs[node] = self.seqs.get(node, 0) + 1
         rep = NodeReport(f"d-{node}", seq, None, array("Q", [name_hash("bucket", key(s)) for s in held]), array("Q"),
                          capacity, 0, SIZE, {})
@@ -79,7 +82,7 @@ class Cluster:
         resolution = resolve_report(windowed, rep)
         self.state.apply(Holdings(node, True, tuple(resolution.held), (), resolution.hint()), self.now)
         self.book.applied(rec, rep, resolution, frozenset((n, c) for n, _, c, _ in windowed), self.now)
-        return self.planner.plan(self.state, rec, seq, self.trainers, 2.0)
+        return self.planner.plan(self.state, rec, seq, self.trainers, 2.0, waited)
 
     def record(self, node: str) -> NodeRecord:
         return self.book.records[node]
@@ -176,6 +179,52 @@ def test_the_lead_is_of_positions_so_held_shards_needed_soon_keep_their_place() 
     expected = reference(cluster, "job", "n1", assigned, 10, held)
     assert shards_of(plan) == [s for _, s in expected if s not in held] == [pending[1]]
     assert keep_of(plan) == [s for _, s in expected] and set(keep_of(plan)) == held | {pending[1]}
+
+
+def test_trainers_that_wait_make_the_plan_fetch_through_the_shards_kept_for_the_epoch() -> None:
+    # A warm epoch on a slow origin: the node kept the shards its next positions need first, so
+    # the base lead (2 positions, one trainer) finds nothing to fetch there while the link idles,
+    # and the misses behind that run come at once: the trainer waits. Then the plan fetches
+    # through: one shard to fetch a trainer, past the kept ones, the fetched-ahead ones bounded.
+    n = 60
+    cluster = Cluster(spec(n=n, window=1))
+    cluster.lease("job", "n1")
+    order = EpochOrder(n, 7, 0)
+    handed = cluster.handed["job"][0]
+    pending = [order[p] for p in range(n) if order[p] not in handed]
+    kept = tuple(pending[:6])
+    capacity = 30 * SIZE  # 30 slots: at most 15 fetched ahead and not read
+    assert shards_of(cluster.report("n1", kept, capacity, waited={"job": (0.0, 10.0)})) == []
+    # Waiting 20% of the last second: the next shard not held, past the kept run.
+    assert shards_of(cluster.report("n1", kept, capacity, waited={"job": (0.2, 11.0)})) == [pending[6]]
+    # Without waiting since, it goes on (for LEAD_HOLD_S): each fetched one held, the next.
+    fetched: list[int] = []
+    for k in range(20):
+        plan = cluster.report("n1", kept + tuple(fetched), capacity, waited={"job": (0.2, 12.0 + k)})
+        if not plan.prefetch:
+            break
+        assert shards_of(plan) == [pending[6 + len(fetched)]]
+        fetched.append(pending[6 + len(fetched)])
+    assert len(fetched) == 15  # then the fetched-ahead ones fill half the slots: it stops
+    # LEAD_HOLD_S later without a wait: the base rule again (its 2 positions are held).
+    cluster.now += LEAD_HOLD_S + 1
+    assert shards_of(cluster.report("n1", kept, capacity, waited={"job": (0.2, 400.0)})) == []
+
+
+def test_fetching_through_with_nothing_kept_counts_shards_to_fetch() -> None:
+    # The first epoch: nothing kept, the trainer waits on a busy link. Fetching through, the lead
+    # is one shard to fetch (not two positions); the one fetched and not read yet counts as
+    # fetched ahead, and the next one follows.
+    n = 60
+    cluster = Cluster(spec(n=n, window=1))
+    cluster.state.apply(Placement((("http://10.0.0.1:8600", "n1"),)), cluster.now)  # a cluster cache: all n1's
+    cluster.lease("job", "n1")
+    order = EpochOrder(n, 7, 0)
+    handed = cluster.handed["job"][0]
+    pending = [order[p] for p in range(n) if order[p] not in handed]
+    assert shards_of(cluster.report("n1", (), 30 * SIZE, waited={"job": (0.0, 1.0)})) == pending[:2]
+    assert shards_of(cluster.report("n1", (), 30 * SIZE, waited={"job": (0.5, 2.0)})) == pending[:1]
+    assert shards_of(cluster.report("n1", (pending[0],), 30 * SIZE, waited={"job": (0.5, 3.0)})) == pending[1:2]
 
 
 def test_keep_ranks_the_held_shards_the_order_needs_soonest_and_prefetch_skips_them() -> None:

@@ -107,7 +107,19 @@ with the shards needed next pushed out, at every plan, each shard just read (its
 the next epoch, behind every shard not yet read) for one of this epoch's: the cache became a
 prefetch buffer that kept nothing across epochs, and a dataset twice the cluster's cache was
 fetched at 0.85-0.88 of itself an epoch where the bound is 0.5 (``bench.cluster_sim``'s
-capacity scenario and the bed's ``bench.capacity_bench``)."""
+capacity scenario and the bed's ``bench.capacity_bench``). While the job's trainers on the node
+wait, the lead is of shards to fetch instead (:class:`_Lead`)."""
+LEAD_WAIT_FRACTION = 0.02
+"""A node whose job's trainers waited this share of their time since its last plan, or more,
+fetches through the shards it kept (:class:`_Lead`)."""
+LEAD_HOLD_S = 300.0
+"""For this long after its trainers last waited. Longer than an epoch of the bed (a warm epoch
+opens with a run of hits, no wait, before the misses that need the lead), and a node that went
+back to the base rule too early pays one epoch of waits to come back."""
+WAIT_LEAD_PER_TRAINER = 1
+"""Fetching through (:class:`_Lead`), the shards to fetch ahead per trainer of the job on the node:
+counting only shards to fetch, one each keeps the link busy (the bed: 0.5-4% stall at 0.50-0.55
+of the dataset a warm epoch; two each, 0.2% at 0.57)."""
 PLAN_STALE_SHARE = 1 / 8
 """The share of a node's cache that may change between two of its plans (:func:`plan_interval`).
 A plan is answered to a report; until the next one the node fills and evicts on its own, and what
@@ -235,6 +247,56 @@ def _zero() -> list[int]:
 
 
 @dataclass(slots=True)
+class _Lead:
+    """Whether a node's plans for one job fetch through the shards it kept (and what it kept).
+
+    Where the origin is slower than the trainers, a warm epoch opens with a run of shards the node
+    kept (Belady's rule keeps those needed soonest) with the link idle: the base lead, a few
+    positions, finds nothing to fetch in that run, and the misses after it come all at once while
+    the trainers wait (the capacity bed: 14-20% stall at 0.6 x D, the link 0.7 busy). Fetching
+    through the run instead (:data:`WAIT_LEAD_PER_TRAINER` shards to fetch, whatever is held
+    between them) keeps the link busy from the start; but where the origin keeps up, shards fetched
+    that far ahead only take the places of shards the next epoch would keep (``bench.cluster_sim``:
+    0.63 of the dataset an epoch against 0.55). The master does not know the origin's speed, so
+    it follows the trainers' own wait reports: a node whose trainers waited (more than
+    :data:`LEAD_WAIT_FRACTION` of a plan's interval) fetches through for :data:`LEAD_HOLD_S` after."""
+
+    created: float
+    waited: float = 0.0
+    elapsed: float = 0.0
+    until: float = 0.0
+    epoch: int = -1
+    carried: array[int] = field(default_factory=lambda: array("I"))
+    """Of what the node held at its first plan of ``epoch``, the shards the epoch had yet to hand
+    out: kept for it, so the walk passes them without counting; the ones fetched ahead since are
+    bounded (:meth:`_JobPlanner.desired`). Ascending, 4 bytes a shard."""
+
+    def carry(self, epoch: int, ep: EpochState | None, held: HeldSet | None) -> None:
+        """The node's first plan of ``epoch``: of what it holds, the shards the epoch has yet to
+        hand out (those read already, as the first epoch's first ones, were not kept for it)."""
+        self.epoch = epoch
+        shards = held.shards if held is not None else array("I")
+        self.carried = array("I", shards if ep is None else (s for s in shards if ep.order.index(s) >= ep.cursor))
+
+    def was_carried(self, shard: int) -> bool:
+        i = bisect.bisect_left(self.carried, shard)
+        return i < len(self.carried) and self.carried[i] == shard
+
+    def update(self, waited: tuple[float, float] | None, now: float) -> bool:
+        """Take the trainers' cumulative (wait, wall) seconds: whether to fetch through now."""
+        if waited is not None:
+            dw, de = waited[0] - self.waited, waited[1] - self.elapsed
+            self.waited, self.elapsed = waited
+            # (A trainer that left the node takes its sums with it: dw < 0.) Waits in the first
+            # epoch count too: fetching through from its end on, the second opens with its first
+            # misses fetched (the bed's 768 MiB: 4.5% stall in epoch 2, against 6.7% when only
+            # an epoch entered with shards kept for it counted).
+            if de > 0 and dw >= LEAD_WAIT_FRACTION * de:
+                self.until = now + LEAD_HOLD_S
+        return now < self.until
+
+
+@dataclass(slots=True)
 class NodeRecord:
     """One node as its reports told the master (memory only)."""
 
@@ -259,6 +321,8 @@ class NodeRecord:
     """windowed job -> (its created_at, what the node holds of it)."""
     planned: dict[str, tuple[int, int]] = field(default_factory=dict)
     """job -> (desired shards, of those the current epoch's still to hand out held) at the last plan."""
+    leads: dict[str, _Lead] = field(default_factory=dict)
+    """windowed job -> whether its plans fetch through the shards kept on this node."""
     fill_rate: float | None = None
     """Bytes a second the node's jobs' reads and prefetches brought into it (origin, peer and
     prefetch bytes of its counters), smoothed over its reports."""
@@ -371,6 +435,7 @@ class NodeBook:
         for rec in self.records.values():
             rec.held.pop(job, None)
             rec.planned.pop(job, None)
+            rec.leads.pop(job, None)
             current = rec.counters.get(job)
             if current is not None or job in rec.base:
                 rec.base[job] = [-v for v in current] if current is not None else _zero()
@@ -403,12 +468,14 @@ class NodeBook:
             on_node = trainers.get(node, set())
             waits = [w for w in (wait_of(t) for t in sorted(on_node)) if w is not None]
             planned = rec.planned.get(job)
+            lead = rec.leads.get(job)
             entry: dict[str, Any] = {"node": node, "report_age_s": round(max(age, 0.0), 1), "trainers": len(on_node)}
             entry.update(_counters(rec.total(job)))
             entry.update({
                 "held_shards": (len(held[1]) if held is not None else 0) if windowed else None,
                 "planned_shards": (planned[0] if planned is not None else 0) if windowed else None,
                 "prefetch_lead_shards": (planned[1] if planned is not None else 0) if windowed else None,
+                "fetching_through": (lead is not None and now < lead.until) if windowed else None,
                 "wait_fraction": round(sum(waits) / len(waits), 4) if waits else None,
             })
             shown.append(entry)
@@ -582,9 +649,10 @@ class _JobPlanner:
         return ("nodes", own.version), len(own.node_of), lambda shard: owners.member(shard, own)
 
     def desired(self, state: MasterState, job: JobState, node: str, slots: int, held: HeldSet | None,
-                nodes: Iterable[str], budget: _Budget, lead: int) -> _Desired:
+                nodes: Iterable[str], budget: _Budget, lead: int, carried: Callable[[int], bool] | None = None) -> _Desired:
         """The ``slots`` shards to hold, soonest next use first: those of the node's next ``lead``
-        positions it does not hold, and the held ones needed soonest."""
+        positions it does not hold, and the held ones needed soonest. With ``carried`` (fetching
+        through: :class:`_Lead`), the lead counts only the shards to fetch."""
         cur = current_epoch(job)
         loc = job.locality
         if cur is None or loc is None or slots <= 0:
@@ -613,7 +681,8 @@ class _JobPlanner:
         limit = min(4 * slots * max(1, k) + (loc.window if version[0] == "nodes" else 0), (2 if has_next else 1) * n)
         here = self.layout(epoch)
         here.retarget(version, cursor)
-        here.extend(node, cursor, slots + min(len(ahead), slots), min(n, cursor + limit), assign, budget)
+        here.extend(node, cursor, slots + min(len(ahead), slots) + (slots // 2 + lead if carried else 0), min(n, cursor + limit),
+                    assign, budget)
         best: dict[int, int] = {}  # shard -> next use
         # Shards to fetch: those of the node's next ``lead`` positions it does not hold (held
         # ones are ranked below, each at its own next use). A lead of positions, not of shards to
@@ -623,19 +692,31 @@ class _JobPlanner:
         # node, 12 slots; a lead of up to 4 positions fetches 0.52, 12 positions 0.79).
         lead = max(0, min(lead, slots))
         walked = 0
+        # Fetching through (``carried`` given: :class:`_Lead`), the lead counts only the shards to
+        # fetch, walking past the held ones, so the node keeps fetching through a run of shards
+        # it kept; the ones it fetched ahead in this epoch and has not read yet are bounded apart
+        # (half the slots), so that a fast origin cannot turn the cache into a prefetch buffer.
+        # (A quarter was too few where a warm epoch opens with a run of ~25 kept shards a node:
+        # the 768 MiB bed's epoch 3 stalled 10.3%, against 3.3% with half.)
+        buffered, bound = 0, slots // 2
         mine = here.lists.get(node)
         if mine is not None:
             i = bisect.bisect_left(mine, cursor)
-            while i < len(mine) and walked < lead:
+            while i < len(mine) and walked < lead and buffered < bound:
                 p = mine[i]
                 i += 1
                 if p not in ahead:
-                    walked += 1
                     shard = here.shard(p)
-                    if (held is None or shard not in held) and not elsewhere(shard, epoch * n + p):
+                    is_held = held is not None and shard in held
+                    far = not is_held and elsewhere(shard, epoch * n + p)
+                    if carried is not None and (is_held or far):  # fetching through: passed
+                        buffered += is_held and not carried(shard)
+                        continue
+                    walked += 1
+                    if not is_held and not far:
                         best[shard] = epoch * n + p
         after: _Layout | None = None
-        if walked < lead and has_next and here.frontier >= n and limit > n - cursor:
+        if walked < lead and buffered < bound and has_next and here.frontier >= n and limit > n - cursor:
             # The next epoch's order: of the node's positions there, only shards handed out in
             # this one count (the others come sooner, above), so extend as they are found.
             after = self.layout(epoch + 1)
@@ -653,8 +734,12 @@ class _JobPlanner:
                     q = here.known(s, cursor)
                     if q is not None and q >= cursor and q not in ahead:
                         continue  # still to come in this epoch: counted there
+                    is_held = held is not None and s in held
+                    far = not is_held and elsewhere(s, (epoch + 1) * n + p)
+                    if carried is not None and (is_held or far):
+                        continue
                     walked += 1
-                    if (held is None or s not in held) and s not in best and not elsewhere(s, (epoch + 1) * n + p):
+                    if not is_held and s not in best and not far:
                         best[s] = (epoch + 1) * n + p
         if held is not None:
             for s in held.shards:
@@ -707,10 +792,11 @@ class Planner:
         return planner
 
     def plan(self, state: MasterState, rec: NodeRecord, seq: int, trainers: Mapping[str, Mapping[str, set[str]]],
-             interval_s: float) -> NodePlan:
+             interval_s: float, waited: Mapping[str, tuple[float, float]] | None = None) -> NodePlan:
         """The plan for ``rec``'s node: for each windowed job with trainers there (``trainers``:
         job -> node -> trainer names), its share of the node's capacity in slots, filled with the
-        shards needed soonest among those it holds and those of its next few positions (the lead)."""
+        shards needed soonest among those it holds and those of its next few positions (the lead;
+        ``waited``: job -> what its trainers on the node reported waiting, see :class:`_Lead`)."""
         node = rec.node
         here: list[tuple[str, JobState, int, ShardIndex]] = []
         for name, job in state.jobs.items():
@@ -733,7 +819,17 @@ class Planner:
             slots = min(job.n, MAX_KEEP, rec.capacity_bytes * count // share // max(1, mean))
             held = rec.held_set(name, job.created_at)
             lead = max(1, min(slots // 2, PLAN_LEAD_PER_TRAINER * count))
-            got = self._job(name, job).desired(state, job, node, slots, held, trainers.get(name, {}).keys(), budget, lead)
+            grown = rec.leads.get(name)
+            if grown is None or grown.created != job.created_at:
+                grown = rec.leads[name] = _Lead(job.created_at)
+            cur = current_epoch(job)
+            if cur is not None and cur[0] != grown.epoch:
+                grown.carry(cur[0], cur[1], held)
+            through = grown.update((waited or {}).get(name), rec.last_report)
+            if through:
+                lead = max(1, min(slots // 2, WAIT_LEAD_PER_TRAINER * count))
+            got = self._job(name, job).desired(state, job, node, slots, held, trainers.get(name, {}).keys(), budget, lead,
+                                               grown.was_carried if through else None)
             rec.planned[name] = (len(got.desired), got.lead)
             for use, shard, is_held in got.desired:
                 if is_held:

@@ -420,7 +420,9 @@ class MasterService:
             book.applied(rec, report, resolution, key, now)
             self.metrics.node_reports.labels("applied").inc()
             trainers = {name: self._trainer_nodes(name, state.jobs[name], now) for name, *_ in windowed if name in state.jobs}
-            return self.planner.plan(state, rec, report.seq, trainers, plan_interval(book.reporting(now), rec.turnover_s()))
+            waited = {name: w.waited(trainers[name].get(node, ())) for name, w in self._waits.items() if name in trainers}
+            return self.planner.plan(state, rec, report.seq, trainers, plan_interval(book.reporting(now), rec.turnover_s()),
+                                     waited)
 
     def _trainer_nodes(self, name: str, job: JobState, now: float) -> dict[str, set[str]]:
         """node -> the job's trainers on it: holding a live lease leased from it, or seen within

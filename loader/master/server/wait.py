@@ -10,6 +10,7 @@ it is a measurement, not state, so a restarted master (or a new leader) starts f
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,17 @@ class JobWaits:
     def forget(self, trainer: str) -> None:
         """Drop a trainer gone from the job's presence (its totals stay in the job's)."""
         self._trainers.pop(trainer, None)
+
+    def waited(self, trainers: Iterable[str]) -> tuple[float, float]:
+        """(wait seconds, wall seconds) ``trainers`` reported in all, since each first reported:
+        cumulative, so a caller takes differences (the plan's lead, ``holdings.Planner``)."""
+        waited = elapsed = 0.0
+        for name in trainers:
+            t = self._trainers.get(name)
+            if t is not None:
+                waited += t.totals.seconds
+                elapsed += t.totals.elapsed_s
+        return waited, elapsed
 
     def trainer(self, trainer: str, now: float) -> dict[str, Any] | None:
         """``trainers[].wait`` of the status, or None for a trainer that never reported."""
