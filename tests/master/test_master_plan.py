@@ -211,20 +211,20 @@ def test_trainers_that_wait_make_the_plan_fetch_through_the_shards_kept_for_the_
     assert shards_of(cluster.report("n1", kept, capacity, waited={"job": (0.2, 400.0)})) == []
 
 
-def test_fetching_through_with_nothing_kept_counts_shards_to_fetch() -> None:
-    # The first epoch: nothing kept, the trainer waits on a busy link. Fetching through, the lead
-    # is one shard to fetch (not two positions); the one fetched and not read yet counts as
-    # fetched ahead, and the next one follows.
+def test_waits_in_an_epoch_entered_with_nothing_kept_leave_the_base_lead() -> None:
+    # The first epoch: the trainer waits on a busy link, and nothing was kept to fetch through
+    # (the shard it reads now was not kept for the epoch: it is handed out already).
     n = 60
     cluster = Cluster(spec(n=n, window=1))
     cluster.state.apply(Placement((("http://10.0.0.1:8600", "n1"),)), cluster.now)  # a cluster cache: all n1's
-    cluster.lease("job", "n1")
+    first = cluster.lease("job", "n1")["shard"]
     order = EpochOrder(n, 7, 0)
     handed = cluster.handed["job"][0]
     pending = [order[p] for p in range(n) if order[p] not in handed]
-    assert shards_of(cluster.report("n1", (), 30 * SIZE, waited={"job": (0.0, 1.0)})) == pending[:2]
-    assert shards_of(cluster.report("n1", (), 30 * SIZE, waited={"job": (0.5, 2.0)})) == pending[:1]
-    assert shards_of(cluster.report("n1", (pending[0],), 30 * SIZE, waited={"job": (0.5, 3.0)})) == pending[1:2]
+    for k in range(1, 6):
+        plan = cluster.report("n1", (first,), 30 * SIZE, waited={"job": (0.5 * k, 1.0 * k)})
+        assert shards_of(plan) == pending[:2]  # the base lead: 2 positions
+    assert cluster.record("n1").leads["job"].until == 0.0
 
 
 def test_keep_ranks_the_held_shards_the_order_needs_soonest_and_prefetch_skips_them() -> None:
