@@ -11,7 +11,6 @@ each app: it hands :func:`error_middleware` one function that maps an exception 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 from collections.abc import Callable, Sequence
@@ -354,8 +353,7 @@ def listening(app: web.Application) -> bool:
 def prepare_socket_path(path: Path) -> None:
     """Make a unix socket's directory and remove a stale socket a killed server left (blocking)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # a stale socket from a killed server
+    path.unlink(missing_ok=True)
 
 
 async def start_listeners(
@@ -381,7 +379,7 @@ async def start_listeners(
         else:
             site = GuardedSite(runner, guard, host=where.host or None, port=where.port, reuse_address=True)
             await site.start()
-            log.info("listening on tcp://%s:%d", where.host or "0.0.0.0", site.port)
+            log.info("listening on tcp://%s:%d", where.host or "*", site.port)  # "": every interface, IPv6 too
     runner.app[LISTENING].set()  # each server's build_app made it
 
 
@@ -389,5 +387,4 @@ def remove_sockets(addresses: Sequence[Address]) -> None:
     """Remove the unix sockets among ``addresses`` (a server's last step: no stale file left)."""
     for where in addresses:
         if where.kind == "unix":
-            with contextlib.suppress(FileNotFoundError):
-                Path(where.path).unlink()
+            Path(where.path).unlink(missing_ok=True)

@@ -69,14 +69,15 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
     )
     await runner.setup()
     stop = stop or asyncio.Event()
+    addresses = [parse_listen(a) for a in settings.listen]
     handles: HandleService | None = None
     try:
         # After setup (the store, fetcher and authorizer it answers with are open), and before
         # the listeners: once /readyz answers, so does the handle socket.
         handles = await start_handles(app, settings)
         _warn_open_sockets(settings)
-        await start_listeners(runner, ConnectionGuard(settings.connections, log), [parse_listen(a) for a in settings.listen],
-                              log=log, socket_access=functools.partial(set_socket_access, group=settings.socket_group))
+        await start_listeners(runner, ConnectionGuard(settings.connections, log), addresses, log=log,
+                              socket_access=functools.partial(set_socket_access, group=settings.socket_group))
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -90,7 +91,7 @@ async def serve_forever(settings: ServeSettings, ready: asyncio.Event | None = N
             # First: requests still waiting are answered (503) while the resources are open.
             await handles.stop()
         await runner.cleanup()
-        await asyncio.to_thread(remove_sockets, [parse_listen(a) for a in settings.listen])
+        await asyncio.to_thread(remove_sockets, addresses)
 
 
 def run_daemon(settings: ServeSettings) -> None:

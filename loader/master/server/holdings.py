@@ -828,7 +828,7 @@ class Planner:
             cur = current_epoch(job)
             if cur is not None and cur[0] != grown.epoch:
                 grown.carry(cur[0], cur[1], held)
-            through = grown.update((waited or {}).get(name), rec.last_report)
+            through = grown.update(waited.get(name) if waited else None, rec.last_report)
             if through:
                 lead = max(1, min(slots // 2, WAIT_LEAD_PER_TRAINER * count))
             got = self._job(name, job).desired(state, job, node, slots, held, trainers.get(name, {}).keys(), budget, lead,
