@@ -198,9 +198,12 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
                      f"stall {stall['fraction']:.1%}, displacement {order.get('mean_displacement')}, fills {ep['fills']}, "
                      f"plan fills {ep['plan_filled_over_dataset']:.2f}x, evicted unread: hints "
                      f"{ep['unread_hint_over_dataset']:.2f}x, plan {ep['unread_plan_over_dataset']:.2f}x")
+            if args.screenshot is not None and mode.policy == "planned" and epoch == max(0, args.epochs - 2):
+                # Between the last two epochs (the next is not released yet, so no epoch's figures
+                # pay for chromium): the plans are live and the last minute's waits are a warm
+                # epoch's; at the job's end every plan is empty.
+                _screenshot(master.url, args.screenshot)
         trainers.wait(lambda r: any(x.get("done") for x in r), timeout=60, what=f"the {mode.name} trainers to end")
-        if args.screenshot is not None and mode.policy == "planned":
-            _screenshot(master.url, args.screenshot)
         return {"label": mode.label, "peers": mode.peers, "policy": mode.policy, "cache_bytes_per_node": cache,
                 "cache_bytes_total": cache * nodes, "bound": round(limit, 4), "epochs": epochs,
                 "owned_shards": _owned(cluster, dataset, daemon_urls) if mode.peers else None}
@@ -373,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--screenshot", type=Path, default=None,
-                        help="save the master's status page (headless chromium) at the end of the last planned mode")
+                        help="save the master's status page (headless chromium) between the last two epochs of "
+                             "the last planned mode")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.nodes = args.nodes or (2 if args.quick else 4)

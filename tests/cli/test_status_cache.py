@@ -97,7 +97,8 @@ def test_a_jobs_cache_line_from_each_shape_of_the_section() -> None:
 def test_the_node_table_puts_the_worst_first_with_null_figures_as_dashes() -> None:
     nodes = [
         _node("n1"),  # the documented example
-        _node("n2", hit_rate=0.2, wait_fraction=0.3, origin_bytes=3 * GiB, prefetch_bytes=None, report_age_s=125.0),
+        _node("n2", hit_rate=0.2, wait_fraction=0.3, origin_bytes=3 * GiB, prefetch_bytes=None, report_age_s=125.0,
+              prefetch_lead_shards=2, fetching_through=True),  # its plans fetch through: marked
         _node("n3", hit_rate=None, wait_fraction=None, trainers=0, held_shards=None, report_age_s=7300.0),
         _node("n4\x1b[2J", hit_rate=0.5, wait_fraction=0.01),  # names come from daemons: printed safe
         {"node": "n5", "trainers": float("inf"), "origin_bytes": float("nan")},  # left out, or not a number
@@ -106,7 +107,7 @@ def test_the_node_table_puts_the_worst_first_with_null_figures_as_dashes() -> No
     lines = cache_node_lines(_job("resnet50", _section(nodes)))
     assert [_cells(line) for line in lines] == [
         HEADER,
-        ["n2", "2", "20.0%", "3.0 GiB", "0 B", "-", "12/20", "5", "30.0%", "2m05s"],
+        ["n2", "2", "20.0%", "3.0 GiB", "0 B", "-", "12/20", "2 through", "30.0%", "2m05s"],
         ["n4?[2J", "2", "50.0%", "100 B", "0 B", "500 B", "12/20", "5", "1.0%", "1.2s"],
         ["n1", "2", "90.9%", "100 B", "0 B", "500 B", "12/20", "5", "1.0%", "1.2s"],
         ["n3", "0", "-", "100 B", "0 B", "500 B", "-/20", "5", "-", "2.0h"],

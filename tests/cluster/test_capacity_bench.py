@@ -33,7 +33,7 @@ def test_the_quick_capacity_bench_runs_with_the_masters_plan(tmp_path: Path) -> 
         pytest.skip(str(exc))
     out = tmp_path / "capacity.json"
     done = subprocess.run([sys.executable, "-m", "bench.capacity_bench", "--quick", "--modes", "cluster_lru,cluster_planned",
-                           "--out", str(out), "--workdir", str(tmp_path / "work")],
+                           "--out", str(out), "--workdir", str(tmp_path / "work"), "--screenshot", str(tmp_path / "page.png")],
                           cwd=REPO, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -65,3 +65,9 @@ def test_the_quick_capacity_bench_runs_with_the_masters_plan(tmp_path: Path) -> 
     after_first = modes["cluster_planned"]["epochs"][0]["cache_view"]  # the last epoch is still to come: planned
     assert len(after_first["nodes"]) == 2 and all(node["planned_shards"] > 0 for node in after_first["nodes"])
     assert modes["cluster_lru"]["epochs"][-1]["cache_view"]["reporting_nodes"] == 0  # no --master: no reports
+    # The status page, taken between the last two epochs (when the plans are live), when there is
+    # a chromium to take it; the log says which.
+    if "no screenshot: chromium is not installed" not in done.stderr:
+        assert (tmp_path / "page.png").read_bytes().startswith(b"\x89PNG"), done.stderr[-2000:]
+        log = done.stderr + done.stdout
+        assert log.index("screenshot of") < log.index("cluster_planned    epoch 2:"), log[-3000:]

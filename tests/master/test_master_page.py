@@ -440,7 +440,8 @@ def test_the_cache_panel_shows_each_jobs_nodes_worst_first_and_follows_the_refre
         client.lease("resnet50", "trainer-2", "node-b", 2)
         _report_wait(master, "resnet50", "trainer-1", 6.0, 20.0, [120, 40, 10, 10, 8, 8, 4, 0, 0])  # 30 % waited
         nodes = [
-            _cache_node("node-a", hit_rate=0.2, wait_fraction=0.3, origin_bytes=3 * GiB, prefetch_bytes=None),
+            _cache_node("node-a", hit_rate=0.2, wait_fraction=0.3, origin_bytes=3 * GiB, prefetch_bytes=None,
+                        prefetch_lead_shards=2, fetching_through=True),  # its plans fetch through: marked
             _cache_node("node-b"),  # the example's figures
             _cache_node("node-c", hit_rate=None, wait_fraction=None, trainers=0, reads=0, report_age_s=125.0,
                         held_shards=None),
@@ -464,11 +465,13 @@ def test_the_cache_panel_shows_each_jobs_nodes_worst_first_and_follows_the_refre
                          "wait", "report age"]
         # Worst first: the most waited, then (same wait) the lowest hit rate; unknown figures last.
         assert _cache_rows(tab, "resnet50") == [
-            ["node-a", "2", "20.0 %", "3.0 GiB", "0 B", "–", "12 / 20", "5", "30.0 %", "1.2 s ago"],
+            ["node-a", "2", "20.0 %", "3.0 GiB", "0 B", "–", "12 / 20", "2 · through", "30.0 %", "1.2 s ago"],
             [HOSTILE, "2", "50.0 %", "100 B", "0 B", "500 B", "12 / 20", "5", "1.0 %", "1.2 s ago"],
             ["node-b", "2", "90.9 %", "100 B", "0 B", "500 B", "12 / 20", "5", "1.0 %", "1.2 s ago"],
             ["node-c", "0", "–", "100 B", "0 B", "500 B", "– / 20", "5", "–", "125.0 s ago"],
         ]
+        titles = tab.evaluate("[...document.querySelectorAll('[data-job=\"resnet50\"] .cache-lead')].map(c => c.title)")
+        assert titles[0].startswith("fetching through:") and titles[1:] == ["", "", ""], titles
         # The figures past the thresholds stand out; the job's head says why its trainers wait.
         flagged = tab.evaluate("[...document.querySelectorAll('[data-job=\"resnet50\"] td.alert')].map(c => c.textContent)")
         assert flagged == ["20.0 %", "30.0 %"], flagged
@@ -532,7 +535,8 @@ def test_a_screenshot_of_a_job_with_its_cache_panel(tmp_path: Path, tab: Tab) ->
         nodes = [
             _cache_node("node-d", trainers=1, reads=412, hit_bytes=int(9.1 * GiB), origin_bytes=int(6.2 * GiB),
                         peer_bytes=int(1.1 * GiB), prefetch_bytes=int(4.0 * GiB), hit_rate=0.555, held_shards=31,
-                        planned_shards=48, prefetch_lead_shards=1, wait_fraction=0.15, report_age_s=1.8),
+                        planned_shards=48, prefetch_lead_shards=1, fetching_through=True, wait_fraction=0.15,
+                        report_age_s=1.8),
             _cache_node("node-c", trainers=1, reads=530, hit_bytes=int(17.5 * GiB), origin_bytes=int(1.4 * GiB),
                         peer_bytes=int(0.6 * GiB), prefetch_bytes=int(7.2 * GiB), hit_rate=0.897, held_shards=44,
                         planned_shards=48, prefetch_lead_shards=4, wait_fraction=0.03, report_age_s=0.7),

@@ -728,11 +728,18 @@ CACHE_NODE_HEADER = ["NODE", "TRAINERS", "HIT RATE", "ORIGIN", "PEER", "PREFETCH
                      "REPORT AGE"]
 
 
+def _lead(node: dict[str, Any]) -> str:
+    """The prefetch lead, marked ``through`` while the node's plans fetch through the shards it
+    kept (its trainers waited on the origin: the master-api's "fetching through")."""
+    lead = _whole(node.get("prefetch_lead_shards"))
+    return f"{lead} through" if node.get("fetching_through") is True else lead
+
+
 def _cache_node_row(node: dict[str, Any]) -> list[str]:
     return [
         _printable(node.get("node") or "-"), _whole(node.get("trainers")), _percent(node.get("hit_rate"), 1),
         _bytes(node.get("origin_bytes")), _bytes(node.get("peer_bytes")), _bytes(node.get("prefetch_bytes")),
-        f"{_whole(node.get('held_shards'))}/{_whole(node.get('planned_shards'))}", _whole(node.get("prefetch_lead_shards")),
+        f"{_whole(node.get('held_shards'))}/{_whole(node.get('planned_shards'))}", _lead(node),
         _percent(node.get("wait_fraction"), 1), _age(node.get("report_age_s")),
     ]
 

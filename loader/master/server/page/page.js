@@ -124,7 +124,9 @@ function cacheNodesTable(job, nodes) {
     el("td", { className: "num" }, bytes(n.peer_bytes)),
     el("td", { className: "num" }, bytes(n.prefetch_bytes)),
     el("td", { className: "num" }, `${whole(n.held_shards)} / ${whole(n.planned_shards)}`),
-    el("td", { className: "num" }, whole(n.prefetch_lead_shards)),
+    // While the node's plans fetch through what it kept (its trainers waited on the origin).
+    el("td", { className: "num cache-lead", title: n.fetching_through === true ? "fetching through: its trainers wait on the origin, so its plans fetch past the shards it kept" : "" },
+      whole(n.prefetch_lead_shards) + (n.fetching_through === true ? " · through" : "")),
     el("td", { className: "num cache-wait" + (isNum(n.wait_fraction) && n.wait_fraction > WARN_WAIT ? " alert" : "") },
       pct(n.wait_fraction)),
     el("td", { className: "num" }, isNum(n.report_age_s) ? `${num(n.report_age_s)} s ago` : dash)));
