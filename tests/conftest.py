@@ -51,3 +51,11 @@ def no_blocking_in_event_loop() -> Iterator[None]:
 
     with blockbuster_ctx(scanned_modules=["cache", "sidecar", "loader"]) as bb:
         yield bb  # type: ignore[misc]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Texts tests put in the terminal summary (the benchmark smoke test's table), from any
+    # pytest-xdist worker: tests/support/summary.py.
+    from tests.support.summary import Summaries
+
+    config.pluginmanager.register(Summaries(), "shardcache-summaries")

@@ -7,22 +7,18 @@ from collections.abc import Callable
 
 import pytest
 
-__all__ = ["summary"]
+from tests.support.summary import SUMMARY_PROPERTY
 
-_SUMMARY = pytest.StashKey[list[tuple[str, str]]]()
+__all__ = ["summary"]
 
 
 @pytest.fixture
 def summary(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
-    """``summary(title, text)``: show ``text`` under ``title`` at the end of the run."""
+    """``summary(title, text)``: show ``text`` under ``title`` at the end of the run. It travels
+    on the test's report (its user properties), so that pytest-xdist's workers' texts reach the
+    controller, which prints the summary (tests/conftest.py)."""
 
     def show(title: str, text: str) -> None:
-        request.config.stash.setdefault(_SUMMARY, []).append((title, text))
+        request.node.user_properties.append((SUMMARY_PROPERTY, [title, text]))
 
     return show
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
-    for title, text in config.stash.get(_SUMMARY, []):
-        terminalreporter.write_sep("=", title)
-        terminalreporter.write_line(text.rstrip("\n"))
