@@ -112,6 +112,8 @@ function worstFirst(nodes) {
   }).map(([, n]) => n);
 }
 
+const THROUGH_TITLE = "fetching through: its trainers wait on the origin, so its plans fetch past the shards it kept";
+
 function cacheNodesTable(job, nodes) {
   const heads = ["node", "trainers", "hit rate", "origin", "peer", "prefetched", "held / planned", "prefetch lead",
     "wait", "report age"];
@@ -124,8 +126,8 @@ function cacheNodesTable(job, nodes) {
     el("td", { className: "num" }, bytes(n.peer_bytes)),
     el("td", { className: "num" }, bytes(n.prefetch_bytes)),
     el("td", { className: "num" }, `${whole(n.held_shards)} / ${whole(n.planned_shards)}`),
-    // While the node's plans fetch through what it kept (its trainers waited on the origin).
-    el("td", { className: "num cache-lead", title: n.fetching_through === true ? "fetching through: its trainers wait on the origin, so its plans fetch past the shards it kept" : "" },
+    // Marked while the node's plans fetch through what it kept (its trainers waited on the origin).
+    el("td", { className: "num cache-lead", title: n.fetching_through === true ? THROUGH_TITLE : "" },
       whole(n.prefetch_lead_shards) + (n.fetching_through === true ? " · through" : "")),
     el("td", { className: "num cache-wait" + (isNum(n.wait_fraction) && n.wait_fraction > WARN_WAIT ? " alert" : "") },
       pct(n.wait_fraction)),
