@@ -75,8 +75,9 @@ python3 -m ruff check .
 # The peers were just installed: the benchmark smoke test must run, not skip.
 export SHARDCACHE_BENCH_PEERS=required
 # Two worker processes (pytest-xdist): every test starts its own servers on free ports and its own
-# namespaces, so tests share nothing, and one process left the two cores half idle (the full run:
-# 31 min in one process, 19 in two). SHARDCACHE_TEST_WORKERS=0 runs them in this process.
+# namespaces, so tests share nothing, and one process left the two cores half idle (a CI run,
+# installs and static checks included: 31.6-34.1 min in one process, 16.9-17.1 in two).
+# SHARDCACHE_TEST_WORKERS=0 runs them in this process.
 args=(-n "${SHARDCACHE_TEST_WORKERS:-2}")
 for arg in "$@"; do
     if [ "$arg" = "--fast" ]; then
