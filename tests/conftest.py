@@ -56,6 +56,6 @@ def no_blocking_in_event_loop() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     # Texts tests put in the terminal summary (the benchmark smoke test's table), from any
     # pytest-xdist worker: tests/support/summary.py.
-    from tests.support.summary import Summaries
+    from tests.support.summary import register
 
-    config.pluginmanager.register(Summaries(), "shardcache-summaries")
+    register(config)

@@ -13,16 +13,12 @@ import pytest
 
 from bench.common import REPO
 
+# The suite's own fixture and plugin, as tests/conftest.py and tests/bench/conftest.py use them.
 CONFTEST = '''
-import pytest
-from tests.support.summary import SUMMARY_PROPERTY, Summaries
+from tests.support.summary import register, summary
 
 def pytest_configure(config):
-    config.pluginmanager.register(Summaries(), "shardcache-summaries")
-
-@pytest.fixture
-def summary(request):
-    return lambda title, text: request.node.user_properties.append((SUMMARY_PROPERTY, [title, text]))
+    register(config)
 '''
 
 TESTS = '''
