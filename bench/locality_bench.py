@@ -164,7 +164,9 @@ def _produce(loader: Any, batch: int, batches: queue.Queue[Any], stop: threading
 
 
 def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[str, Any]:
-    """One epoch of the training loop: batches from the reader thread, each checked, then the step."""
+    """One epoch of the training loop: batches from the reader thread, each checked, then the step.
+    ``meter`` is the bench's own figure of the epoch; ``loader.timed`` gives the same waits to the
+    loader's meter, which reports them to the master."""
     from loader.stall import WaitMeter
 
     batches: queue.Queue[Any] = queue.Queue(maxsize=int(spec["queue_batches"]))
@@ -182,6 +184,9 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
             yield item
 
     meter = WaitMeter(clock=time.monotonic)
+    # The loader's waits (what the master's plans and the status page see) are the loop's, as a
+    # DataLoader's would be, not the reading thread's: set before that thread starts iterating.
+    steps = loader.timed(taken())
     keys: list[str] = []
     bad: list[str] = []
     nbytes = steps = 0
@@ -192,7 +197,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
     reader.start()
     try:
         asked = time.monotonic()
-        for items in meter.timed(taken()):
+        for items in meter.timed(steps):
             got = time.monotonic()
             longest = max(longest, got - asked)
             if first_batch_s is None:

@@ -274,3 +274,61 @@ def test_reports_taken_while_the_loop_runs_add_up_to_its_totals() -> None:
     assert totals["steps"] == sum(r.steps for r in reports) == 200_040
     assert totals["seconds"] >= 40 * 0.002
     assert abs(sum(r.seconds for r in reports) - totals["seconds"]) < 0.005
+
+
+def test_a_loop_that_reads_ahead_on_a_thread_reports_its_own_steps_waits(
+    slow_s3: tuple[str, Written], master: str
+) -> None:
+    """``loader.timed``: a thread reads the loader into a queue of batches ahead of the loop; what
+    the loader reports (and the master shows, and its plans follow) is the loop's wait for
+    batches, not the reading thread's wait for samples."""
+    import queue
+    import threading
+
+    url, written = slow_s3
+    loader = ShardLoader(url, job="ahead", master=master, epochs=1, trainer="t-ahead", endpoint="")
+    batches: queue.Queue[list[Any] | None] = queue.Queue()
+    read_waits: list[float] = []
+
+    def read() -> None:
+        batch: list[Any] = []
+        it = iter(loader)
+        while True:
+            asked = time.perf_counter()
+            sample = next(it, None)
+            read_waits.append(time.perf_counter() - asked)
+            if sample is None:
+                break
+            batch.append(sample)
+            if len(batch) == 4:
+                batches.put(batch)
+                batch = []
+        batches.put(batch or None)
+        batches.put(None)
+
+    steps_iter = loader.timed(iter(batches.get, None))  # before the thread starts iterating
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    # The loop's step (0.4 s a batch) is slower than the reading: after the first batch the queue
+    # stays ahead and the loop hardly waits, while the thread waits for every delayed GET.
+    steps, waited, _ = run_loop(steps_iter, 0.4)
+    reader.join(30)
+    assert steps == written.total() // 4
+    stats = loader.wait_stats()
+    check_stats(stats, steps)
+    assert abs(stats["seconds"] - waited) <= 0.1 * waited + 0.05
+    assert sum(read_waits) >= 4 * DELAY_S > waited + 0.3  # the thread's waits are not the loop's
+    wait = trainer_wait(master, "ahead", "t-ahead")
+    assert wait is not None
+    assert wait["steps"] == steps  # batches, not samples
+    assert wait["seconds"] == pytest.approx(stats["seconds"], abs=0.01)
+
+
+def test_timed_refuses_a_loader_its_dataloader_times_already() -> None:
+    pytest.importorskip("torch")
+    from loader.errors import ConfigError
+    from loader.torch import ShardDataset
+
+    ds = ShardDataset("s3://bucket/train/", rank=0, world_size=1, seed=0)
+    with pytest.raises(ConfigError, match="DataLoader"):
+        ds.loader.timed([1, 2])
