@@ -186,7 +186,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
     meter = WaitMeter(clock=time.monotonic)
     # The loader's waits (what the master's plans and the status page see) are the loop's, as a
     # DataLoader's would be, not the reading thread's: set before that thread starts iterating.
-    steps = loader.timed(taken())
+    timed_batches = loader.timed(taken())
     keys: list[str] = []
     bad: list[str] = []
     nbytes = steps = 0
@@ -197,7 +197,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
     reader.start()
     try:
         asked = time.monotonic()
-        for items in meter.timed(steps):
+        for items in meter.timed(timed_batches):
             got = time.monotonic()
             longest = max(longest, got - asked)
             if first_batch_s is None:
