@@ -191,6 +191,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
     bad: list[str] = []
     nbytes = steps = 0
     longest = 0.0
+    waits: list[tuple[float, float]] = []  # (when the loop asked, since the epoch's start; how long it waited)
     first_batch_s: float | None = None
     started = time.monotonic()
     last_step_end = started
@@ -200,6 +201,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
         for items in meter.timed(timed_batches):
             got = time.monotonic()
             longest = max(longest, got - asked)
+            waits.append((asked - started, got - asked))
             if first_batch_s is None:
                 first_batch_s = got - started
             for sample in items:
@@ -227,6 +229,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
         "payload_bytes": nbytes, "stall_s": round(stall, 4), "end_wait_s": round(end_wait, 4),
         "first_batch_s": round(first_batch_s, 4) if first_batch_s is not None else None,
         "longest_wait_s": round(longest, 4), "p99_wait_s": stats["p99_s"],
+        "wait_by_tenth_s": _by_tenth(waits, wall),
         "bad": len(bad), "bad_keys": bad[:10], "keys": keys,
     }
 
@@ -500,6 +503,14 @@ def _check_epoch(rows: dict[str, dict[str, Any]], dataset: Dataset, mode: str, e
     return check
 
 
+def _by_tenth(waits: list[tuple[float, float]], wall: float) -> list[float]:
+    """Seconds waited in each tenth of the epoch's wall time (a wait counts where it began)."""
+    tenths = [0.0] * 10
+    for at, waited in waits:
+        tenths[min(9, int(10 * at / wall)) if wall > 0 else 0] += waited
+    return [round(t, 3) for t in tenths]
+
+
 def _stall(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The job's stall: all its trainers' waits over all their wall time (the master's job-level
     share), and the same without each trainer's first batch (the epoch's start-up: a lease, an
@@ -507,6 +518,8 @@ def _stall(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     wall = sum(float(r["wall_s"]) for r in rows.values())
     stall = sum(float(r["stall_s"]) for r in rows.values())
     first = sum(float(r["first_batch_s"] or 0) for r in rows.values())
+    tenths = [r["wait_by_tenth_s"] for r in rows.values() if r.get("wait_by_tenth_s")]
+    waited = sum(map(sum, tenths))
     return {
         "fraction": round(stall / wall, 4) if wall else None,
         "fraction_after_first_batch": round(max(0.0, stall - first) / wall, 4) if wall else None,
@@ -515,6 +528,9 @@ def _stall(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "mean_end_wait_s": round(sum(float(r["end_wait_s"]) for r in rows.values()) / len(rows), 3) if rows else None,
         "longest_wait_s": max((float(r["longest_wait_s"]) for r in rows.values()), default=None),
         "first_batch_s_max": max((float(r["first_batch_s"] or 0) for r in rows.values()), default=None),
+        # Where in the epoch the trainers waited: each tenth's share of all their waits (a warm
+        # epoch under Belady's rule opens with hits and ends with misses).
+        "by_tenth": [round(sum(t) / waited, 3) for t in zip(*tenths, strict=True)] if waited > 0 else None,
     }
 
 
