@@ -30,7 +30,7 @@ correlation from the master, and the master's per-node cache view when the daemo
 Targets (issue 32): warm epochs stall below 5% with ``planned``; origin bytes per warm epoch
 within 1.1x the bound; the displacement bounded by the window.
 
-    sudo python -m bench.capacity_bench           # 4 nodes x 2 trainers, 6 modes, 3 epochs
+    sudo python -m bench.capacity_bench           # 4 nodes x 2 trainers, 6 modes, 4 epochs
     sudo python -m bench.capacity_bench --quick   # smoke
 
 Writes ``bench/results/capacity.json`` and ``capacity.png``, and prints a README-ready table.
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset-size", type=parse_size, default=None, help="default 192MiB (quick 32MiB)")
     parser.add_argument("--shard-size", type=parse_size, default=None, help="default 2MiB (quick 1MiB)")
     parser.add_argument("--over", type=float, default=2.0, help="the dataset over the cache (default 2)")
-    parser.add_argument("--epochs", type=int, default=None, help="default 3 (quick 2)")
+    parser.add_argument("--epochs", type=int, default=None, help="default 4 (quick 2): two middle epochs, which keep for the next one, and the last, which keeps nothing")
     parser.add_argument("--window", type=int, default=16, help="the job's locality_window (default 16)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--compute-ms", type=float, default=None, help="the emulated step (default 200; quick 80)")
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     args.nodes = args.nodes or (2 if args.quick else 4)
     args.dataset_size = args.dataset_size or parse_size("32MiB" if args.quick else "192MiB")
     args.shard_size = args.shard_size or parse_size("1MiB" if args.quick else "2MiB")
-    args.epochs = args.epochs if args.epochs is not None else (2 if args.quick else 3)
+    args.epochs = args.epochs if args.epochs is not None else (2 if args.quick else 4)
     args.compute_ms = args.compute_ms if args.compute_ms is not None else (80.0 if args.quick else 200.0)
     args.epoch_timeout = float(args.epoch_timeout)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
