@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset-size", type=parse_size, default=None, help="default 192MiB (quick 32MiB)")
     parser.add_argument("--shard-size", type=parse_size, default=None, help="default 2MiB (quick 1MiB)")
     parser.add_argument("--over", type=float, default=2.0, help="the dataset over the cache (default 2)")
-    parser.add_argument("--epochs", type=int, default=None, help="default 4 (quick 2): two middle epochs, which keep for the next one, and the last, which keeps nothing")
+    parser.add_argument("--epochs", type=int, default=None, help="default 4 (quick 2): two middle epochs, which keep for the next, and the last")
     parser.add_argument("--window", type=int, default=16, help="the job's locality_window (default 16)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--compute-ms", type=float, default=None, help="the emulated step (default 200; quick 80)")
