@@ -15,7 +15,9 @@ every rank runs a fixed number of steps: ``itertools.islice(loader, steps * batc
 
 The loader times how long the loop iterating it waits for each sample (:mod:`loader.stall`):
 ``loader.wait_stats()`` gives the totals, and in dynamic mode they go to the master with the
-trainer's renews, releases and completions (the job status shows them per trainer).
+trainer's renews, releases and completions (the job status shows them per trainer). A loop that
+reads the loader ahead on a thread of its own has its own steps timed instead:
+``for batch in loader.timed(batches): ...``.
 """
 
 from __future__ import annotations
