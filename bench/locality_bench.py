@@ -190,7 +190,6 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
     keys: list[str] = []
     bad: list[str] = []
     nbytes = steps = 0
-    longest = 0.0
     waits: list[tuple[float, float]] = []  # (when the loop asked, since the epoch's start; how long it waited)
     first_batch_s: float | None = None
     started = time.monotonic()
@@ -200,7 +199,6 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
         asked = time.monotonic()
         for items in meter.timed(timed_batches):
             got = time.monotonic()
-            longest = max(longest, got - asked)
             waits.append((asked - started, got - asked))
             if first_batch_s is None:
                 first_batch_s = got - started
@@ -228,7 +226,7 @@ def _epoch(loader: Any, spec: dict[str, Any], digests: dict[str, str]) -> dict[s
         "end": ended, "wall_s": round(wall, 4), "steps": steps, "samples": len(keys),
         "payload_bytes": nbytes, "stall_s": round(stall, 4), "end_wait_s": round(end_wait, 4),
         "first_batch_s": round(first_batch_s, 4) if first_batch_s is not None else None,
-        "longest_wait_s": round(longest, 4), "p99_wait_s": stats["p99_s"],
+        "longest_wait_s": round(max((w for _, w in waits), default=0.0), 4), "p99_wait_s": stats["p99_s"],
         "wait_by_tenth_s": _by_tenth(waits, wall),
         "bad": len(bad), "bad_keys": bad[:10], "keys": keys,
     }

@@ -541,10 +541,14 @@ class ShardLoader:
         # A DataLoader worker's copy (its own stream) is not the loop: its waits are the worker's.
         if not self._metered or self._stream is not None or not self._self_timed:
             return items
+        return self._loop_timed(items)
+
+    def _loop_timed(self, steps: Iterable[T]) -> Iterator[T]:
+        """``steps`` timed as the training loop's, and in dynamic mode reported to the master."""
         meter = self.wait_meter()
         if self.mode == "static":
-            return meter.timed(items)
-        return self.reported(meter.timed(items), meter, lambda: self._current_epoch)
+            return meter.timed(steps)
+        return self.reported(meter.timed(steps), meter, lambda: self._current_epoch)
 
     def timed(self, steps: Iterable[T]) -> Iterator[T]:
         """The training loop's own ``steps``, timed as this loader's waits (``wait_stats()``, the
@@ -565,10 +569,7 @@ class ShardLoader:
             raise ConfigError("this loader is read by a loader.torch.DataLoader, which times the training loop's "
                               "batches itself: iterate the DataLoader instead of calling timed()")
         self._self_timed = False
-        meter = self.wait_meter()
-        if self.mode == "static":
-            return meter.timed(steps)
-        return self.reported(meter.timed(steps), meter, lambda: self._current_epoch)
+        return self._loop_timed(steps)
 
     def reported(
         self, items: Iterator[Any], meter: WaitMeter, epoch: Callable[[], int | None] = lambda: None

@@ -18,6 +18,7 @@ from loader import ShardLoader
 from loader.stall import WaitMeter
 from tests.support.proxies import FaultProxy
 from tests.support.shards import Written, write_manifest, write_shards
+from tests.support.waits import wait_until
 from wire.stall import WAIT_BUCKETS_S, validate_wait
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"), pytest.mark.timeout(120)]
@@ -309,8 +310,10 @@ def test_a_loop_that_reads_ahead_on_a_thread_reports_its_own_steps_waits(
     steps_iter = loader.timed(iter(batches.get, None))  # before the thread starts iterating
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    # The loop's step (0.4 s a batch) is slower than the reading: after the first batch the queue
-    # stays ahead and the loop hardly waits, while the thread waits for every delayed GET.
+    # The loop starts once the first batch is queued, and its step (0.4 s a batch) is slower than
+    # the reading: the queue stays ahead and the loop hardly waits, while the thread waits for
+    # every delayed GET (and on a loaded machine the loop's first wait was 0.8 s of the 1.0).
+    wait_until(lambda: not batches.empty(), timeout=30, what="the reading thread's first batch")
     steps, waited, _ = run_loop(steps_iter, 0.4)
     reader.join(30)
     assert steps == written.total() // 4
