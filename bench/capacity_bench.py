@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.clusterbed import DAEMON_PORT, Cluster, ClusterUnavailable, check_available
+from bench.clusterbed import DAEMON_PORT, Cluster, ClusterUnavailable, LinkMeter, check_available
 from bench.common import RESULTS_DIR, fmt_size, in_workdir, log_line, machine_facts, parse_size, write_results
 from bench.locality_bench import (
     BUCKET,
@@ -133,6 +133,8 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
     # The master first: planned daemons report to it from their start.
     master = Master(cluster, workdir, mode.name, daemon_urls[:1] if mode.peers else [])
     trainers: Trainers | None = None
+    assert cluster.origin_host is not None
+    link = LinkMeter(workdir / f"link-{mode.name}.log").start(cluster.origin_host)
     try:
         extra = ["--eviction", mode.policy]
         if mode.policy == "planned":
@@ -175,6 +177,10 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
                 # epoch's first and last moments run no fill.
                 "origin_over_link": round(origin / (cluster.origin_mbps * 1e6 / 8 * seconds), 3)
                 if cluster.origin_mbps and seconds > 0 else None,
+                # The same for each tenth of the epoch (the link's bytes sampled in the origin's
+                # namespace): where the link idled while the trainers waited at the end.
+                "link_by_tenth": link.busy_by_part(given, given + seconds, cluster.origin_mbps * 1e6 / 8)
+                if cluster.origin_mbps else None,
                 "peer_over_dataset": round(peer / dataset.bytes, 4), "hit_rate": _hit_rate(total),
                 # Prefetched bytes the caches let go before anyone read them: origin bytes spent
                 # twice (once for the prefetch, once for the read that came after it).
@@ -210,6 +216,7 @@ def run_mode(cluster: Cluster, mode: CapacityMode, dataset: Dataset, dataset_pat
     finally:
         if trainers is not None:
             trainers.stop()
+        link.stop()
         master.stop()
         cluster.stop_daemons()
 

@@ -36,6 +36,7 @@ line per object (unbuffered, so a ``kill -9`` loses nothing already written).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import ipaddress
 import json
@@ -144,6 +145,66 @@ class Host:
         full_env = {**os.environ, **(env or {})}
         return subprocess.run(self.exec_prefix + args, capture_output=True, text=True, timeout=timeout,
                               env=full_env, check=False)
+
+
+# Runs inside the origin's namespace (``ip netns exec`` mounts that namespace's sysfs): the bytes its
+# link has sent, ten times a second, on the clock every process on the machine shares.
+_LINK_SAMPLER = (
+    "import sys, time\n"
+    "path = '/sys/class/net/eth0/statistics/tx_bytes'\n"
+    "while True:\n"
+    "    with open(path) as f:\n"
+    "        print(f'{time.monotonic():.4f} {f.read().strip()}', flush=True)\n"
+    "    time.sleep(float(sys.argv[1]))\n"
+)
+
+
+class LinkMeter:
+    """What the origin's link carried over time: a sampler in the origin's namespace reads its
+    ``tx_bytes`` every ``period_s`` (the bytes it sent the nodes), so that a run can say where in an
+    epoch the link was busy and where it idled (:meth:`busy_by_part`), not only its mean."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, host: Host, period_s: float = 0.1) -> Self:
+        self.proc = host.spawn([sys.executable, "-c", _LINK_SAMPLER, str(period_s)], self.log)
+        return self
+
+    def samples(self) -> list[tuple[float, int]]:
+        out: list[tuple[float, int]] = []
+        with contextlib.suppress(OSError), open(self.log, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                parts = line.split()
+                if len(parts) == 2 and line.endswith("\n"):  # a line still being written is not read
+                    with contextlib.suppress(ValueError):
+                        out.append((float(parts[0]), int(parts[1])))
+        return out
+
+    def busy_by_part(self, start: float, end: float, capacity_bytes_s: float, parts: int = 10) -> list[float] | None:
+        """Each ``parts``-th of ``[start, end]`` (``time.monotonic``): the bytes the link sent over
+        what its cap carries in that time (linear between samples); None without samples around it."""
+        got = self.samples()
+        deadline = time.monotonic() + 2.0
+        while self.proc is not None and got and got[-1][0] < end and time.monotonic() < deadline:  # the next sample is due
+            time.sleep(0.05)
+            got = self.samples()
+        if len(got) < 2 or got[0][0] > start or got[-1][0] < end or end <= start or capacity_bytes_s <= 0:
+            return None
+        times = [t for t, _ in got]
+
+        def sent_at(t: float) -> float:
+            i = min(max(1, bisect.bisect_left(times, t)), len(got) - 1)
+            (t0, b0), (t1, b1) = got[i - 1], got[i]
+            return b0 + (b1 - b0) * (t - t0) / (t1 - t0) if t1 > t0 else float(b1)
+        step = (end - start) / parts
+        edges = [sent_at(start + k * step) for k in range(parts + 1)]
+        return [round((edges[k + 1] - edges[k]) / (capacity_bytes_s * step), 3) for k in range(parts)]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, timeout=5)
 
 
 class Daemon:

@@ -14,8 +14,23 @@ from pathlib import Path
 import pytest
 
 from bench.capacity_bench import MODES, bound, markdown_table
-from bench.clusterbed import ClusterUnavailable, check_available
+from bench.clusterbed import ClusterUnavailable, LinkMeter, check_available
 from tests.support.processes import REPO
+
+
+def test_the_link_meter_spreads_the_links_bytes_over_the_parts_of_an_epoch(tmp_path: Path) -> None:
+    log = tmp_path / "link.log"
+    # 1 MB/s for 5 s, idle for 5 s, sampled every 0.5 s (and a torn last line, as a live log has)
+    lines = [f"{t / 2:.4f} {min(t, 10) * 500_000}" for t in range(21)]
+    log.write_text("\n".join(lines) + "\n20.5 99")
+    meter = LinkMeter(log)
+    assert len(meter.samples()) == 21 and meter.samples()[-1] == (10.0, 5_000_000)
+    assert meter.busy_by_part(0.0, 10.0, capacity_bytes_s=1_000_000, parts=10) == [1.0] * 5 + [0.0] * 5
+    assert meter.busy_by_part(0.0, 10.0, capacity_bytes_s=2_000_000, parts=2) == [0.5, 0.0]
+    assert meter.busy_by_part(2.25, 2.75, capacity_bytes_s=1_000_000, parts=1) == [1.0]  # between samples
+    assert meter.busy_by_part(-1.0, 5.0, capacity_bytes_s=1_000_000) is None  # began before the first sample
+    assert meter.busy_by_part(0.0, 30.0, capacity_bytes_s=1_000_000) is None  # ends after the last one
+    assert LinkMeter(tmp_path / "none.log").busy_by_part(0.0, 1.0, 1.0) is None
 
 
 def test_the_bound_is_what_the_caches_cannot_hold() -> None:
@@ -49,6 +64,9 @@ def test_the_quick_capacity_bench_runs_with_the_masters_plan(tmp_path: Path) -> 
             assert check["bad_bytes"] == check["missing"] == check["duplicated"] == 0, (name, check)
             assert ep["locality"]["window"] == 16 and ep["locality"]["order"]["max_displacement"] < 16 * 4
             assert ep["origin_over_link"] > 0  # origin bytes over what the capped link carries in the epoch
+            tenths = ep["link_by_tenth"]  # the same per tenth of the epoch, from the origin's own counter
+            assert len(tenths) == 10 and all(0 <= t < 1.5 for t in tenths), (name, ep["epoch"], tenths)
+        assert max(mode["epochs"][0]["link_by_tenth"]) > 0.3, mode["epochs"][0]  # the cold epoch fills over the link
     owned = modes["cluster_planned"]["owned_shards"]  # the cluster cache's owners, as the daemons route
     assert set(owned) == {"node0", "node1"} and sum(owned.values()) == setup["shards"]
     assert "shards each node owns" in markdown_table(results)
