@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from loader.master.server import holdings
 from loader.master.server.events import Complete, CreateJob, Holdings, Lease, Placement
 from loader.master.server.holdings import (
     LEAD_HOLD_S,
@@ -181,11 +182,13 @@ def test_the_lead_is_of_positions_so_held_shards_needed_soon_keep_their_place() 
     assert keep_of(plan) == [s for _, s in expected] and set(keep_of(plan)) == held | {pending[1]}
 
 
-def test_trainers_that_wait_make_the_plan_fetch_through_the_shards_kept_for_the_epoch() -> None:
+def test_trainers_that_wait_make_the_plan_fetch_through_the_shards_kept_for_the_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
     # A warm epoch on a slow origin: the node kept the shards its next positions need first, so
     # the base lead (2 positions, one trainer) finds nothing to fetch there while the link idles,
     # and the misses behind that run come at once: the trainer waits. Then the plan fetches
     # through: one shard to fetch a trainer, past the kept ones, the fetched-ahead ones bounded.
+    # (A node with fewer than ROOM_SLOTS_PER_TRAINER slots a trainer: see the next test for more.)
+    monkeypatch.setattr(holdings, "ROOM_SLOTS_PER_TRAINER", 31)
     n = 60
     cluster = Cluster(spec(n=n, window=1))
     cluster.lease("job", "n1")
@@ -209,6 +212,42 @@ def test_trainers_that_wait_make_the_plan_fetch_through_the_shards_kept_for_the_
     # LEAD_HOLD_S later without a wait: the base rule again (its 2 positions are held).
     cluster.now += LEAD_HOLD_S + 1
     assert shards_of(cluster.report("n1", kept, capacity, waited={"job": (0.2, 400.0)})) == []
+
+
+def test_a_roomy_node_fetches_through_two_a_trainer_into_the_room_its_kept_shards_leave() -> None:
+    # ROOM_SLOTS_PER_TRAINER slots a trainer or more: fetching through names two shards a trainer,
+    # but only into the slots that the held shards the epoch still needs leave: none of those is
+    # displaced for a shard fetched ahead (each would be fetched again later in the epoch).
+    n = 60
+    capacity = 30 * SIZE  # 30 slots, one trainer
+    assert 30 >= holdings.ROOM_SLOTS_PER_TRAINER and holdings.ROOMY_LEAD_PER_TRAINER == 2
+
+    def through(positions: list[int], read: bool = False) -> tuple[NodePlan, list[int], int]:
+        """A node that entered the epoch holding the shards of its pending ``positions`` (and the
+        one its trainer read, needed next epoch), after its trainer waited: (the plan, the epoch's
+        shards still to hand out, the one read)."""
+        cluster = Cluster(spec(n=n, window=1))
+        cluster.lease("job", "n1")  # leased and completed
+        order = EpochOrder(n, 7, 0)
+        done = next(iter(cluster.handed["job"][0]))
+        pending = [order[p] for p in range(n) if order[p] != done]
+        held = tuple(pending[p] for p in positions) + ((done,) if read else ())
+        cluster.report("n1", held, capacity, waited={"job": (0.0, 10.0)})
+        return cluster.report("n1", held, capacity, waited={"job": (0.2, 11.0)}), pending, done
+
+    plan, pending, _ = through(list(range(6)))
+    assert shards_of(plan) == pending[6:8]  # two, past the kept run
+    # The kept run, a gap of two (needed before the rest of what is kept), then more kept shards
+    # filling the slots but for two, one, none: that many of the gap's are fetched, never one in
+    # place of a kept shard.
+    for room in (2, 1, 0):
+        positions = [*range(6), *range(8, 8 + 24 - room)]
+        plan, pending, _ = through(positions)
+        assert shards_of(plan) == pending[6: 6 + room], room
+        assert {pending[p] for p in positions} <= set(keep_of(plan)), room
+    # A shard read already (needed next epoch) gives its slot to one to fetch: Belady's rule.
+    plan, pending, done = through([*range(6), *range(8, 31)], read=True)
+    assert shards_of(plan) == [pending[6]] and done not in keep_of(plan)
 
 
 def test_waits_in_an_epoch_entered_with_nothing_kept_leave_the_base_lead() -> None:

@@ -119,7 +119,21 @@ back to the base rule too early pays one epoch of waits to come back."""
 WAIT_LEAD_PER_TRAINER = 1
 """Fetching through (:class:`_Lead`), the shards to fetch ahead per trainer of the job on the node:
 counting only shards to fetch, one each keeps the link busy (the bed: 0.5-4% stall at 0.50-0.55
-of the dataset a warm epoch; two each, 0.2% at 0.57)."""
+of the dataset a warm epoch; two each, 0.2% at 0.57). A node with room fetches
+:data:`ROOMY_LEAD_PER_TRAINER` instead, into room only."""
+ROOM_SLOTS_PER_TRAINER = 8
+"""A node with this many slots a trainer of the job or more fetches through
+:data:`ROOMY_LEAD_PER_TRAINER` shards a trainer, into room only (:meth:`_JobPlanner.desired`)."""
+ROOMY_LEAD_PER_TRAINER = 2
+"""Fetching through on a node with room (:data:`ROOM_SLOTS_PER_TRAINER`), the shards to fetch ahead
+per trainer; only as many as fit the slots that the held shards the epoch still needs leave, so no
+kept shard gives way to one fetched ahead. At one a trainer and a plan a second, the link to a slow
+origin idled through the first half of a warm epoch (0.69-0.84 busy, the 768 MiB bed: a node asked
+for 2 shards a second where its share of the link carried 2.45) and the misses at its end waited:
+4-7% stall. Two a trainer fill the link from the start: 0.3-1.2% stall, at 1.10-1.13x the bound
+of bytes against 1.04-1.13x (three runs each); without the room rule 1.16-1.18x. On fewer slots
+(the 12-shard bed, 6 a trainer) there is too little room to fetch into: 8-12% stall against
+2-9%, so such a node keeps :data:`WAIT_LEAD_PER_TRAINER`, which may displace a kept shard."""
 PLAN_STALE_SHARE = 1 / 8
 """The share of a node's cache that may change between two of its plans (:func:`plan_interval`).
 A plan is answered to a report; until the next one the node fills and evicts on its own, and what
@@ -652,10 +666,13 @@ class _JobPlanner:
         return ("nodes", own.version), len(own.node_of), lambda shard: owners.member(shard, own)
 
     def desired(self, state: MasterState, job: JobState, node: str, slots: int, held: HeldSet | None,
-                nodes: Iterable[str], budget: _Budget, lead: int, carried: Callable[[int], bool] | None = None) -> _Desired:
+                nodes: Iterable[str], budget: _Budget, lead: int, carried: Callable[[int], bool] | None = None,
+                into_room: bool = False) -> _Desired:
         """The ``slots`` shards to hold, soonest next use first: those of the node's next ``lead``
         positions it does not hold, and the held ones needed soonest. With ``carried`` (fetching
-        through: :class:`_Lead`), the lead counts only the shards to fetch."""
+        through: :class:`_Lead`), the lead counts only the shards to fetch; with ``into_room`` too
+        (:data:`ROOM_SLOTS_PER_TRAINER`), only as many as fit beside the held shards this epoch
+        still needs."""
         cur = current_epoch(job)
         loc = job.locality
         if cur is None or loc is None or slots <= 0:
@@ -771,8 +788,13 @@ class _JobPlanner:
                     continue  # not needed again
                 if use < best.get(s, use + 1):
                     best[s] = use
-        chosen = heapq.nsmallest(slots, best.items(), key=itemgetter(1))
         now, end = epoch * n + cursor, (epoch + 1) * n
+        if into_room and held is not None:
+            kept_now = sum(1 for s, use in best.items() if use < end and s in held)
+            fetches = sorted((use, s) for s, use in best.items() if s not in held)
+            for _, s in fetches[max(0, slots - kept_now):]:
+                del best[s]
+        chosen = heapq.nsmallest(slots, best.items(), key=itemgetter(1))
         desired = [(use, s, held is not None and s in held) for s, use in chosen]
         lead = sum(1 for use, _, is_held in desired if is_held and use < end)
         return _Desired(desired, now, lead)
@@ -829,10 +851,11 @@ class Planner:
             if cur is not None and cur[0] != grown.epoch:
                 grown.carry(cur[0], cur[1], held)
             through = grown.update(waited.get(name) if waited else None, rec.last_report)
+            roomy = through and slots >= ROOM_SLOTS_PER_TRAINER * count
             if through:
-                lead = max(1, min(slots // 2, WAIT_LEAD_PER_TRAINER * count))
+                lead = max(1, min(slots // 2, (ROOMY_LEAD_PER_TRAINER if roomy else WAIT_LEAD_PER_TRAINER) * count))
             got = self._job(name, job).desired(state, job, node, slots, held, trainers.get(name, {}).keys(), budget, lead,
-                                               grown.was_carried if through else None)
+                                               grown.was_carried if through else None, roomy)
             rec.planned[name] = (len(got.desired), got.lead)
             for use, shard, is_held in got.desired:
                 if is_held:
