@@ -167,20 +167,25 @@ class LinkMeter:
     def __init__(self, log: Path) -> None:
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
+        self._samples: list[tuple[float, int]] = []
+        self._read_to = 0  # bytes of the log parsed so far: each call reads only what came since
 
     def start(self, host: Host, period_s: float = 0.1) -> Self:
         self.proc = host.spawn([sys.executable, "-c", _LINK_SAMPLER, str(period_s)], self.log)
         return self
 
     def samples(self) -> list[tuple[float, int]]:
-        out: list[tuple[float, int]] = []
-        with contextlib.suppress(OSError), open(self.log, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
+        with contextlib.suppress(OSError), open(self.log, "rb") as handle:
+            handle.seek(self._read_to)
+            new = handle.read()
+            done = new.rfind(b"\n") + 1  # a line still being written is read next time
+            self._read_to += done
+            for line in new[:done].splitlines():
                 parts = line.split()
-                if len(parts) == 2 and line.endswith("\n"):  # a line still being written is not read
+                if len(parts) == 2:
                     with contextlib.suppress(ValueError):
-                        out.append((float(parts[0]), int(parts[1])))
-        return out
+                        self._samples.append((float(parts[0]), int(parts[1])))
+        return self._samples
 
     def busy_by_part(self, start: float, end: float, capacity_bytes_s: float, parts: int = 10) -> list[float] | None:
         """Each ``parts``-th of ``[start, end]`` (``time.monotonic``): the bytes the link sent over

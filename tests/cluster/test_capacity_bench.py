@@ -31,6 +31,9 @@ def test_the_link_meter_spreads_the_links_bytes_over_the_parts_of_an_epoch(tmp_p
     assert meter.busy_by_part(-1.0, 5.0, capacity_bytes_s=1_000_000) is None  # began before the first sample
     assert meter.busy_by_part(0.0, 30.0, capacity_bytes_s=1_000_000) is None  # ends after the last one
     assert LinkMeter(tmp_path / "none.log").busy_by_part(0.0, 1.0, 1.0) is None
+    with log.open("a") as handle:  # the torn line completed: read then, with only what came since
+        handle.write("9\n")
+    assert len(meter.samples()) == 22 and meter.samples()[-1] == (20.5, 999)
 
 
 def test_the_bound_is_what_the_caches_cannot_hold() -> None:
